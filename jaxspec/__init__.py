@@ -1,0 +1,1 @@
+"""jaxspec: exact speculative decoding for LLMs, written the JAX way."""

@@ -1,0 +1,227 @@
+"""Drafters: what proposes the k tokens that the target verifies.
+
+A drafter is a frozen, hashable dataclass (its configuration is a static argument of the jitted
+loop) whose weights, if any, are passed separately as a pytree (`drafter.params`), so a drafter
+with new weights of the same shapes reuses the compiled loop. Three pure methods run inside the
+loop:
+
+  init(params, prompt, prompt_len, max_len)  -> state     after the target's prefill
+  propose(params, state, ctx, k, sp, keys)   -> (drafts [B, k], q [B, k, V] | None, state)
+  commit(params, state, ctx)                 -> state     after acceptance, ctx holds the
+                                                          accepted sequence and the target's
+                                                          hidden states
+
+`q` is the draft distribution processed with the same sampling parameters as the target; a
+deterministic drafter returns None (one-hot q, still exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxspec import sampling as sampling_lib
+from jaxspec.models.config import LlamaConfig
+from jaxspec.models.llama import Hidden, KVCache, Params, forward, init_cache
+from jaxspec.models.model import Model
+
+
+def _pytree(cls):
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_pytree
+@dataclasses.dataclass
+class DraftContext:
+  """What the loop tells a drafter: the whole token sequence so far and the target's features.
+
+  The target's KV cache holds positions [0, seq_len - 1): every token but the last, which is the
+  input of the next verify pass.
+  """
+
+  seq: jax.Array  # [B, S] int32 prompt followed by the emitted tokens
+  seq_len: jax.Array  # [B] int32
+  prompt_len: jax.Array  # [B] int32
+  hidden: Hidden | None = None  # target hidden states of the last target pass
+  hidden_pos: jax.Array | None = None  # [B] index into hidden's T axis of the newest kept token
+  n_new: jax.Array | None = None  # [B] tokens appended by the last step (0 for finished rows)
+
+
+class Drafter:
+  """Base class; see the module docstring for the protocol."""
+
+  name: str = "drafter"
+  # Target hidden layers the drafter reads (indices as in `forward(hidden_layers=...)`).
+  hidden_layers: tuple[int, ...] = ()
+
+  @property
+  def params(self) -> Any:
+    return None
+
+  @property
+  def vocab_size(self) -> int | None:
+    return None
+
+  def init(self, params, prompt: jax.Array, prompt_len: jax.Array, max_len: int):
+    """State after the prompt (prompt [B, P] right-padded, prompt_len [B]); max_len is the
+    sequence capacity."""
+    raise NotImplementedError
+
+  def propose(self, params, state, ctx: DraftContext, k: int, sp, keys):
+    raise NotImplementedError
+
+  def commit(self, params, state, ctx: DraftContext):
+    raise NotImplementedError
+
+
+def _last_tokens(ctx: DraftContext, n: int) -> jax.Array:
+  """The last n tokens of every row [B, n] (clipped at the start of the sequence)."""
+  idx = ctx.seq_len[:, None] - n + jnp.arange(n)[None, :]
+  return jnp.take_along_axis(ctx.seq, jnp.maximum(idx, 0), axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# A separate draft model.
+
+
+@_pytree
+@dataclasses.dataclass
+class DraftModelState:
+  cache: KVCache  # holds positions [0, seq_len - 2) after each commit
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModel(Drafter):
+  """Any Llama-family model as the drafter, with its own KV cache.
+
+  The draft cache is kept one token behind the target's (it holds [0, seq_len - 2)), so every
+  proposal starts with a two-token forward over the last two tokens: that re-feeds the last
+  accepted draft (or, when all k were accepted, the one draft the draft model never ran on) and
+  keeps shapes static without tracking which case a row is in.
+  """
+
+  model: Model
+  name: str = "draft-model"
+
+  def __hash__(self):
+    return hash((DraftModel, self.model.cfg))
+
+  def __eq__(self, other):
+    return isinstance(other, DraftModel) and other.model.cfg == self.model.cfg
+
+  @property
+  def cfg(self) -> LlamaConfig:
+    return self.model.cfg
+
+  @property
+  def params(self) -> Params:
+    return self.model.params
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.cfg.vocab_size
+
+  def init(self, params, prompt, prompt_len, max_len) -> DraftModelState:
+    cache = init_cache(self.cfg, prompt.shape[0], max_len)
+    _, _, cache = forward(params, prompt, cache, self.cfg, logits=False)
+    # The prompt is right-padded; the loop's sequence is prompt + first token, and the draft
+    # cache stays one behind the target's: it keeps [0, prompt_len - 1).
+    return DraftModelState(dataclasses.replace(cache, length=prompt_len - 1))
+
+  def propose(self, params, state: DraftModelState, ctx, k, sp, keys):
+    cfg = self.cfg
+    two = _last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
+    cache = state.cache
+    logits, _, cache = forward(params, two, cache, cfg)
+    q0 = sampling_lib.probs(logits[:, 1], sp)
+    step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
+    d0 = sampling_lib.sample_from_probs(step_keys[:, 0], q0)
+
+    def body(carry, key_i):
+      tok, cache = carry
+      logits, _, cache = forward(params, tok[:, None], cache, cfg)
+      q = sampling_lib.probs(logits[:, 0], sp)
+      nxt = sampling_lib.sample_from_probs(key_i, q)
+      return (nxt, cache), (nxt, q)
+
+    if k > 1:
+      (_, cache), (toks, qs) = lax.scan(body, (d0, cache), jnp.swapaxes(step_keys[:, 1:], 0, 1))
+      drafts = jnp.concatenate([d0[:, None], toks.T], axis=1)
+      q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    else:
+      drafts, q = d0[:, None], q0[:, None]
+    return drafts, q, DraftModelState(cache)
+
+  def commit(self, params, state: DraftModelState, ctx) -> DraftModelState:
+    cache = dataclasses.replace(state.cache, length=jnp.maximum(ctx.seq_len - 2, 0))
+    return DraftModelState(cache)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt lookup (n-gram) drafting.
+
+
+@_pytree
+@dataclasses.dataclass
+class NoState:
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram(Drafter):
+  """Prompt-lookup decoding: copy what followed the most recent earlier occurrence of the
+  sequence's last n tokens (n from `max_ngram` down to `min_ngram`), searching the prompt and
+  everything generated so far. Deterministic (one-hot q); costs no model pass.
+
+  A row with no match proposes its last token repeated; verification rejects it at no cost
+  beyond the verify width.
+  """
+
+  max_ngram: int = 3
+  min_ngram: int = 1
+  name: str = "ngram"
+
+  def __post_init__(self):
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram},"
+                       f" max_ngram={self.max_ngram}")
+
+  def init(self, params, prompt, prompt_len, max_len):
+    return NoState()
+
+  def commit(self, params, state, ctx):
+    return state
+
+  def propose(self, params, state, ctx, k, sp, keys):
+    seq, n = ctx.seq, ctx.seq_len
+    b, s = seq.shape
+    pos = jnp.arange(s)[None, :]  # candidate match starts j
+    found = jnp.zeros((b,), bool)
+    start = jnp.zeros((b,), jnp.int32)  # index of the first token after the match
+    for g in range(self.max_ngram, self.min_ngram - 1, -1):
+      suffix = _last_tokens(ctx, g)  # [B, g]
+      match = jnp.ones((b, s), bool)
+      for i in range(g):
+        shifted = jnp.roll(seq, -i, axis=1)  # shifted[:, j] = seq[:, j + i]
+        match = match & (shifted == suffix[:, i:i + 1])
+      # The match must end before the suffix itself: j + g <= seq_len - 1, and the row must be
+      # long enough to hold the suffix and something before it.
+      match = match & (pos + g <= n[:, None] - 1) & (n[:, None] > g)
+      has = match.any(axis=1)
+      last_j = (s - 1) - jnp.argmax(match[:, ::-1], axis=1)  # most recent match start
+      take = has & ~found
+      start = jnp.where(take, last_j + g, start)
+      found = found | has
+    idx = start[:, None] + jnp.arange(k)[None, :]
+    # Tokens past the end of the known sequence are unknown: repeat the last known one.
+    idx = jnp.minimum(idx, n[:, None] - 1)
+    drafts = jnp.take_along_axis(seq, idx, axis=1)
+    last = jnp.take_along_axis(seq, (n - 1)[:, None], axis=1)
+    drafts = jnp.where(found[:, None], drafts, last)
+    return drafts.astype(jnp.int32), None, state

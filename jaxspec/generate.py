@@ -1,0 +1,345 @@
+"""Plain autoregressive decoding: the baseline every speculative number is measured against.
+
+`generate` is one `jax.jit` around prefill plus a `lax.while_loop` over decode steps, so no
+token goes back to the host until the whole batch is done. `generate_stream` runs the same
+prefill and loop body in chunks of steps for interactive printing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxspec import sampling as sampling_lib
+from jaxspec.models.config import LlamaConfig
+from jaxspec.models.llama import KVCache, forward, init_cache, logits_from_hidden
+from jaxspec.models.model import Model
+from jaxspec.sampling import Sampling, SamplingArrays
+
+
+def _pytree(cls):
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+  """What `generate` and `speculative_generate` return.
+
+  Attributes:
+    tokens: [B, max_new_tokens] int32 new tokens; -1 past each row's length.
+    lengths: [B] number of new tokens per row (a stop token, when hit, is included).
+    prompt_lengths: [B] prompt tokens per row.
+    texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer.
+    stats: timing and, for speculative decoding, acceptance statistics.
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  prompt_lengths: np.ndarray
+  texts: list[str] | None = None
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def row(self, b: int) -> list[int]:
+    """Row b's new tokens as a list."""
+    return self.tokens[b, : self.lengths[b]].tolist()
+
+
+@_pytree
+@dataclasses.dataclass
+class DecodeState:
+  """The `lax.while_loop` state of plain decoding."""
+
+  tokens: jax.Array  # [B, N] int32 output buffer (-1 = empty)
+  n_out: jax.Array  # [B] int32 tokens emitted per row
+  done: jax.Array  # [B] bool
+  last: jax.Array  # [B] int32 last emitted token, the next forward's input
+  cache: KVCache
+  keys: jax.Array  # [B] per-row PRNG keys
+  steps: jax.Array  # [] int32 decode forward passes so far
+
+
+# ----------------------------------------------------------------------------------------------
+# Input preparation (shared with speculative decoding).
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPrompts:
+  tokens: np.ndarray  # [B, P] int32, right-padded with 0
+  lengths: np.ndarray  # [B] int32
+  max_len: int
+
+
+def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 0,
+                    max_len: int | None = None) -> PreparedPrompts:
+  """Validates and pads prompts; sizes the cache. Raises ValueError before anything compiles.
+
+  Args:
+    prompts: a string, a list of strings (encoded with the model's tokenizer, no chat template:
+      use `model.tokenizer.encode_chat` for that), or a list of token-id lists.
+    max_new_tokens: new tokens per row.
+    extra: cache slots needed beyond prompt + max_new_tokens (speculative verification writes
+      up to k + 1 positions ahead).
+    max_len: cache size; by default the padded prompt length plus what decoding needs, rounded
+      up to a multiple of 64.
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                  and isinstance(prompts[0], (int, np.integer))):
+    prompts = [prompts]
+  if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+    prompts = [list(r) for r in prompts]
+  if not isinstance(prompts, Sequence) or len(prompts) == 0:
+    raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+  rows = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      if model.tokenizer is None:
+        raise ValueError(f"prompt {i} is a string but the model has no tokenizer: pass token ids")
+      p = model.tokenizer.encode(p)
+    p = [int(t) for t in np.asarray(p).reshape(-1)]
+    if not p:
+      raise ValueError(f"prompt {i} is empty: every row needs at least one token to condition on")
+    bad = [t for t in p if not 0 <= t < model.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary"
+                       f" [0, {model.cfg.vocab_size})")
+    rows.append(p)
+  longest = max(len(p) for p in rows)
+  padded_len = round_up(longest, 16)
+  need = longest + max_new_tokens + extra
+  if max_len is None:
+    max_len = round_up(max(need, padded_len), 64)
+  elif longest > max_len - max_new_tokens - extra:
+    raise ValueError(
+        f"a prompt of {longest} tokens does not fit: max_len {max_len} - max_new_tokens"
+        f" {max_new_tokens}{f' - {extra} speculative slots' if extra else ''} leaves"
+        f" {max_len - max_new_tokens - extra}; shorten the prompt, lower max_new_tokens or raise"
+        " max_len")
+  padded_len = min(padded_len, max_len)
+  if max_len > model.cfg.max_position_embeddings:
+    pass  # rotary extrapolates; Hugging Face does not refuse either
+  toks = np.zeros((len(rows), padded_len), np.int32)
+  for i, p in enumerate(rows):
+    toks[i, : len(p)] = p
+  return PreparedPrompts(toks, np.array([len(p) for p in rows], np.int32), int(max_len))
+
+
+def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...]:
+  if stop_ids is None:
+    ids = set(model.cfg.eos_token_ids)
+    if model.tokenizer is not None:
+      ids |= set(getattr(model.tokenizer, "eos_token_ids", ()))
+    return tuple(sorted(ids))
+  return tuple(int(t) for t in stop_ids)
+
+
+def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+  if not stop_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.array(stop_ids, jnp.int32))
+
+
+def prefill(params, prompt: jax.Array, lengths: jax.Array, cfg: LlamaConfig, max_len: int,
+            *, hidden_layers: tuple[int, ...] = ()):
+  """Runs the prompt [B, P] through the model; returns (last logits [B, V], Hidden, cache).
+
+  Padding positions are written but the cache length is set to each row's prompt length, so
+  they are rolled back. The LM head runs only on each row's last prompt position.
+  """
+  b = prompt.shape[0]
+  cache = init_cache(cfg, b, max_len)
+  _, hidden, cache = forward(params, prompt, cache, cfg, logits=False, hidden_layers=hidden_layers)
+  last = jnp.take_along_axis(hidden.final, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  cache = dataclasses.replace(cache, length=lengths)
+  return logits_from_hidden(params, last), hidden, cache
+
+
+# ----------------------------------------------------------------------------------------------
+# The jitted loop.
+
+
+def _init_state(params, prompt, lengths, sp, key, cfg, max_len, max_new_tokens, stop_ids):
+  b = prompt.shape[0]
+  logits, _, cache = prefill(params, prompt, lengths, cfg, max_len)
+  keys = sampling_lib.row_keys(key, b)
+  first = sampling_lib.sample(jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
+                              logits, sp)
+  tokens = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+  done = is_stop(first, stop_ids) | (max_new_tokens <= 1)
+  return DecodeState(tokens=tokens, n_out=jnp.ones((b,), jnp.int32), done=done, last=first,
+                     cache=cache, keys=keys, steps=jnp.zeros((), jnp.int32))
+
+
+def _decode_step(params, s: DecodeState, sp: SamplingArrays, cfg, max_new_tokens, stop_ids):
+  logits, _, cache = forward(params, s.last[:, None], s.cache, cfg)
+  tok = sampling_lib.sample(jax.vmap(jax.random.fold_in)(s.keys, s.n_out), logits[:, 0], sp)
+  live = ~s.done
+  rows = jnp.arange(tok.shape[0])
+  tokens = s.tokens.at[rows, jnp.where(live, s.n_out, max_new_tokens)].set(tok, mode="drop")
+  n_out = s.n_out + live
+  length = jnp.where(live, cache.length, s.cache.length)  # finished rows stop growing
+  cache = dataclasses.replace(cache, length=length)
+  full = length + 1 > cache.max_len
+  done = s.done | (live & is_stop(tok, stop_ids)) | (n_out >= max_new_tokens) | full
+  return DecodeState(tokens=tokens, n_out=n_out, done=done, last=jnp.where(live, tok, s.last),
+                     cache=cache, keys=s.keys, steps=s.steps + 1)
+
+
+def _decode_loop(params, s: DecodeState, sp, until, cfg, max_new_tokens, stop_ids):
+  """Decodes until every row is done or `until` steps ([] int32, traced) have run."""
+  return lax.while_loop(
+      lambda s: jnp.any(~s.done) & (s.steps < until),
+      lambda s: _decode_step(params, s, sp, cfg, max_new_tokens, stop_ids), s)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "max_new_tokens", "stop_ids"))
+def _generate_jit(params, prompt, lengths, sp, key, *, cfg, max_len, max_new_tokens, stop_ids):
+  s = _init_state(params, prompt, lengths, sp, key, cfg, max_len, max_new_tokens, stop_ids)
+  s = _decode_loop(params, s, sp, jnp.int32(max_new_tokens), cfg, max_new_tokens, stop_ids)
+  return s.tokens, s.n_out, s.steps
+
+
+_prefill_jit = jax.jit(_init_state, static_argnums=(5, 6, 7, 8))
+_decode_jit = jax.jit(_decode_loop, static_argnums=(4, 5, 6), donate_argnums=(1,))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation cache with compile timing.
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def compiled(fn, key_extra, *args, **static):
+  """AOT-compiles `fn` for these argument shapes once; returns (executable, compile seconds)."""
+  sig = (fn, key_extra, jax.tree.map(lambda a: (a.shape, str(a.dtype)) if hasattr(a, "shape")
+                                     else a, args), tuple(sorted(static.items())))
+  try:
+    hash(sig)
+  except TypeError:
+    sig = repr(sig)
+  if sig in _COMPILED:
+    return _COMPILED[sig], 0.0
+  t0 = time.perf_counter()
+  exe = fn.lower(*args, **static).compile()
+  dt = time.perf_counter() - t0
+  _COMPILED[sig] = exe
+  return exe, dt
+
+
+def _resolve_sampling(sampling) -> Sampling:
+  if sampling is None:
+    return sampling_lib.GREEDY
+  if isinstance(sampling, dict):
+    return Sampling(**sampling)
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a jaxspec.Sampling, got {type(sampling).__name__}")
+  return sampling
+
+
+def decode_texts(model: Model, tokens: np.ndarray, lengths: np.ndarray) -> list[str] | None:
+  if model.tokenizer is None:
+    return None
+  return [model.tokenizer.decode(tokens[b, : lengths[b]].tolist()) for b in range(len(lengths))]
+
+
+def generate(model: Model, prompts, *, max_new_tokens: int = 128,
+             sampling: Sampling | None = None, key: jax.Array | int | None = None,
+             stop_ids: Sequence[int] | None = None, max_len: int | None = None,
+             temperature: float | None = None) -> GenerateOutput:
+  """Plain autoregressive decoding of a batch of prompts, entirely on device.
+
+  Args:
+    model: a loaded `Model` (see `jaxspec.models.load`).
+    prompts: a string, list of strings, or list of token-id lists (rows may differ in length).
+    max_new_tokens: tokens to generate per row.
+    sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy. Values are passed as
+      arrays, so changing them does not recompile.
+    key: PRNG key or int seed for sampling (row b's randomness depends only on key and b).
+    stop_ids: tokens that end a row (included in the output); default the model's EOS ids.
+    max_len: KV-cache size; default just enough for the longest prompt plus max_new_tokens.
+    temperature: shorthand for `sampling=Sampling(temperature=...)`.
+  Returns:
+    `GenerateOutput` with tokens [B, max_new_tokens], lengths [B], texts and stats (seconds,
+    compile seconds, tokens/s).
+  """
+  if temperature is not None:
+    sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
+  sp_user = _resolve_sampling(sampling)
+  prep = prepare_prompts(model, prompts, max_new_tokens, max_len=max_len)
+  stops = stop_ids_for(model, stop_ids)
+  b = prep.tokens.shape[0]
+  key = _as_key(key)
+  args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
+          sp_user.arrays(b), key)
+  exe, compile_s = compiled(_generate_jit, None, *args, cfg=model.cfg, max_len=prep.max_len,
+                            max_new_tokens=int(max_new_tokens), stop_ids=stops)
+  t0 = time.perf_counter()
+  tokens, n_out, steps = jax.block_until_ready(exe(*args))
+  dt = time.perf_counter() - t0
+  tokens, n_out = np.asarray(tokens), np.asarray(n_out)
+  new = int(n_out.sum())
+  stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
+               tokens_per_second=new / dt if dt > 0 else float("inf"),
+               target_passes=int(steps) + 1, batch_size=b)
+  return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths,
+                        texts=decode_texts(model, tokens, n_out), stats=stats)
+
+
+def _as_key(key) -> jax.Array:
+  if key is None:
+    return jax.random.key(0)
+  if isinstance(key, (int, np.integer)):
+    return jax.random.key(int(key))
+  return key
+
+
+def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
+                    sampling: Sampling | None = None, key=None,
+                    stop_ids: Sequence[int] | None = None, chunk: int = 8,
+                    ) -> Iterator[tuple[list[int], dict[str, Any]]]:
+  """Plain decoding of one batch, yielding (new tokens of row 0, stats) every `chunk` steps.
+
+  The loop runs on device between yields (a `lax.while_loop` bounded by a traced step count), so
+  streaming costs one host round-trip per chunk, not per token.
+  """
+  sp_user = _resolve_sampling(sampling)
+  prep = prepare_prompts(model, prompt, max_new_tokens)
+  stops = stop_ids_for(model, stop_ids)
+  b = prep.tokens.shape[0]
+  args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp_user.arrays(b),
+          _as_key(key), model.cfg, prep.max_len, int(max_new_tokens), stops)
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(_prefill_jit(*args))
+  yield from _stream_loop(
+      lambda s, until: _decode_jit(model.params, s, sp_user.arrays(b), until, model.cfg,
+                                   int(max_new_tokens), stops), state, chunk, t0)
+
+
+def _stream_loop(step_fn: Callable, state, chunk: int, t0: float):
+  emitted = 0
+  first_s = time.perf_counter() - t0
+  while True:
+    n = int(np.asarray(state.n_out)[0])
+    toks = np.asarray(state.tokens)[0, emitted:n].tolist()
+    emitted = n
+    done = bool(np.asarray(state.done).all())
+    yield toks, dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0, state=state)
+    if done:
+      return
+    until = jnp.asarray(state.steps) + chunk
+    state = jax.block_until_ready(step_fn(state, until))

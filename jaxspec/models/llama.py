@@ -1,0 +1,293 @@
+"""A Llama-family decoder as pure functions over dataclass pytrees.
+
+Covers Llama 2/3 (plain and Llama-3 scaled rotary), Mistral (optional sliding window), Qwen2
+(q/k/v biases) and SmolLM: RMSNorm, rotary embeddings in the Hugging Face "rotate half" layout,
+grouped-query attention, SwiGLU MLP, tied or untied LM head. Layers are stacked on a leading
+axis and run with `lax.scan`.
+
+The KV cache holds a *per-row* length: speculative decoding accepts a different number of
+tokens in every row, so every row writes at, and attends up to, its own position. Rolling a row
+back is moving its length back; entries past the length are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxspec.models.config import LlamaConfig
+
+
+def _pytree(cls):
+  """Registers a dataclass as a pytree whose fields are all children (None is an empty child)."""
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_pytree
+@dataclasses.dataclass
+class LayerParams:
+  """Decoder layer weights, stacked on a leading layer axis L."""
+
+  attn_norm: jax.Array  # [L, D]
+  wq: jax.Array  # [L, D, H, K]
+  wk: jax.Array  # [L, D, G, K]
+  wv: jax.Array  # [L, D, G, K]
+  wo: jax.Array  # [L, H, K, D]
+  mlp_norm: jax.Array  # [L, D]
+  w_gate: jax.Array  # [L, D, F]
+  w_up: jax.Array  # [L, D, F]
+  w_down: jax.Array  # [L, F, D]
+  bq: jax.Array | None = None  # [L, H, K] (Qwen2)
+  bk: jax.Array | None = None  # [L, G, K]
+  bv: jax.Array | None = None  # [L, G, K]
+
+
+@_pytree
+@dataclasses.dataclass
+class Params:
+  """All weights of a Llama-family model."""
+
+  embed: jax.Array  # [V, D]
+  layers: LayerParams
+  final_norm: jax.Array  # [D]
+  lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`.
+
+
+@_pytree
+@dataclasses.dataclass
+class KVCache:
+  """Preallocated keys and values with a per-row length.
+
+  Row b holds valid entries at positions [0, length[b]); everything past is garbage that is
+  never attended to, which is what makes `length = length - n` a complete rollback.
+  """
+
+  k: jax.Array  # [L, B, S, G, K]
+  v: jax.Array  # [L, B, S, G, K]
+  length: jax.Array  # [B] int32
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch_size(self) -> int:
+    return self.k.shape[1]
+
+
+@_pytree
+@dataclasses.dataclass
+class Hidden:
+  """Hidden states returned by `forward`."""
+
+  final: jax.Array  # [B, T, D] after the final norm (what the LM head reads)
+  layers: jax.Array | None = None  # [n, B, T, D] outputs of the requested layers, in order
+
+
+def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+  """An empty cache for `batch_size` rows of up to `max_len` positions."""
+  dtype = cfg.jnp_dtype if dtype is None else dtype
+  shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 length=jnp.zeros((batch_size,), jnp.int32))
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params:
+  """Random weights (normal, std `scale`; norms at 1) for tests and distillation starts."""
+  d, f, h, g, k, n = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                      cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+  dt = cfg.jnp_dtype
+  keys = iter(jax.random.split(key, 16))
+
+  def normal(shape):
+    return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+  layers = LayerParams(
+      attn_norm=jnp.ones((n, d), dt), wq=normal((n, d, h, k)), wk=normal((n, d, g, k)),
+      wv=normal((n, d, g, k)), wo=normal((n, h, k, d)), mlp_norm=jnp.ones((n, d), dt),
+      w_gate=normal((n, d, f)), w_up=normal((n, d, f)), w_down=normal((n, f, d)),
+      bq=normal((n, h, k)) if cfg.attention_bias else None,
+      bk=normal((n, g, k)) if cfg.attention_bias else None,
+      bv=normal((n, g, k)) if cfg.attention_bias else None)
+  return Params(embed=normal((cfg.vocab_size, d)), layers=layers, final_norm=jnp.ones((d,), dt),
+                lm_head=None if cfg.tie_embeddings else normal((d, cfg.vocab_size)))
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm computed in float32, cast back to x's dtype (as Hugging Face's LlamaRMSNorm)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
+  """Inverse frequencies [K/2], with Llama-3 scaling when configured."""
+  half = cfg.head_dim // 2
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / cfg.head_dim))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+  mid = (1 - smooth) * inv / s.factor + smooth * inv
+  is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  return jnp.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotates x [B, T, N, K] by positions [B, T] in the rotate-half layout."""
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, K/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg):
+  """Attention of T new queries over the row's cached prefix plus the new block.
+
+  The cached part ([0, length[b])) and the new block are scored separately and normalised by one
+  softmax, so the cache is only read inside this function and written once after all layers.
+
+  Args:
+    q: [B, T, H, K] rotated queries.
+    k_new, v_new: [B, T, G, K] the new block's keys (rotated) and values.
+    k_cache, v_cache: [B, S, G, K] this layer's cache.
+    length: [B] valid cache entries per row.
+    positions: [B, T] absolute position of every new token.
+    block_mask: [B, T, T] bool, which new tokens each new token may attend to.
+  Returns:
+    [B, T, H, K]
+  """
+  b, t, h, kd = q.shape
+  g = cfg.num_kv_heads
+  q = q.reshape(b, t, g, h // g, kd)  # [B, T, G, R, K]
+  scale = 1.0 / math.sqrt(kd)
+  s_cache = jnp.einsum("btgrk,bsgk->bgrts", q, k_cache,
+                       preferred_element_type=jnp.float32) * scale  # [B, G, R, T, S]
+  s_new = jnp.einsum("btgrk,bugk->bgrtu", q, k_new,
+                     preferred_element_type=jnp.float32) * scale  # [B, G, R, T, T]
+  cache_pos = jnp.arange(k_cache.shape[1])
+  cache_mask = cache_pos[None, None, :] < length[:, None, None]  # [B, 1, S]
+  if cfg.sliding_window is not None:
+    cache_mask = cache_mask & (cache_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window)
+    block_mask = block_mask & (positions[:, None, :] > positions[:, :, None] - cfg.sliding_window)
+  neg = jnp.float32(-1e30)
+  s_cache = jnp.where(cache_mask[:, None, None, :, :], s_cache, neg)
+  s_new = jnp.where(block_mask[:, None, None, :, :], s_new, neg)
+  m = jnp.maximum(s_cache.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+  p_cache = jnp.exp(s_cache - m)
+  p_new = jnp.exp(s_new - m)
+  denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
+  out = (jnp.einsum("bgrts,bsgk->btgrk", p_cache.astype(v_cache.dtype), v_cache,
+                    preferred_element_type=jnp.float32)
+         + jnp.einsum("bgrtu,bugk->btgrk", p_new.astype(v_new.dtype), v_new,
+                      preferred_element_type=jnp.float32))
+  out = out / jnp.moveaxis(denom, (1, 2, 3), (2, 3, 1))  # denom [B,G,R,T,1] -> [B,T,G,R,1]
+  return out.reshape(b, t, h, kd).astype(q.dtype)
+
+
+def lm_head_weight(params: Params) -> jax.Array:
+  """The [D, V] output projection (the transposed embedding when tied)."""
+  return params.embed.T if params.lm_head is None else params.lm_head
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
+  """float32 logits [..., V] from final hidden states [..., D]."""
+  if params.lm_head is None:
+    return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig, *,
+            positions: jax.Array | None = None, block_mask: jax.Array | None = None,
+            hidden_layers: tuple[int, ...] = (), logits: bool = True,
+            ) -> tuple[jax.Array | None, Hidden, KVCache]:
+  """One forward pass of T new tokens per row on top of each row's cached prefix.
+
+  Row b's tokens are written to the cache at positions length[b] .. length[b]+T-1 and attend
+  causally to everything before them. The new cache's length is length + T; callers that keep
+  fewer tokens (rejected drafts, prompt padding) move it back.
+
+  Args:
+    params: model weights.
+    tokens: [B, T] int32 token ids.
+    cache: KV cache with per-row `length` [B].
+    cfg: static model configuration.
+    positions: [B, T] rotary positions; default length[:, None] + arange(T). Tree verification
+      passes length + depth.
+    block_mask: [B, T, T] bool attention among the new tokens; default causal. Tree
+      verification passes an ancestor-only mask.
+    hidden_layers: indices (0-based) of decoder layers whose outputs to return in `hidden.layers`.
+    logits: when False, skip the LM head and return None for the logits.
+  Returns:
+    (logits [B, T, V] float32 or None, Hidden, new cache with length + T).
+  """
+  b, t = tokens.shape
+  length = cache.length
+  if positions is None:
+    positions = length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  if block_mask is None:
+    block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  inv_freq = rope_inv_freq(cfg)
+  x = jnp.take(params.embed, tokens, axis=0)  # [B, T, D]
+  eps = cfg.rms_norm_eps
+  want = tuple(hidden_layers)
+
+  def layer(x, xs):
+    lp, k_cache, v_cache = xs
+    h = rms_norm(x, lp.attn_norm, eps)
+    q = jnp.einsum("btd,dhk->bthk", h, lp.wq)
+    k = jnp.einsum("btd,dgk->btgk", h, lp.wk)
+    v = jnp.einsum("btd,dgk->btgk", h, lp.wv)
+    if lp.bq is not None:
+      q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    attn = _attention(q, k, v, k_cache, v_cache, length, positions, block_mask, cfg)
+    x = x + jnp.einsum("bthk,hkd->btd", attn, lp.wo)
+    h = rms_norm(x, lp.mlp_norm, eps)
+    gate = jnp.einsum("btd,df->btf", h, lp.w_gate)
+    up = jnp.einsum("btd,df->btf", h, lp.w_up)
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down)
+    return x, (k, v, x if want else None)
+
+  x, (k_new, v_new, per_layer) = lax.scan(layer, x, (params.layers, cache.k, cache.v))
+  final = rms_norm(x, params.final_norm, eps)
+  out_logits = logits_from_hidden(params, final) if logits else None
+  layers_out = per_layer[jnp.array(want)] if want else None
+  new_cache = write_cache(cache, k_new, v_new, positions_start=length)
+  return out_logits, Hidden(final=final, layers=layers_out), new_cache
+
+
+def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
+                positions_start: jax.Array) -> KVCache:
+  """Writes k/v [L, B, T, G, K] at per-row offsets; length becomes positions_start + T.
+
+  Writes past `max_len` are dropped (callers size the cache so that never happens to tokens
+  they keep).
+  """
+  t = k_new.shape[2]
+  rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
+  pos = positions_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+  k = cache.k.at[:, rows, pos].set(k_new.astype(cache.k.dtype), mode="drop")
+  v = cache.v.at[:, rows, pos].set(v_new.astype(cache.v.dtype), mode="drop")
+  return KVCache(k=k, v=v, length=positions_start + t)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_jit(params, tokens, cache, cfg):
+  """A jitted plain forward (logits, hidden, cache) for tests and tools."""
+  return forward(params, tokens, cache, cfg)

@@ -1,0 +1,150 @@
+"""Sampling parameters and the one place where logits become a distribution.
+
+Plain decoding, the drafters and the target's verification all call `process_logits` /
+`probs` from here, so the draft distribution q and the target distribution p are built by the
+same code with the same temperature, top-k, top-p and min-p — which the exactness of rejection
+sampling depends on.
+
+Order of the filters (as Hugging Face's warpers and vLLM): temperature, then top-k, then top-p
+over what top-k kept, then min-p. Temperature 0 means greedy: the distribution is a one-hot on
+the argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _pytree(cls):
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+  """User-facing sampling settings (Python numbers, validated before anything compiles).
+
+  Attributes:
+    temperature: 0 for greedy decoding, > 0 to sample.
+    top_k: keep the k most likely tokens; 0 keeps all.
+    top_p: keep the smallest set of tokens whose probability reaches top_p; 1 keeps all.
+    min_p: drop tokens whose probability is below min_p times the most likely one's; 0 keeps all.
+  """
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+
+  def __post_init__(self):
+    t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+      raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+      raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
+    if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+    if not isinstance(m, (int, float)) or math.isnan(m) or not 0 <= m <= 1:
+      raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  def arrays(self, batch_size: int) -> SamplingArrays:
+    """Per-row arrays, so a change of value does not recompile."""
+    full = lambda v, dt: jnp.full((batch_size,), v, dt)
+    return SamplingArrays(temperature=full(self.temperature, jnp.float32),
+                          top_k=full(self.top_k, jnp.int32),
+                          top_p=full(self.top_p, jnp.float32),
+                          min_p=full(self.min_p, jnp.float32))
+
+
+GREEDY = Sampling()
+
+
+@_pytree
+@dataclasses.dataclass
+class SamplingArrays:
+  """Per-row sampling values as arrays (traced inside jit)."""
+
+  temperature: jax.Array  # [B] float32, 0 = greedy
+  top_k: jax.Array  # [B] int32, 0 = off
+  top_p: jax.Array  # [B] float32, 1 = off
+  min_p: jax.Array  # [B] float32, 0 = off
+
+
+def _expand(x: jax.Array, ndim: int) -> jax.Array:
+  """[B] -> [B, 1, ..., 1] with `ndim` dims in all."""
+  return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def _filter_sorted(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+  """Masks (to -inf) what top-k, top-p and min-p drop; logits are already temperature-scaled."""
+  nd = logits.ndim
+  srt = -jnp.sort(-logits, axis=-1)  # descending
+  idx = jnp.arange(logits.shape[-1])
+  k = _expand(sp.top_k, nd)
+  keep = (k == 0) | (idx < k)
+  masked = jnp.where(keep, srt, -jnp.inf)
+  pr = jax.nn.softmax(masked, axis=-1)
+  before = jnp.cumsum(pr, axis=-1) - pr  # probability mass strictly before each token
+  keep = keep & (before < _expand(sp.top_p, nd))
+  min_p = _expand(sp.min_p, nd)
+  # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p).
+  keep = keep & ((min_p <= 0) | (srt >= srt[..., :1] + jnp.log(jnp.maximum(min_p, 1e-30))))
+  keep = keep.at[..., 0].set(True)  # the most likely token always survives
+  n_keep = keep.sum(-1, keepdims=True)
+  threshold = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+  return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+  """Temperature-scaled, filtered float32 logits [B, ..., V] for the sampled rows.
+
+  Rows with temperature 0 come back unscaled (their distribution is the argmax one-hot; see
+  `probs`). Filtering sorts the vocabulary, so it runs only when some row asks for it.
+  """
+  logits = logits.astype(jnp.float32)
+  nd = logits.ndim
+  temp = _expand(sp.temperature, nd)
+  logits = jnp.where(temp > 0, logits / jnp.where(temp > 0, temp, 1.0), logits)
+  needs = jnp.any((sp.temperature > 0) & ((sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)))
+  return lax.cond(needs, lambda l: _filter_sorted(l, sp), lambda l: l, logits)
+
+
+def probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+  """The distribution [B, ..., V] (float32) that decoding samples from.
+
+  Greedy rows get a one-hot on the argmax, which makes rejection sampling reduce exactly to
+  greedy acceptance (accept while the draft equals the argmax, emit the argmax at the first
+  mismatch).
+  """
+  proc = process_logits(logits, sp)
+  soft = jax.nn.softmax(proc, axis=-1)
+  hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  greedy = _expand(sp.temperature, logits.ndim) == 0
+  return jnp.where(greedy, hard, soft)
+
+
+def sample(keys: jax.Array, logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+  """One token per row from logits [B, V] with per-row keys [B]; greedy rows take the argmax."""
+  proc = process_logits(logits, sp)
+  drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, proc)
+  return jnp.where(sp.temperature == 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def sample_from_probs(keys: jax.Array, p: jax.Array) -> jax.Array:
+  """One token per row from unnormalised probabilities p [B, V] (zeros allowed) with keys [B]."""
+  logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
+  return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, logp).astype(jnp.int32)
+
+
+def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
+  """Independent per-row keys [B]: row b's stream depends only on (key, b)."""
+  return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch_size))

@@ -1,0 +1,372 @@
+"""Exact speculative decoding: draft, verify in one target pass, rejection-sample, roll back.
+
+The building blocks are pure and jit-compatible:
+
+  draft(drafter, params, state, ctx, k, sp, keys) -> drafts [B, k], q [B, k, V] | None, state
+  verify(params, cache, last [B], drafts [B, k], cfg, sp) -> p [B, k+1, V], hidden, cache
+  rejection_sample(p, q, drafts, keys) -> n_accepted [B], emitted [B, k+1]
+
+and `speculative_generate` runs prefill plus the whole draft -> verify -> accept -> roll back
+loop as one `jax.jit` around a `lax.while_loop`. Every row accepts its own number of tokens:
+its target and draft cache lengths move by its own count, rejected entries are rolled back by
+the length alone, and finished rows stop growing while shapes stay static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxspec import sampling as sampling_lib
+from jaxspec.drafters import DraftContext, Drafter
+from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, compiled, decode_texts,
+                              is_stop, prefill, prepare_prompts, stop_ids_for)
+from jaxspec.models.config import LlamaConfig
+from jaxspec.models.llama import Hidden, KVCache, forward
+from jaxspec.models.model import Model
+from jaxspec.sampling import Sampling, SamplingArrays
+
+
+def _pytree(cls):
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks.
+
+
+def draft(drafter: Drafter, params, state, ctx: DraftContext, k: int, sp: SamplingArrays,
+          keys: jax.Array):
+  """Asks `drafter` for k tokens per row.
+
+  Returns:
+    drafts [B, k] int32, q [B, k, V] float32 draft probabilities (None for a deterministic
+    drafter, meaning one-hot q), and the drafter's new state.
+  """
+  return drafter.propose(params, state, ctx, k, sp, keys)
+
+
+def verify(params, cache: KVCache, last: jax.Array, drafts: jax.Array, cfg: LlamaConfig,
+           sp: SamplingArrays, *, hidden_layers: tuple[int, ...] = ()):
+  """One target pass over [last, d_1 .. d_k] for every row.
+
+  Args:
+    params: target weights.
+    cache: target cache holding every token before `last` (per-row length).
+    last: [B] the last accepted token of every row.
+    drafts: [B, k] proposals.
+    cfg: target configuration.
+    sp: sampling arrays; p is processed with them exactly as plain decoding would.
+  Returns:
+    p [B, k+1, V] float32 target distributions (p[:, i] is the distribution of the token after
+    drafts[:, :i]), the target's Hidden states [B, k+1, D], and the cache with length + k + 1
+    (the caller moves it back to what was accepted).
+  """
+  tokens = jnp.concatenate([last[:, None], drafts], axis=1)
+  logits, hidden, cache = forward(params, tokens, cache, cfg, hidden_layers=hidden_layers)
+  return sampling_lib.probs(logits, sp), hidden, cache
+
+
+def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array):
+  """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per row.
+
+  Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
+  token is drawn from normalize(max(p_i - q_i, 0)); when all k are accepted a bonus token is
+  drawn from p_{k+1}. With one-hot p (greedy) this accepts exactly while the draft equals the
+  target's argmax and then emits the argmax.
+
+  Args:
+    p: [B, k+1, V] target probabilities.
+    q: [B, k, V] draft probabilities, or None for deterministic drafts (one-hot q).
+    drafts: [B, k] int32.
+    keys: [B] per-row PRNG keys for this step.
+  Returns:
+    n_accepted [B] int32 in 0..k, and emitted [B, k+1] int32: the accepted drafts followed by
+    the correction or bonus token at index n_accepted (entries after it are -1).
+  """
+  b, k1, v = p.shape
+  k = k1 - 1
+  p = p.astype(jnp.float32)
+  ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
+  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(ku)  # [B, k] in [0, 1)
+  p_x = jnp.take_along_axis(p[:, :k], drafts[:, :, None], axis=2)[..., 0]  # [B, k]
+  if q is None:
+    q_x = jnp.ones_like(p_x)
+  else:
+    q_x = jnp.take_along_axis(q.astype(jnp.float32), drafts[:, :, None], axis=2)[..., 0]
+  # u < p/q written without the division: q = 0 with p > 0 accepts, and p = 0 never does
+  # (u = 0 included, as 0 < 0 is false).
+  accept = u * q_x < p_x
+  n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
+  rows = jnp.arange(b)
+  p_j = p[rows, n_acc]  # [B, V]
+  if q is None:
+    # max(p - onehot(x), 0) zeroes x's entry (p <= 1); no q at the bonus position.
+    x_j = drafts[rows, jnp.minimum(n_acc, k - 1)]
+    resid = jnp.where((jnp.arange(v)[None, :] == x_j[:, None]) & (n_acc < k)[:, None], 0.0, p_j)
+  else:
+    q_pad = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)
+    resid = jnp.maximum(p_j - q_pad[rows, n_acc], 0.0)
+  # If float rounding left no residual mass (p == q), fall back to p: that case has probability
+  # zero in exact arithmetic.
+  resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_j)
+  final = sampling_lib.sample_from_probs(ks, resid)
+  idx = jnp.arange(k1)[None, :]
+  d_pad = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
+  emitted = jnp.where(idx < n_acc[:, None], d_pad, jnp.where(idx == n_acc[:, None], final[:, None], -1))
+  return n_acc.astype(jnp.int32), emitted.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused loop.
+
+
+@_pytree
+@dataclasses.dataclass
+class SpecStats:
+  """Device-side counters, summed over the loop."""
+
+  target_passes: jax.Array  # [] verify passes (the prefill is not counted)
+  drafted: jax.Array  # [B] tokens drafted per row
+  accepted: jax.Array  # [B] drafts accepted per row
+  emitted: jax.Array  # [B] tokens emitted by verify steps per row
+  row_steps: jax.Array  # [B] verify steps in which the row was live
+  accepted_at: jax.Array  # [k] live row-steps whose draft i was accepted
+  k_history: jax.Array  # [max_steps] k used at each step (fixed k for now)
+
+
+@_pytree
+@dataclasses.dataclass
+class SpecState:
+  seq: jax.Array  # [B, S] prompt + emitted tokens
+  seq_len: jax.Array  # [B]
+  prompt_len: jax.Array  # [B]
+  done: jax.Array  # [B] bool
+  cache: KVCache  # target cache: positions [0, seq_len - 1)
+  draft_state: Any
+  keys: jax.Array  # [B]
+  stats: SpecStats
+
+
+def _write_tokens(seq, seq_len, emitted, n_emit):
+  """Writes emitted[:, :n_emit] at seq_len (per row); entries past n_emit are not written."""
+  b, w = emitted.shape
+  pos = seq_len[:, None] + jnp.arange(w)[None, :]
+  pos = jnp.where(jnp.arange(w)[None, :] < n_emit[:, None], pos, seq.shape[1])  # dropped
+  return seq.at[jnp.arange(b)[:, None], pos].set(emitted, mode="drop")
+
+
+def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len, seq_cap,
+               k, max_new_tokens, stop_ids, max_steps):
+  b, pw = prompt.shape
+  logits, _, cache = prefill(tparams, prompt, prompt_len, cfg, max_len,
+                             hidden_layers=drafter.hidden_layers)
+  keys = sampling_lib.row_keys(key, b)
+  first = sampling_lib.sample(jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
+                              logits, sp)
+  seq = jnp.zeros((b, seq_cap), jnp.int32).at[:, :pw].set(prompt)
+  seq = seq.at[jnp.arange(b), prompt_len].set(first)
+  dstate = drafter.init(dparams, prompt, prompt_len, max_len)
+  done = is_stop(first, stop_ids) | (max_new_tokens <= 1)
+  z = lambda *s: jnp.zeros(s, jnp.int32)
+  stats = SpecStats(target_passes=z(), drafted=z(b), accepted=z(b), emitted=z(b), row_steps=z(b),
+                    accepted_at=z(k), k_history=z(max_steps))
+  return SpecState(seq=seq, seq_len=prompt_len + 1, prompt_len=prompt_len, done=done,
+                   cache=cache, draft_state=dstate, keys=keys, stats=stats)
+
+
+def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_tokens, stop_ids):
+  b = s.seq.shape[0]
+  live = ~s.done
+  step_keys = jax.vmap(jax.random.fold_in)(s.keys, s.seq_len)
+  kd, kv = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(step_keys)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
+  drafts, q, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
+  last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
+  old_len = s.cache.length
+  p, hidden, cache = verify(tparams, s.cache, last, drafts, cfg, sp,
+                            hidden_layers=drafter.hidden_layers)
+  n_acc, emitted = rejection_sample(p, q, drafts, kv)
+  n_emit = n_acc + 1
+  # A stop token inside the accepted run ends the row there.
+  idx = jnp.arange(k + 1)[None, :]
+  stop_hit = is_stop(emitted, stop_ids) & (idx < n_emit[:, None])
+  first_stop = jnp.argmax(stop_hit, axis=1)
+  has_stop = stop_hit.any(axis=1)
+  n_emit = jnp.where(has_stop, first_stop + 1, n_emit)
+  room = max_new_tokens - (s.seq_len - s.prompt_len)
+  n_emit = jnp.where(live, jnp.minimum(n_emit, room), 0)
+  seq = _write_tokens(s.seq, s.seq_len, emitted, n_emit)
+  seq_len = s.seq_len + n_emit
+  # Roll back: the cache keeps every emitted token but the newest (the next pass's input).
+  cache = dataclasses.replace(cache, length=jnp.where(live, old_len + n_emit, old_len))
+  done = s.done | (live & has_stop) | (seq_len - s.prompt_len >= max_new_tokens)
+  ctx = DraftContext(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, hidden=hidden,
+                     hidden_pos=jnp.maximum(n_emit - 1, 0), n_new=n_emit)
+  dstate = drafter.commit(dparams, dstate, ctx)
+  acc_eff = jnp.where(live, jnp.minimum(n_acc, n_emit), 0)
+  st = s.stats
+  steps = st.target_passes
+  stats = SpecStats(
+      target_passes=steps + 1,
+      drafted=st.drafted + live * k,
+      accepted=st.accepted + acc_eff,
+      emitted=st.emitted + n_emit,
+      row_steps=st.row_steps + live,
+      accepted_at=st.accepted_at + jnp.sum((jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None], 0),
+      k_history=st.k_history.at[steps].set(k, mode="drop"))
+  return SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
+                   draft_state=dstate, keys=s.keys, stats=stats)
+
+
+def _spec_loop(tparams, dparams, s, sp, until, **static):
+  return lax.while_loop(lambda s: jnp.any(~s.done) & (s.stats.target_passes < until),
+                        lambda s: _spec_step(tparams, dparams, s, sp, **static), s)
+
+
+def _outputs(s: SpecState, max_new_tokens: int):
+  """New tokens [B, N] (-1 padded) and their count [B], gathered from the sequence buffer."""
+  n_out = s.seq_len - s.prompt_len
+  idx = s.prompt_len[:, None] + jnp.arange(max_new_tokens)[None, :]
+  toks = jnp.take_along_axis(s.seq, jnp.minimum(idx, s.seq.shape[1] - 1), axis=1)
+  return jnp.where(jnp.arange(max_new_tokens)[None, :] < n_out[:, None], toks, -1), n_out
+
+
+_STATIC = ("cfg", "drafter", "max_len", "seq_cap", "k", "max_new_tokens", "stop_ids", "max_steps")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _speculative_jit(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len,
+                     seq_cap, k, max_new_tokens, stop_ids, max_steps):
+  s = _spec_init(tparams, dparams, prompt, prompt_len, sp, key, cfg=cfg, drafter=drafter,
+                 max_len=max_len, seq_cap=seq_cap, k=k, max_new_tokens=max_new_tokens,
+                 stop_ids=stop_ids, max_steps=max_steps)
+  s = _spec_loop(tparams, dparams, s, sp, jnp.int32(max_steps), cfg=cfg, drafter=drafter, k=k,
+                 max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+  toks, n_out = _outputs(s, max_new_tokens)
+  return toks, n_out, s.stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The public entry point.
+
+
+def check_drafter(target: Model, drafter: Drafter) -> None:
+  """Raises ValueError for a drafter that cannot serve this target."""
+  if not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a jaxspec Drafter (NGram, DraftModel, ...), got"
+                     f" {type(drafter).__name__}")
+  dv = drafter.vocab_size
+  if dv is not None and dv != target.cfg.vocab_size:
+    raise ValueError(f"draft vocab {dv} != target vocab {target.cfg.vocab_size}: drafts must"
+                     " share the target's tokenizer")
+  dparams = drafter.params
+  if dparams is not None:
+    tdev = _devices(target.params)
+    ddev = _devices(dparams)
+    if tdev and ddev and tdev != ddev:
+      raise ValueError(
+          f"the drafter's weights are on {sorted(map(str, ddev))} but the target's are on"
+          f" {sorted(map(str, tdev))}: move both to the same devices (jax.device_put) for the"
+          " fused loop, or give them separate meshes with a Placement")
+
+
+def _devices(tree) -> set:
+  out = set()
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      out |= set(leaf.devices())
+  return out
+
+
+def check_num_draft_tokens(k) -> int:
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+  return int(k)
+
+
+def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
+                         sampling: Sampling | None = None, num_draft_tokens: int = 4,
+                         key: jax.Array | int | None = None,
+                         stop_ids: Sequence[int] | None = None, max_len: int | None = None,
+                         temperature: float | None = None) -> GenerateOutput:
+  """Speculative decoding whose output distribution is exactly the target's.
+
+  Prefill and the whole draft -> verify -> accept -> roll back loop run as one jitted
+  `lax.while_loop`; rows accept different numbers of tokens.
+
+  Args:
+    target: the target `Model`.
+    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, ...).
+    prompts: a string, list of strings, or list of token-id lists.
+    max_new_tokens: tokens to generate per row.
+    sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy.
+    num_draft_tokens: k, drafts per step.
+    key: PRNG key or int seed.
+    stop_ids: tokens that end a row; default the target's EOS ids.
+    max_len: cache size; default just enough (prompt + max_new_tokens + k + 1).
+    temperature: shorthand for `sampling=Sampling(temperature=...)`.
+  Returns:
+    `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
+    draft position and the mean acceptance length tau (tokens emitted per verify pass, counting
+    the bonus token).
+  """
+  if temperature is not None:
+    sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
+  sp_user = _resolve_sampling(sampling)
+  k = check_num_draft_tokens(num_draft_tokens)
+  check_drafter(target, drafter)
+  prep = prepare_prompts(target, prompts, max_new_tokens, extra=k + 1, max_len=max_len)
+  stops = stop_ids_for(target, stop_ids)
+  b = prep.tokens.shape[0]
+  # The sequence buffer holds prompt + outputs, plus k + 1 slots that a step may write past.
+  seq_cap = prep.max_len + k + 1
+  static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len, seq_cap=seq_cap, k=k,
+                max_new_tokens=int(max_new_tokens), stop_ids=stops,
+                max_steps=int(max_new_tokens))
+  args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
+          sp_user.arrays(b), _as_key(key))
+  exe, compile_s = compiled(_speculative_jit, None, *args, **static)
+  t0 = time.perf_counter()
+  toks, n_out, st = jax.block_until_ready(exe(*args))
+  dt = time.perf_counter() - t0
+  toks, n_out = np.asarray(toks), np.asarray(n_out)
+  stats = summarize_stats(st, k)
+  new = int(n_out.sum())
+  stats.update(seconds=dt, compile_seconds=compile_s, new_tokens=new,
+               tokens_per_second=new / dt if dt > 0 else float("inf"), batch_size=b,
+               num_draft_tokens=k, drafter=drafter.name)
+  return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=prep.lengths,
+                        texts=decode_texts(target, toks, n_out), stats=stats)
+
+
+def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:
+  """Host-side statistics from the device counters."""
+  st = jax.tree.map(np.asarray, st)
+  passes = int(st.target_passes)
+  row_steps = st.row_steps.astype(np.float64)
+  total_row_steps = max(float(row_steps.sum()), 1.0)
+  acc_at = st.accepted_at.astype(np.float64)
+  reached = np.concatenate([[total_row_steps], acc_at[:-1]]) if k > 0 else np.zeros(0)
+  return dict(
+      target_passes=passes,
+      drafted_per_row=st.drafted.tolist(),
+      accepted_per_row=st.accepted.tolist(),
+      acceptance_rate=float(st.accepted.sum() / max(st.drafted.sum(), 1)),
+      # Unconditional (as vLLM reports): fraction of live verify steps whose draft i was accepted.
+      acceptance_per_position=(acc_at / total_row_steps).tolist(),
+      # Conditional: accepted at i given drafts 0..i-1 were accepted.
+      conditional_acceptance_per_position=np.divide(acc_at, np.maximum(reached, 1)).tolist(),
+      # tau: tokens emitted per verify pass of a live row, counting the bonus/correction token.
+      tau=float(st.emitted.sum() / total_row_steps),
+      k_per_step=st.k_history[:passes].tolist(),
+  )
