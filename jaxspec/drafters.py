@@ -128,17 +128,21 @@ class DraftModel(Drafter):
 
   def init(self, params, prompt, prompt_len, max_len) -> DraftModelState:
     cache = init_cache(self.cfg, prompt.shape[0], max_len)
-    _, _, cache = forward(params, prompt, cache, self.cfg, logits=False)
-    # The prompt is right-padded; the loop's sequence is prompt + first token, and the draft
-    # cache stays one behind the target's: it keeps [0, prompt_len - 1).
-    return DraftModelState(dataclasses.replace(cache, length=prompt_len - 1))
+    _, _, cache = forward(params, prompt, cache, self.cfg, logits=False, fresh=True)
+    # The prompt is right-padded; the draft cache stays one behind the target's, which holds
+    # every prompt token but the last: it keeps [0, prompt_len - 2).
+    return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(prompt_len - 2, 0)))
 
   def propose(self, params, state: DraftModelState, ctx, k, sp, keys):
     cfg = self.cfg
     two = _last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
-    cache = state.cache
-    logits, _, cache = forward(params, two, cache, cfg)
-    q0 = sampling_lib.probs(logits[:, 1], sp)
+    # A row holding a single token has no "token before last": it feeds [last, last], reads the
+    # logits of the first and keeps only that one entry.
+    single = ctx.seq_len < 2
+    start = state.cache.length
+    logits, _, cache = forward(params, two, state.cache, cfg)
+    cache = dataclasses.replace(cache, length=start + jnp.where(single, 1, 2))
+    q0 = sampling_lib.probs(jnp.where(single[:, None], logits[:, 0], logits[:, 1]), sp)
     step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
     d0 = sampling_lib.sample_from_probs(step_keys[:, 0], q0)
 

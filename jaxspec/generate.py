@@ -155,18 +155,20 @@ def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
 
 
 def prefill(params, prompt: jax.Array, lengths: jax.Array, cfg: LlamaConfig, max_len: int,
-            *, hidden_layers: tuple[int, ...] = ()):
+            *, hidden_layers: tuple[int, ...] = (), logits: bool = True):
   """Runs the prompt [B, P] through the model; returns (last logits [B, V], Hidden, cache).
 
   Padding positions are written but the cache length is set to each row's prompt length, so
-  they are rolled back. The LM head runs only on each row's last prompt position.
+  they are rolled back. The LM head runs only on each row's last prompt position (and not at
+  all with logits=False, which returns None for them).
   """
   b = prompt.shape[0]
   cache = init_cache(cfg, b, max_len)
-  _, hidden, cache = forward(params, prompt, cache, cfg, logits=False, hidden_layers=hidden_layers)
+  _, hidden, cache = forward(params, prompt, cache, cfg, logits=False, hidden_layers=hidden_layers,
+                            fresh=True)
   last = jnp.take_along_axis(hidden.final, (lengths - 1)[:, None, None], axis=1)[:, 0]
   cache = dataclasses.replace(cache, length=lengths)
-  return logits_from_hidden(params, last), hidden, cache
+  return (logits_from_hidden(params, last) if logits else None), hidden, cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,25 +323,37 @@ def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
   prep = prepare_prompts(model, prompt, max_new_tokens)
   stops = stop_ids_for(model, stop_ids)
   b = prep.tokens.shape[0]
-  args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp_user.arrays(b),
-          _as_key(key), model.cfg, prep.max_len, int(max_new_tokens), stops)
+  sp = sp_user.arrays(b)
+  init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
+               _as_key(key), model.cfg, prep.max_len, int(max_new_tokens), stops)
+  init_exe, c1 = compiled(_prefill_jit, "stream-init", *init_args)
+  state0 = jax.eval_shape(_prefill_jit, *init_args)
+  loop_exe, c2 = compiled(_decode_jit, "stream-loop", model.params, state0, sp, jnp.int32(0),
+                          model.cfg, int(max_new_tokens), stops)
   t0 = time.perf_counter()
-  state = jax.block_until_ready(_prefill_jit(*args))
-  yield from _stream_loop(
-      lambda s, until: _decode_jit(model.params, s, sp_user.arrays(b), until, model.cfg,
-                                   int(max_new_tokens), stops), state, chunk, t0)
+  state = jax.block_until_ready(init_exe(*init_args[:5]))
+  for new, info in _stream_loop(lambda s, until: loop_exe(model.params, s, sp, until),
+                                _view_decode, state, chunk, t0):
+    info["compile_seconds"] = c1 + c2
+    yield new, info
 
 
-def _stream_loop(step_fn: Callable, state, chunk: int, t0: float):
+def _stream_loop(step_fn: Callable, view: Callable, state, chunk: int, t0: float):
+  """Yields (newly emitted tokens of row 0, info) after the prefill and after every chunk.
+
+  `view(state)` -> (all new tokens of row 0 so far, every row done?, steps so far).
+  """
   emitted = 0
   first_s = time.perf_counter() - t0
   while True:
-    n = int(np.asarray(state.n_out)[0])
-    toks = np.asarray(state.tokens)[0, emitted:n].tolist()
-    emitted = n
-    done = bool(np.asarray(state.done).all())
-    yield toks, dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0, state=state)
+    toks, done, steps = view(state)
+    new, emitted = toks[emitted:].tolist(), len(toks)
+    yield new, dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0, state=state)
     if done:
       return
-    until = jnp.asarray(state.steps) + chunk
-    state = jax.block_until_ready(step_fn(state, until))
+    state = jax.block_until_ready(step_fn(state, jnp.int32(steps + chunk)))
+
+
+def _view_decode(s: DecodeState):
+  n = int(np.asarray(s.n_out)[0])
+  return np.asarray(s.tokens)[0, :n], bool(np.asarray(s.done).all()), int(s.steps)

@@ -27,8 +27,8 @@ from jax import lax
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.drafters import DraftContext, Drafter
-from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, compiled, decode_texts,
-                              is_stop, prefill, prepare_prompts, stop_ids_for)
+from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
+                              decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import Hidden, KVCache, forward
 from jaxspec.models.model import Model
@@ -76,13 +76,50 @@ def verify(params, cache: KVCache, last: jax.Array, drafts: jax.Array, cfg: Llam
   return sampling_lib.probs(logits, sp), hidden, cache
 
 
+def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Array):
+  """The deterministic half of rejection sampling, given the uniforms u [B, k] in [0, 1).
+
+  Draft i is accepted iff u_i * q_i(x_i) < p_i(x_i), i.e. with probability min(1, p/q) (the
+  division-free form accepts q = 0 with p > 0, and never accepts p = 0, u = 0 included).
+
+  Returns:
+    n_accepted [B] int32 in 0..k, and the unnormalised distribution [B, V] of the token that
+    follows the accepted drafts: max(p - q, 0) at the first rejection, p_{k+1} when all k were
+    accepted (p itself where rounding left no residual mass).
+  """
+  b, k1, v = p.shape
+  k = k1 - 1
+  p = p.astype(jnp.float32)
+  p_x = jnp.take_along_axis(p[:, :k], drafts[:, :, None], axis=2)[..., 0]  # [B, k]
+  if q is None:
+    q_x = jnp.ones_like(p_x)
+  else:
+    q_x = jnp.take_along_axis(q.astype(jnp.float32), drafts[:, :, None], axis=2)[..., 0]
+  accept = u * q_x < p_x
+  n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
+  rows = jnp.arange(b)
+  p_j = p[rows, n_acc]  # [B, V]
+  if q is None:
+    # max(p - onehot(x), 0) zeroes x's entry (p <= 1); there is no q at the bonus position.
+    x_j = drafts[rows, jnp.minimum(n_acc, k - 1)]
+    hit = (jnp.arange(v)[None, :] == x_j[:, None]) & (n_acc < k)[:, None]
+    resid = jnp.where(hit, 0.0, p_j)
+  else:
+    q_pad = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)
+    resid = jnp.maximum(p_j - q_pad[rows, n_acc], 0.0)
+  # p == q leaves no residual mass; a rejection then has probability zero in exact arithmetic,
+  # so falling back to p only matters under rounding.
+  resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_j)
+  return n_acc.astype(jnp.int32), resid
+
+
 def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array):
   """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per row.
 
   Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
   token is drawn from normalize(max(p_i - q_i, 0)); when all k are accepted a bonus token is
   drawn from p_{k+1}. With one-hot p (greedy) this accepts exactly while the draft equals the
-  target's argmax and then emits the argmax.
+  target's argmax and then emits the argmax. Float32 throughout.
 
   Args:
     p: [B, k+1, V] target probabilities.
@@ -93,37 +130,16 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
     n_accepted [B] int32 in 0..k, and emitted [B, k+1] int32: the accepted drafts followed by
     the correction or bonus token at index n_accepted (entries after it are -1).
   """
-  b, k1, v = p.shape
-  k = k1 - 1
-  p = p.astype(jnp.float32)
+  b, k1, _ = p.shape
   ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
-  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(ku)  # [B, k] in [0, 1)
-  p_x = jnp.take_along_axis(p[:, :k], drafts[:, :, None], axis=2)[..., 0]  # [B, k]
-  if q is None:
-    q_x = jnp.ones_like(p_x)
-  else:
-    q_x = jnp.take_along_axis(q.astype(jnp.float32), drafts[:, :, None], axis=2)[..., 0]
-  # u < p/q written without the division: q = 0 with p > 0 accepts, and p = 0 never does
-  # (u = 0 included, as 0 < 0 is false).
-  accept = u * q_x < p_x
-  n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
-  rows = jnp.arange(b)
-  p_j = p[rows, n_acc]  # [B, V]
-  if q is None:
-    # max(p - onehot(x), 0) zeroes x's entry (p <= 1); no q at the bonus position.
-    x_j = drafts[rows, jnp.minimum(n_acc, k - 1)]
-    resid = jnp.where((jnp.arange(v)[None, :] == x_j[:, None]) & (n_acc < k)[:, None], 0.0, p_j)
-  else:
-    q_pad = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)
-    resid = jnp.maximum(p_j - q_pad[rows, n_acc], 0.0)
-  # If float rounding left no residual mass (p == q), fall back to p: that case has probability
-  # zero in exact arithmetic.
-  resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_j)
+  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k1 - 1,), jnp.float32))(ku)  # [B, k]
+  n_acc, resid = acceptance(p, q, drafts, u)
   final = sampling_lib.sample_from_probs(ks, resid)
   idx = jnp.arange(k1)[None, :]
   d_pad = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
-  emitted = jnp.where(idx < n_acc[:, None], d_pad, jnp.where(idx == n_acc[:, None], final[:, None], -1))
-  return n_acc.astype(jnp.int32), emitted.astype(jnp.int32)
+  emitted = jnp.where(idx < n_acc[:, None], d_pad,
+                      jnp.where(idx == n_acc[:, None], final[:, None], -1))
+  return n_acc, emitted.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,21 +183,21 @@ def _write_tokens(seq, seq_len, emitted, n_emit):
 
 def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len, seq_cap,
                k, max_new_tokens, stop_ids, max_steps):
+  """Prefill: the target caches every prompt token but the last, which becomes the first verify
+  pass's input, so even the first new token is drafted and verified."""
   b, pw = prompt.shape
-  logits, _, cache = prefill(tparams, prompt, prompt_len, cfg, max_len,
-                             hidden_layers=drafter.hidden_layers)
+  _, hidden, cache = prefill(tparams, prompt, prompt_len, cfg, max_len,
+                             hidden_layers=drafter.hidden_layers, logits=False)
+  cache = dataclasses.replace(cache, length=prompt_len - 1)
   keys = sampling_lib.row_keys(key, b)
-  first = sampling_lib.sample(jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
-                              logits, sp)
   seq = jnp.zeros((b, seq_cap), jnp.int32).at[:, :pw].set(prompt)
-  seq = seq.at[jnp.arange(b), prompt_len].set(first)
   dstate = drafter.init(dparams, prompt, prompt_len, max_len)
-  done = is_stop(first, stop_ids) | (max_new_tokens <= 1)
   z = lambda *s: jnp.zeros(s, jnp.int32)
   stats = SpecStats(target_passes=z(), drafted=z(b), accepted=z(b), emitted=z(b), row_steps=z(b),
                     accepted_at=z(k), k_history=z(max_steps))
-  return SpecState(seq=seq, seq_len=prompt_len + 1, prompt_len=prompt_len, done=done,
-                   cache=cache, draft_state=dstate, keys=keys, stats=stats)
+  return SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
+                   done=jnp.zeros((b,), bool), cache=cache, draft_state=dstate, keys=keys,
+                   stats=stats)
 
 
 def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_tokens, stop_ids):
@@ -332,7 +348,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
   seq_cap = prep.max_len + k + 1
   static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len, seq_cap=seq_cap, k=k,
                 max_new_tokens=int(max_new_tokens), stop_ids=stops,
-                max_steps=int(max_new_tokens))
+                max_steps=int(max_new_tokens) + 1)
   args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
           sp_user.arrays(b), _as_key(key))
   exe, compile_s = compiled(_speculative_jit, None, *args, **static)
@@ -347,6 +363,53 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
                num_draft_tokens=k, drafter=drafter.name)
   return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=prep.lengths,
                         texts=decode_texts(target, toks, n_out), stats=stats)
+
+
+_LOOP_STATIC = ("cfg", "drafter", "k", "max_new_tokens", "stop_ids")
+_spec_init_jit = jax.jit(_spec_init, static_argnames=_STATIC)
+_spec_loop_jit = jax.jit(_spec_loop, static_argnames=_LOOP_STATIC, donate_argnums=(2,))
+
+
+def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_tokens: int = 128,
+                       sampling: Sampling | None = None, num_draft_tokens: int = 4, key=None,
+                       stop_ids: Sequence[int] | None = None, chunk: int = 4):
+  """Speculative decoding of one prompt, yielding (new tokens, info) every `chunk` verify steps.
+
+  The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
+  text as it is produced; `info["stats"]` holds the statistics once the row is done.
+  """
+  sp_user = _resolve_sampling(sampling)
+  k = check_num_draft_tokens(num_draft_tokens)
+  check_drafter(target, drafter)
+  prep = prepare_prompts(target, prompt, max_new_tokens, extra=k + 1)
+  stops = stop_ids_for(target, stop_ids)
+  b = prep.tokens.shape[0]
+  sp = sp_user.arrays(b)
+  static = dict(cfg=target.cfg, drafter=drafter, k=k, max_new_tokens=int(max_new_tokens),
+                stop_ids=stops)
+  init_args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
+               sp, _as_key(key))
+  init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + k + 1,
+                     max_steps=int(max_new_tokens) + 1, **static)
+  init_exe, c1 = compiled(_spec_init_jit, "stream-init", *init_args, **init_static)
+  state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *init_args)
+  loop_exe, c2 = compiled(_spec_loop_jit, "stream-loop", target.params, drafter.params, state0,
+                          sp, jnp.int32(0), **static)
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(init_exe(*init_args))
+
+  def view(s: SpecState):
+    p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
+    return (np.asarray(s.seq)[0, p0:n0], bool(np.asarray(s.done).all()),
+            int(s.stats.target_passes))
+
+  for new, info in _stream_loop(
+      lambda s, until: loop_exe(target.params, drafter.params, s, sp, until),
+      view, state, chunk, t0):
+    s = info.pop("state")
+    info["stats"] = summarize_stats(s.stats, k)
+    info["compile_seconds"] = c1 + c2
+    yield new, info
 
 
 def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:

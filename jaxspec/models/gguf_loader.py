@@ -1,0 +1,547 @@
+"""Loading llama.cpp GGUF checkpoints (architectures `llama` and `qwen2`) into jaxspec `Params`.
+
+Metadata and tensor locations are read with `gguf.GGUFReader`; the tensor data is decoded here,
+in vectorised numpy, for F32, F16, BF16, Q8_0, Q4_0 and Q4_1. Quantized weights are dequantized
+to float32 once at load time and then cast to the requested dtype.
+
+Before `GGUFReader` sees a file, `_scan_gguf` walks its header with bounds checks: a truncated or
+corrupt file is reported as a `CheckpointError` instead of a huge allocation, an endless loop
+over a garbage array length, or a numpy reshape error deep inside `gguf`.
+
+llama.cpp's `llama` architecture applies rotary embeddings to interleaved pairs, so
+`convert_hf_to_gguf.py` permutes the rows of the Q and K projections of Hugging Face checkpoints;
+jaxspec uses Hugging Face's rotate-half layout, so the loader undoes that permutation. `qwen2`
+GGUFs use the rotate-half ("neox") layout and are not permuted.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxspec.models.config import LlamaConfig, RopeScaling
+from jaxspec.models.errors import CheckpointError
+from jaxspec.models.llama import LayerParams, Params, rope_inv_freq
+from jaxspec.models.model import Model
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+# GGUF metadata value types: id -> byte size for scalars.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def _quant_sizes() -> dict[int, tuple[str, int, int]]:
+  """ggml type id -> (name, block size in elements, block size in bytes)."""
+  from gguf.constants import GGML_QUANT_SIZES
+  return {int(t): (t.name, bs, ts) for t, (bs, ts) in GGML_QUANT_SIZES.items()}
+
+
+# -- dequantization -------------------------------------------------------------------------------
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+  """float32 from little-endian float16 bytes [..., 2] -> [..., 1]."""
+  return b.view("<f2").astype(np.float32)  # a strided view: the last axis is contiguous
+
+
+def _dequant_q8_0(blocks: np.ndarray) -> np.ndarray:
+  # block: f16 scale d, 32 x int8 q; x = q * d
+  return blocks[:, 2:].view(np.int8).astype(np.float32) * _f16(blocks[:, :2])
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+  # Low nibbles hold elements 0..15 of a block, high nibbles elements 16..31.
+  return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _dequant_q4_0(blocks: np.ndarray) -> np.ndarray:
+  # block: f16 scale d, 16 bytes of 4-bit q; x = d * (q - 8)
+  q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
+  return _f16(blocks[:, :2]) * q.astype(np.float32)
+
+
+def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
+  # block: f16 scale d, f16 minimum m, 16 bytes of 4-bit q; x = d * q + m
+  q = _nibbles(blocks[:, 4:]).astype(np.float32)
+  return _f16(blocks[:, :2]) * q + _f16(blocks[:, 2:4])
+
+
+_BLOCK_DEQUANT = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1}
+
+
+def dequantize(raw: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+  """Decodes one GGUF tensor's data to float32.
+
+  Args:
+    raw: the tensor's bytes (any shape or dtype; only its buffer is read), little-endian.
+    qtype: ggml type as a name ("Q4_1"), an int id, or a `gguf.GGMLQuantizationType`.
+    shape: the numpy shape of the decoded tensor (GGUF's dims reversed, rows last).
+  Returns:
+    float32 array of `shape`.
+  """
+  sizes = _quant_sizes()
+  if isinstance(qtype, str):
+    by_name = {name: (name, bs, ts) for name, bs, ts in sizes.values()}
+    if qtype not in by_name:
+      raise CheckpointError(f"unknown ggml tensor type {qtype!r}")
+    name, block, block_bytes = by_name[qtype]
+  else:
+    if int(qtype) not in sizes:
+      raise CheckpointError(f"unknown ggml tensor type id {int(qtype)}")
+    name, block, block_bytes = sizes[int(qtype)]
+  if name not in SUPPORTED_TYPES:
+    raise CheckpointError(
+        f"ggml tensor type {name} is not supported (supported: {', '.join(SUPPORTED_TYPES)}):"
+        " re-quantize the model to one of those, e.g. with llama.cpp's llama-quantize")
+  n = math.prod(shape)
+  if n % block:
+    raise CheckpointError(f"{n} elements of type {name} are not whole blocks of {block}")
+  buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+  if buf.size != n // block * block_bytes:
+    raise CheckpointError(f"{name} tensor of shape {tuple(shape)} needs"
+                          f" {n // block * block_bytes} bytes, got {buf.size}")
+  if name == "F32":
+    out = buf.view("<f4").astype(np.float32, copy=False)
+  elif name == "F16":
+    out = buf.view("<f2").astype(np.float32)
+  elif name == "BF16":
+    out = (buf.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+  else:
+    out = _BLOCK_DEQUANT[name](buf.reshape(-1, block_bytes))
+  return out.reshape(shape)
+
+
+# -- header validation ----------------------------------------------------------------------------
+
+
+class _Cursor:
+  """Bounds-checked little-endian reads over a memory-mapped file."""
+
+  def __init__(self, buf, size: int, path: Path):
+    self.buf, self.size, self.path, self.pos = buf, size, path, 0
+
+  def need(self, n: int, what: str):
+    if n < 0 or self.pos + n > self.size:
+      raise CheckpointError(
+          f"{self.path} is truncated or corrupt: {what} needs {n} bytes at offset {self.pos}"
+          f" but the file has {self.size} bytes; re-download or re-convert it")
+
+  def u32(self, what: str) -> int:
+    self.need(4, what)
+    (v,) = struct.unpack_from("<I", self.buf, self.pos)
+    self.pos += 4
+    return v
+
+  def u64(self, what: str) -> int:
+    self.need(8, what)
+    (v,) = struct.unpack_from("<Q", self.buf, self.pos)
+    self.pos += 8
+    return v
+
+  def skip(self, n: int, what: str):
+    self.need(n, what)
+    self.pos += n
+
+  def string(self, what: str) -> bytes:
+    n = self.u64(f"{what} length")
+    self.need(n, what)
+    s = bytes(self.buf[self.pos:self.pos + n])
+    self.pos += n
+    return s
+
+
+def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
+  if vtype in _SCALAR_SIZES:
+    cur.skip(_SCALAR_SIZES[vtype], f"value of {key!r}")
+  elif vtype == _STRING:
+    cur.skip(cur.u64(f"string length of {key!r}"), f"string value of {key!r}")
+  elif vtype == _ARRAY and depth < 4:
+    itype = cur.u32(f"array type of {key!r}")
+    count = cur.u64(f"array length of {key!r}")
+    if itype in _SCALAR_SIZES:
+      cur.skip(count * _SCALAR_SIZES[itype], f"array {key!r} of {count} items")
+    else:
+      # Each string or nested array takes at least 8 bytes: bound the loop by the file size.
+      cur.need(count * 8, f"array {key!r} of {count} items")
+      for _ in range(count):
+        _skip_value(cur, itype, key, depth + 1)
+  else:
+    raise CheckpointError(f"{cur.path} is corrupt: metadata {key!r} has unknown value type"
+                          f" {vtype}; re-download or re-convert it")
+
+
+def _scan_gguf(path: Path) -> None:
+  """Validates the GGUF header and that every tensor's bytes lie inside the file."""
+  size = path.stat().st_size
+  if size < 24:
+    raise CheckpointError(f"{path} is not a GGUF file: only {size} bytes long")
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    if buf[:4] != _GGUF_MAGIC:
+      raise CheckpointError(f"{path} is not a GGUF file: it starts with {bytes(buf[:4])!r}, not"
+                            " b'GGUF' (pass a .gguf file from llama.cpp's converter)")
+    cur = _Cursor(buf, size, path)
+    cur.pos = 4
+    version = cur.u32("version")
+    if version & 0xFFFF == 0:
+      raise CheckpointError(f"{path} is a big-endian GGUF file, which is not supported:"
+                            " convert it with llama.cpp's little-endian converter")
+    if version not in (2, 3):
+      raise CheckpointError(f"{path} is GGUF version {version}; only versions 2 and 3 are"
+                            " supported: re-convert it with a recent llama.cpp")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    # A metadata entry takes >= 13 bytes and a tensor entry >= 24, so garbage counts fail here.
+    if n_kv * 13 + n_tensors * 24 > size:
+      raise CheckpointError(f"{path} is truncated or corrupt: it claims {n_kv} metadata entries"
+                            f" and {n_tensors} tensors but has only {size} bytes")
+    alignment = _DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+      key = cur.string("metadata key").decode("utf-8", "replace")
+      vtype = cur.u32(f"type of {key!r}")
+      if key == "general.alignment" and vtype == 4:
+        alignment = cur.u32("general.alignment")
+        if alignment == 0 or alignment & (alignment - 1):
+          raise CheckpointError(f"{path} is corrupt: general.alignment {alignment} is not a"
+                                " power of two")
+      else:
+        _skip_value(cur, vtype, key)
+    sizes = _quant_sizes()
+    infos = []
+    for _ in range(n_tensors):
+      name = cur.string("tensor name").decode("utf-8", "replace")
+      n_dims = cur.u32(f"rank of tensor {name!r}")
+      if n_dims > 8:
+        raise CheckpointError(f"{path} is corrupt: tensor {name!r} has rank {n_dims}")
+      dims = [cur.u64(f"shape of tensor {name!r}") for _ in range(n_dims)]
+      type_id = cur.u32(f"type of tensor {name!r}")
+      offset = cur.u64(f"offset of tensor {name!r}")
+      if type_id not in sizes:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has unknown ggml type id {type_id}; the file is corrupt or"
+            " from a newer llama.cpp than the installed gguf package knows")
+      type_name, block, block_bytes = sizes[type_id]
+      if dims and dims[0] % block:
+        raise CheckpointError(f"{path} is corrupt: tensor {name!r} rows of {dims[0]} are not"
+                              f" whole {type_name} blocks of {block}")
+      infos.append((name, math.prod(dims) // block * block_bytes, offset))
+    data_start = -(-cur.pos // alignment) * alignment
+    for name, n_bytes, offset in infos:
+      end = data_start + offset + n_bytes
+      if end > size:
+        raise CheckpointError(
+            f"{path} is truncated: tensor {name!r} needs bytes up to {end} but the file has"
+            f" {size}; re-download or re-convert it")
+
+
+# -- metadata -> config ---------------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+class _Meta:
+  def __init__(self, reader, path: Path):
+    self.fields, self.path = reader.fields, path
+
+  def get(self, key: str, default: Any = _REQUIRED) -> Any:
+    field = self.fields.get(key)
+    if field is None:
+      if default is _REQUIRED:
+        raise CheckpointError(f"{self.path}: metadata {key!r} is missing; the file is incomplete"
+                              " (re-convert it with llama.cpp's convert_hf_to_gguf.py)")
+      return default
+    try:
+      return field.contents()
+    except (ValueError, UnicodeDecodeError, IndexError) as e:
+      raise CheckpointError(f"{self.path}: metadata {key!r} is unreadable: {e}") from e
+
+  def int(self, key: str, default: Any = _REQUIRED) -> int | None:
+    v = self.get(key, default)
+    if v is None and default is None:
+      return None
+    if isinstance(v, list):  # per-layer values (e.g. head_count_kv) must agree
+      if not v or len(set(v)) != 1:
+        raise CheckpointError(f"{self.path}: per-layer {key!r} = {v} differs across layers,"
+                              " which jaxspec does not support")
+      v = v[0]
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+      raise CheckpointError(f"{self.path}: metadata {key!r} = {v!r} is not an integer")
+    return int(v)
+
+  def float(self, key: str, default: Any = _REQUIRED) -> float:
+    v = self.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+      raise CheckpointError(f"{self.path}: metadata {key!r} = {v!r} is not a number")
+    field = self.fields.get(key)
+    if field is not None and field.parts[-1].dtype == np.float32:
+      # The shortest decimal that rounds to the stored float32: 1e-05, not 9.999999747e-06.
+      return float(str(np.float32(v)))
+    return float(v)
+
+
+def llama3_rope_factors(scaling: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
+  """The `rope_freqs.weight` tensor llama.cpp writes for Llama-3 scaling ([K/2] divisors)."""
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  wavelen = 2 * math.pi / inv
+  orig = scaling.original_max_position_embeddings
+  smooth = (orig / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  mid = 1 / ((1 - smooth) / scaling.factor + smooth)
+  out = np.where(wavelen < orig / scaling.high_freq_factor, 1.0,
+                 np.where(wavelen > orig / scaling.low_freq_factor, scaling.factor, mid))
+  return out.astype(np.float32)
+
+
+def _scaling_from_rope_factors(factors: np.ndarray, theta: float, head_dim: int,
+                               path: Path) -> RopeScaling | None:
+  """Recovers Llama-3 rope scaling parameters from llama.cpp's per-frequency divisors.
+
+  In the blended band, 1/f is linear in the inverse frequency; the band's two edges fix
+  (original context, low, high) up to a common scale, so low_freq_factor = 1 is taken and the
+  others follow. The result is checked to reproduce every divisor.
+  """
+  f = factors.astype(np.float64).reshape(-1)
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  bad = CheckpointError(f"{path}: rope_freqs.weight does not follow Llama-3 rope scaling, the"
+                        " only per-frequency scaling jaxspec supports")
+  if f.shape != inv.shape or not np.all(np.isfinite(f)) or f.min() < 1 - 1e-4:
+    raise bad
+  factor = float(f.max())
+  if factor < 1 + 1e-4:
+    return None
+  smooth = (1 / f - 1 / factor) / (1 - 1 / factor)  # 0 at the low band edge, 1 at the high
+  mid = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+  if mid.sum() >= 2:
+    a, b = np.linalg.lstsq(np.stack([inv[mid], -np.ones(mid.sum())], 1), smooth[mid],
+                           rcond=None)[0]
+  elif mid.sum() == 1:  # one point of the band: take Llama 3's band width (high/low = 4)
+    b = 1 / 3
+    a = (smooth[mid][0] + b) / inv[mid][0]
+  else:  # no blended band to fit: put its edges midway (in log) between neighbouring entries
+    low, high = inv[smooth <= 1e-4], inv[smooth >= 1 - 1e-4]
+    if not low.size or not high.size:
+      raise bad
+    inv0, inv1 = math.sqrt(low.max() * inv[inv > low.max()].min()), math.sqrt(
+        high.min() * inv[inv < high.min()].max())
+    a = 1 / (inv1 - inv0)
+    b = a * inv0
+  if not (a > 0 and b > 0):
+    raise bad
+  orig = 2 * math.pi * a / b
+  scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=1.0 + 1.0 / b,
+                        original_max_position_embeddings=max(1, round(orig)))
+  cfg = LlamaConfig(vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                    num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta,
+                    rope_scaling=scaling)
+  if not np.allclose(np.asarray(rope_inv_freq(cfg), np.float64), inv / f, rtol=1e-3, atol=0):
+    raise bad
+  return scaling
+
+
+# -- tensors --------------------------------------------------------------------------------------
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Inverts convert_hf_to_gguf's `permute`, which interleaves each head's two rotary halves.
+
+  permute: w.reshape(n_head, 2, K//2, *rest).swapaxes(1, 2).reshape(w.shape)
+  """
+  k = w.shape[0] // n_head
+  return w.reshape(n_head, k // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
+  """Loads a llama.cpp GGUF checkpoint, tokenizer included.
+
+  Args:
+    path: a `.gguf` file of architecture `llama` (Llama, Mistral, SmolLM) or `qwen2`, with
+      tensors in F32, F16, BF16, Q8_0, Q4_0 or Q4_1 (dequantized at load).
+    dtype: parameter dtype, "float32" or "bfloat16".
+  Returns:
+    `Model` with config, params, tokenizer and the file's `general.name`.
+  Raises:
+    CheckpointError: missing, truncated or malformed file; unsupported architecture or tensor
+      type (both named in the message).
+  """
+  if dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
+  path = Path(path)
+  if not path.exists():
+    raise CheckpointError(f"GGUF file {path} does not exist: check the path")
+  if not path.is_file():
+    raise CheckpointError(f"{path} is not a file: pass a .gguf file (load Hugging Face"
+                          " directories with load_hf)")
+  _scan_gguf(path)
+  import gguf  # imported late: a slow import that only GGUF loading needs
+  try:
+    reader = gguf.GGUFReader(path)
+  except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError,
+          struct.error) as e:
+    raise CheckpointError(f"{path} is not a valid GGUF file ({type(e).__name__}: {e});"
+                          " re-download or re-convert it") from e
+  meta = _Meta(reader, path)
+  arch = meta.get("general.architecture")
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise CheckpointError(
+        f"{path}: GGUF architecture {arch!r} is not supported (supported:"
+        f" {', '.join(SUPPORTED_ARCHITECTURES)}); jaxspec runs Llama-family decoders only")
+
+  tensors = {t.name: t for t in reader.tensors}
+  size = path.stat().st_size
+  for t in reader.tensors:  # _scan_gguf checked this already; GGUFReader must agree.
+    if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+      raise CheckpointError(f"{path} is truncated: tensor {t.name!r} runs past the end")
+
+  n_layers = meta.int(f"{arch}.block_count")
+  d = meta.int(f"{arch}.embedding_length")
+  n_heads = meta.int(f"{arch}.attention.head_count")
+  n_kv = meta.int(f"{arch}.attention.head_count_kv", n_heads)
+  head_dim = meta.int(f"{arch}.attention.key_length", d // n_heads if n_heads else 0)
+  value_dim = meta.int(f"{arch}.attention.value_length", head_dim)
+  rope_dim = meta.int(f"{arch}.rope.dimension_count", head_dim)
+  ff = meta.int(f"{arch}.feed_forward_length")
+  if min(n_layers, d, n_heads, n_kv, head_dim, ff) <= 0:
+    raise CheckpointError(
+        f"{path}: model sizes (block_count {n_layers}, embedding_length {d}, head_count"
+        f" {n_heads}, head_count_kv {n_kv}, head size {head_dim}, feed_forward_length {ff})"
+        " must all be positive; the file is corrupt")
+  if value_dim != head_dim or rope_dim != head_dim:
+    raise CheckpointError(
+        f"{path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count"
+        f" {rope_dim} differ; jaxspec needs equal key, value and rotary head sizes")
+  if "token_embd.weight" not in tensors:
+    raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing; the file is"
+                          " incomplete")
+  if len(tensors["token_embd.weight"].shape) != 2:
+    raise CheckpointError(f"{path}: tensor 'token_embd.weight' is not a matrix; the file is"
+                          " corrupt")
+  vocab = int(tensors["token_embd.weight"].shape[1])  # GGUF dims are [D, V]
+  tokens = meta.get("tokenizer.ggml.tokens", None)
+  if tokens is not None and len(tokens) > vocab:
+    raise CheckpointError(f"{path}: the tokenizer has {len(tokens)} tokens but the embedding"
+                          f" only {vocab} rows; the file is inconsistent")
+  theta = meta.float(f"{arch}.rope.freq_base", 10000.0)
+
+  scaling = None
+  scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+  if "rope_freqs.weight" in tensors:
+    t = tensors["rope_freqs.weight"]
+    factors = dequantize(t.data, t.tensor_type, tuple(int(x) for x in reversed(t.shape)))
+    scaling = _scaling_from_rope_factors(factors, theta, head_dim, path)
+  elif scaling_type not in ("none", None):
+    raise CheckpointError(
+        f"{path}: rope scaling type {scaling_type!r} (factor"
+        f" {meta.get(f'{arch}.rope.scaling.factor', None)}) is not supported; jaxspec supports"
+        " unscaled rotary embeddings and Llama-3 scaling (a rope_freqs tensor)")
+
+  eos_ids = tuple(dict.fromkeys(
+      i for i in (meta.int(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom"))
+      if i is not None))
+  try:
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=d, intermediate_size=ff,
+        num_layers=n_layers, num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim,
+        rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        tie_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        sliding_window=None, max_position_embeddings=meta.int(f"{arch}.context_length", 8192),
+        bos_token_id=meta.int("tokenizer.ggml.bos_token_id", None), eos_token_ids=eos_ids or (2,),
+        dtype=dtype, architecture=arch)
+  except ValueError as e:
+    raise CheckpointError(f"{path}: inconsistent model metadata: {e}") from e
+
+  params = _read_params(tensors, cfg, path)
+  from jaxspec.models.tokenizer import Tokenizer
+  tokenizer = Tokenizer.from_gguf(reader.fields) if tokens is not None else None
+  return Model(cfg=cfg, params=params, tokenizer=tokenizer,
+               name=str(meta.get("general.name", path.stem)))
+
+
+def _read_params(tensors: dict, cfg: LlamaConfig, path: Path) -> Params:
+  """Dequantizes and reshapes every weight into jaxspec's layout."""
+  d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                   cfg.head_dim)
+  names = ["token_embd.weight", "output_norm.weight"]
+  names += [] if cfg.tie_embeddings else ["output.weight"]
+  layer_names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                 "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                 "ffn_down.weight"]
+  if cfg.attention_bias:
+    layer_names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+  names += [f"blk.{i}.{n}" for i in range(cfg.num_layers) for n in layer_names]
+  missing = [n for n in names if n not in tensors]
+  if missing:
+    raise CheckpointError(f"{path}: tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                          " are missing; the file is incomplete")
+  unsupported = {}
+  for n in names:
+    type_name = tensors[n].tensor_type.name
+    if type_name not in SUPPORTED_TYPES:
+      unsupported.setdefault(type_name, n)
+  if unsupported:
+    listed = ", ".join(f"{t} (e.g. {n})" for t, n in unsupported.items())
+    raise CheckpointError(
+        f"{path}: tensor type {listed} is not supported (supported: {', '.join(SUPPORTED_TYPES)});"
+        " use a GGUF quantized to one of those, e.g. with llama.cpp's llama-quantize")
+
+  def get(name, shape):
+    t = tensors[name]
+    got = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+    if got != shape:
+      raise CheckpointError(f"{path}: tensor {name!r} has shape {got}, expected {shape} from"
+                            " the metadata; the file is inconsistent")
+    return dequantize(t.data, t.tensor_type, shape)
+
+  permute = cfg.architecture == "llama"  # llama.cpp permutes Q/K rows for `llama` only
+
+  def layer(i):
+    p = f"blk.{i}."
+    wq = get(p + "attn_q.weight", (h * k, d))  # [out, in] like Hugging Face
+    wk = get(p + "attn_k.weight", (g * k, d))
+    if permute:
+      wq, wk = _unpermute_rows(wq, h), _unpermute_rows(wk, g)
+    out = dict(
+        attn_norm=get(p + "attn_norm.weight", (d,)),
+        wq=wq.T.reshape(d, h, k), wk=wk.T.reshape(d, g, k),
+        wv=get(p + "attn_v.weight", (g * k, d)).T.reshape(d, g, k),
+        wo=get(p + "attn_output.weight", (d, h * k)).T.reshape(h, k, d),
+        mlp_norm=get(p + "ffn_norm.weight", (d,)),
+        w_gate=get(p + "ffn_gate.weight", (f, d)).T, w_up=get(p + "ffn_up.weight", (f, d)).T,
+        w_down=get(p + "ffn_down.weight", (d, f)).T)
+    if cfg.attention_bias:
+      bq, bk = get(p + "attn_q.bias", (h * k,)), get(p + "attn_k.bias", (g * k,))
+      if permute:
+        bq, bk = _unpermute_rows(bq, h), _unpermute_rows(bk, g)
+      out.update(bq=bq.reshape(h, k), bk=bk.reshape(g, k),
+                 bv=get(p + "attn_v.bias", (g * k,)).reshape(g, k))
+    return out
+
+  np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
+
+  def to_jax(x):
+    return jax.device_put(np.ascontiguousarray(x, np_dtype))
+
+  # Layers go straight into stacked [L, ...] arrays: one copy per weight, not three.
+  stacked = {}
+  for i in range(cfg.num_layers):
+    for key, value in layer(i).items():
+      if key not in stacked:
+        stacked[key] = np.empty((cfg.num_layers, *value.shape), np_dtype)
+      stacked[key][i] = value
+  stacked = {key: jax.device_put(value) for key, value in stacked.items()}
+  lm_head = None if cfg.tie_embeddings else to_jax(get("output.weight", (cfg.vocab_size, d)).T)
+  return Params(embed=to_jax(get("token_embd.weight", (cfg.vocab_size, d))),
+                layers=LayerParams(**stacked),
+                final_norm=to_jax(get("output_norm.weight", (d,))), lm_head=lm_head)

@@ -1,0 +1,532 @@
+"""Hugging Face checkpoint directories (config.json + safetensors) to and from jaxspec `Params`.
+
+Supported architectures: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, in one
+`model.safetensors` or in shards listed by `model.safetensors.index.json`. Safetensors files are
+parsed here (an 8-byte header length, a JSON header, raw little-endian data) with every offset
+checked against the file size, so bfloat16 needs no torch and a truncated file is a clear
+`CheckpointError`. Pickled checkpoints (`pytorch_model.bin`) are never loaded.
+
+`save_hf` writes the same layout with Hugging Face tensor names, so `transformers` can read what
+jaxspec writes (a distilled draft model, or a tiny model in a test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxspec.models.config import LlamaConfig, RopeScaling
+from jaxspec.models.errors import CheckpointError
+from jaxspec.models.llama import LayerParams, Params
+from jaxspec.models.model import Model
+
+# Hugging Face class name <-> jaxspec `LlamaConfig.architecture`.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+_ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+              "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
+              "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+              "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+_FLOAT_DTYPES = tuple(_ST_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))
+_SAVE_DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", ml_dtypes.bfloat16),
+                "float16": ("F16", np.float16)}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+# -- safetensors ----------------------------------------------------------------------------------
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped).
+
+  Raises:
+    CheckpointError: the file is truncated, its header is malformed, or a tensor's offsets,
+      shape and dtype disagree.
+  """
+  path = Path(path)
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise CheckpointError(f"{path} is not a safetensors file: only {size} bytes long")
+    n = int.from_bytes(head, "little")
+    if n > min(size - 8, _MAX_HEADER):
+      raise CheckpointError(f"{path} is truncated or not a safetensors file: its header claims"
+                            f" {n} bytes but the file has {size}; re-download or re-save it")
+    raw = f.read(n)
+  try:
+    header = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON ({e})") from e
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
+  header.pop("__metadata__", None)
+  start = 8 + n
+  data = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
+  out = {}
+  for name, info in header.items():
+    try:
+      dtype = _ST_DTYPES[info["dtype"]]
+      shape = tuple(int(s) for s in info["shape"])
+      begin, end = (int(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+      raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}"
+                            f" ({type(e).__name__}: {e})") from e
+    if any(s < 0 for s in shape) or not 0 <= begin <= end:
+      raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {shape} or offsets"
+                            f" [{begin}, {end})")
+    if end - begin != math.prod(shape) * dtype.itemsize:
+      raise CheckpointError(f"{path}: tensor {name!r} of shape {shape} and dtype"
+                            f" {info['dtype']} does not fit its {end - begin} bytes")
+    if start + end > size:
+      raise CheckpointError(f"{path} is truncated: tensor {name!r} needs bytes up to"
+                            f" {start + end} but the file has {size}; re-download or re-save it")
+    out[name] = data[start + begin:start + end].view(dtype).reshape(shape)
+  return out
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+                      metadata: Mapping[str, str] | None = None) -> int:
+  """Writes `tensors` (numpy arrays) as one .safetensors file; returns the bytes of data."""
+  names = {v: k for k, v in _ST_DTYPES.items()}
+  header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+  offset = 0
+  arrays = []
+  for name, value in tensors.items():
+    a = np.ascontiguousarray(value)
+    if a.dtype not in names:
+      raise ValueError(f"tensor {name!r} has dtype {a.dtype}, which safetensors cannot store")
+    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    header[name] = {"dtype": names[a.dtype], "shape": list(a.shape),
+                    "data_offsets": [offset, offset + a.nbytes]}
+    offset += a.nbytes
+    arrays.append(a)
+  raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+  with open(path, "wb") as f:
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for a in arrays:
+      f.write(a.tobytes())
+  return offset
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> Any:
+  try:
+    return json.loads(path.read_text(encoding="utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def _ids(value: Any) -> list[int]:
+  """Token ids from a config value that is None, an int or a list of ints."""
+  if value is None:
+    return []
+  values = value if isinstance(value, list) else [value]
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    raise CheckpointError(f"token id {value!r} is not an integer or a list of integers")
+  return list(values)
+
+
+def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
+                   where: str = "config.json") -> LlamaConfig:
+  """A `LlamaConfig` from a Hugging Face config.json dict."""
+  try:
+    return _parse_config(config, dtype, where)
+  except CheckpointError:
+    raise
+  except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+    raise CheckpointError(f"{where} has a malformed value ({type(e).__name__}: {e}); compare it"
+                          " with the config.json that transformers writes") from e
+
+
+def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaConfig:
+  archs = config.get("architectures") or []
+  arch_name = archs[0] if archs else None
+  if arch_name is None:
+    by_type = {v: k for k, v in ARCHITECTURES.items()}
+    arch_name = by_type.get(_MODEL_TYPES.get(config.get("model_type")))
+  if arch_name not in ARCHITECTURES:
+    raise CheckpointError(
+        f"{where}: architecture {arch_name or config.get('model_type')!r} is not supported"
+        f" (supported: {', '.join(ARCHITECTURES)}); jaxspec runs Llama-family decoders only")
+  arch = ARCHITECTURES[arch_name]
+  if config.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"{where}: hidden_act {config['hidden_act']!r} is not supported;"
+                          " jaxspec's MLP is SwiGLU (silu)")
+  if config.get("mlp_bias"):
+    raise CheckpointError(f"{where}: mlp_bias is true; jaxspec's MLP has no biases")
+  try:
+    d = int(config["hidden_size"])
+    n_heads = int(config["num_attention_heads"])
+    n_layers = int(config["num_hidden_layers"])
+    ff = int(config["intermediate_size"])
+    vocab = int(config["vocab_size"])
+  except KeyError as e:
+    raise CheckpointError(f"{where}: required field {e.args[0]!r} is missing") from e
+  head_dim = int(config.get("head_dim") or d // n_heads)
+  n_kv = int(config.get("num_key_value_heads") or n_heads)
+
+  rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+  theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+  rope_type = rope.get("rope_type", rope.get("type"))
+  if rope_type in (None, "default"):
+    scaling = None
+  elif rope_type == "llama3":
+    scaling = RopeScaling(
+        factor=float(rope["factor"]), low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+  else:
+    raise CheckpointError(f"{where}: rope scaling type {rope_type!r} is not supported;"
+                          " jaxspec supports unscaled rotary embeddings and 'llama3' scaling")
+
+  if partial := config.get("partial_rotary_factor"):
+    if float(partial) != 1.0:
+      raise CheckpointError(f"{where}: partial_rotary_factor {partial} is not supported")
+
+  if arch == "mistral":
+    window = config.get("sliding_window")
+    attention_bias = False
+  elif arch == "qwen2":
+    attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+    window = None
+    if config.get("use_sliding_window"):
+      first_sliding = int(config.get("max_window_layers", n_layers))
+      if first_sliding < n_layers:
+        if first_sliding > 0:
+          raise CheckpointError(
+              f"{where}: sliding-window attention on layers {first_sliding}.. only (of"
+              f" {n_layers}) is not supported; jaxspec applies one window to all layers")
+        window = config.get("sliding_window")
+  else:
+    attention_bias = bool(config.get("attention_bias", False))
+    window = None
+  layer_types = config.get("layer_types")
+  if layer_types and len(set(layer_types)) > 1:
+    raise CheckpointError(f"{where}: mixed layer_types {sorted(set(layer_types))} are not"
+                          " supported; jaxspec applies one attention pattern to all layers")
+
+  eos = _ids(config.get("eos_token_id"))
+  bos = config.get("bos_token_id")
+  if isinstance(bos, list):
+    bos = bos[0] if bos else None
+  try:
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=n_layers,
+        num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rope_theta=theta,
+        rope_scaling=scaling, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias, sliding_window=None if window is None else int(window),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos) if eos else LlamaConfig.__dataclass_fields__[
+            "eos_token_ids"].default,
+        dtype=dtype, architecture=arch)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{where}: inconsistent configuration: {e}") from e
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
+  """The config.json dict `transformers` reads for `cfg`."""
+  by_arch = {v: k for k, v in ARCHITECTURES.items()}
+  if cfg.architecture not in by_arch:
+    raise ValueError(f"architecture {cfg.architecture!r} has no Hugging Face class: use one of"
+                     f" {sorted(by_arch)}")
+  if cfg.architecture == "mistral" and cfg.attention_bias:
+    raise ValueError("MistralForCausalLM has no attention biases: save this model with"
+                     " architecture 'llama' or 'qwen2'")
+  if cfg.architecture == "llama" and cfg.sliding_window is not None:
+    raise ValueError("LlamaForCausalLM has no sliding window: save this model with architecture"
+                     " 'mistral' (or 'qwen2' with biases)")
+  out: dict[str, Any] = {
+      "architectures": [by_arch[cfg.architecture]], "model_type": cfg.architecture,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+      "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+      "bos_token_id": cfg.bos_token_id,
+      "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1
+                       else list(cfg.eos_token_ids)),
+      "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+      "torch_dtype": dtype,
+      "rope_scaling": None if cfg.rope_scaling is None else {
+          "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
+          "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+          "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+          "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings},
+  }
+  if cfg.architecture == "llama":
+    out.update(attention_bias=cfg.attention_bias, mlp_bias=False)
+  elif cfg.architecture == "mistral":
+    out.update(sliding_window=cfg.sliding_window)
+  else:
+    sliding = cfg.sliding_window is not None
+    out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
+               max_window_layers=0 if sliding else cfg.num_layers)
+  return out
+
+
+# -- weights --------------------------------------------------------------------------------------
+
+
+def _shard_files(path: Path) -> list[Path]:
+  single = path / "model.safetensors"
+  if single.is_file():
+    return [single]
+  index = path / "model.safetensors.index.json"
+  if index.is_file():
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise CheckpointError(f"{index} has no weight_map: re-save the checkpoint")
+    files = []
+    for name in dict.fromkeys(weight_map.values()):
+      if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise CheckpointError(f"{index} names shard {name!r}, which is not a file name in the"
+                              " checkpoint directory")
+      if not (path / name).is_file():
+        raise CheckpointError(f"{index} lists shard {name}, which is missing from {path}:"
+                              " download every shard")
+      files.append(path / name)
+    return files
+  if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+    raise CheckpointError(f"{path} holds only PyTorch pickle weights, which jaxspec never"
+                          " unpickles: convert them to safetensors (save_pretrained with"
+                          " safe_serialization=True)")
+  raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf(path: str | os.PathLike, dtype: str = "float32") -> Model:
+  """Loads a Hugging Face checkpoint directory, tokenizer included when tokenizer.json exists.
+
+  Args:
+    path: directory with config.json and model.safetensors (or shards with an index json).
+    dtype: parameter dtype, "float32" or "bfloat16".
+  Returns:
+    `Model`.
+  Raises:
+    CheckpointError: missing or malformed files, unsupported architecture or settings.
+  """
+  if dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
+  path = Path(path)
+  if not path.exists():
+    raise CheckpointError(f"checkpoint directory {path} does not exist: check the path")
+  if not path.is_dir():
+    raise CheckpointError(f"{path} is not a directory: pass a Hugging Face model directory"
+                          " (config.json + safetensors), or a .gguf file to load_gguf")
+  config_file = path / "config.json"
+  if not config_file.is_file():
+    raise CheckpointError(f"{path} has no config.json: it is not a Hugging Face model directory")
+  config = _read_json(config_file)
+  if not isinstance(config, dict):
+    raise CheckpointError(f"{config_file} is not a JSON object")
+  cfg = config_from_hf(config, dtype, where=str(config_file))
+  tensors: dict[str, np.ndarray] = {}
+  for shard in _shard_files(path):
+    tensors.update(read_safetensors(shard))
+
+  # End-of-sequence ids: config.json's, then generation_config.json's (instruct models list
+  # their end-of-turn token there), else the tokenizer's.
+  generation = path / "generation_config.json"
+  eos = _ids(config.get("eos_token_id"))
+  if generation.is_file():
+    gen = _read_json(generation)
+    eos += [i for i in _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
+            if i not in eos]
+  tokenizer = None
+  if (path / "tokenizer.json").is_file():
+    from jaxspec.models.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=eos)
+    eos = eos or list(tokenizer.eos_token_ids)
+  if eos:
+    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos))
+  params = params_from_hf(tensors, cfg, where=str(path))
+  name = config.get("_name_or_path") or path.name
+  return Model(cfg=cfg, params=params, tokenizer=tokenizer, name=str(name))
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
+                   where: str = "checkpoint") -> Params:
+  """jaxspec `Params` from Hugging Face-named tensors ([out, in] linear weights)."""
+  d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                   cfg.head_dim)
+
+  def get(name, shape):
+    if name not in tensors:
+      raise CheckpointError(f"{where}: tensor {name!r} is missing; the checkpoint is incomplete"
+                            f" or not a {cfg.architecture} model")
+    a = tensors[name]
+    if tuple(a.shape) != shape:
+      raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(a.shape)}, expected"
+                            f" {shape} from config.json")
+    if a.dtype not in _FLOAT_DTYPES:
+      raise CheckpointError(f"{where}: tensor {name!r} has dtype {a.dtype}; weights must be"
+                            " floating point (quantized safetensors are not supported)")
+    return np.asarray(a, np.float32)
+
+  def layer(i):
+    p = f"model.layers.{i}."
+    out = dict(
+        attn_norm=get(p + "input_layernorm.weight", (d,)),
+        wq=get(p + "self_attn.q_proj.weight", (h * k, d)).T.reshape(d, h, k),
+        wk=get(p + "self_attn.k_proj.weight", (g * k, d)).T.reshape(d, g, k),
+        wv=get(p + "self_attn.v_proj.weight", (g * k, d)).T.reshape(d, g, k),
+        wo=get(p + "self_attn.o_proj.weight", (d, h * k)).T.reshape(h, k, d),
+        mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
+        w_gate=get(p + "mlp.gate_proj.weight", (f, d)).T,
+        w_up=get(p + "mlp.up_proj.weight", (f, d)).T,
+        w_down=get(p + "mlp.down_proj.weight", (d, f)).T)
+    if cfg.attention_bias:
+      out.update(bq=get(p + "self_attn.q_proj.bias", (h * k,)).reshape(h, k),
+                 bk=get(p + "self_attn.k_proj.bias", (g * k,)).reshape(g, k),
+                 bv=get(p + "self_attn.v_proj.bias", (g * k,)).reshape(g, k))
+    bo = p + "self_attn.o_proj.bias"
+    if bo in tensors and np.any(np.asarray(tensors[bo], np.float32) != 0):
+      raise CheckpointError(f"{where}: tensor {bo!r} is nonzero; jaxspec has no output-projection"
+                            " bias")
+    return out
+
+  np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
+
+  def to_jax(x):
+    return jax.device_put(np.ascontiguousarray(x, np_dtype))
+
+  # Layers go straight into stacked [L, ...] arrays: one copy per weight, not three.
+  stacked = {}
+  for i in range(cfg.num_layers):
+    for key, value in layer(i).items():
+      if key not in stacked:
+        stacked[key] = np.empty((cfg.num_layers, *value.shape), np_dtype)
+      stacked[key][i] = value
+  stacked = {key: jax.device_put(value) for key, value in stacked.items()}
+  lm_head = None
+  if not cfg.tie_embeddings:
+    if "lm_head.weight" not in tensors:
+      raise CheckpointError(f"{where}: tensor 'lm_head.weight' is missing but config.json has"
+                            " tie_word_embeddings false; set it to true if the head is tied")
+    lm_head = to_jax(get("lm_head.weight", (cfg.vocab_size, d)).T)
+  return Params(embed=to_jax(get("model.embed_tokens.weight", (cfg.vocab_size, d))),
+                layers=LayerParams(**stacked), final_norm=to_jax(get("model.norm.weight", (d,))),
+                lm_head=lm_head)
+
+
+def params_to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
+  """Hugging Face-named float32 numpy tensors ([out, in] linear weights) of `params`."""
+  d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+  def np32(x):
+    return np.asarray(x).astype(np.float32)
+
+  lp = params.layers
+  layers = {name: np32(getattr(lp, name)) for name in
+            ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")}
+  biases = {name: np32(getattr(lp, name)) for name in ("bq", "bk", "bv")
+            if getattr(lp, name) is not None}
+  if cfg.attention_bias != bool(biases):
+    raise ValueError(f"cfg.attention_bias is {cfg.attention_bias} but params"
+                     f" {'have' if biases else 'lack'} q/k/v biases: make them agree")
+  out = {"model.embed_tokens.weight": np32(params.embed)}
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    out[p + "input_layernorm.weight"] = layers["attn_norm"][i]
+    out[p + "self_attn.q_proj.weight"] = layers["wq"][i].reshape(d, h * k).T
+    out[p + "self_attn.k_proj.weight"] = layers["wk"][i].reshape(d, g * k).T
+    out[p + "self_attn.v_proj.weight"] = layers["wv"][i].reshape(d, g * k).T
+    out[p + "self_attn.o_proj.weight"] = layers["wo"][i].reshape(h * k, d).T
+    if biases:
+      out[p + "self_attn.q_proj.bias"] = biases["bq"][i].reshape(h * k)
+      out[p + "self_attn.k_proj.bias"] = biases["bk"][i].reshape(g * k)
+      out[p + "self_attn.v_proj.bias"] = biases["bv"][i].reshape(g * k)
+      if cfg.architecture == "llama":  # HF Llama's attention_bias also biases o_proj
+        out[p + "self_attn.o_proj.bias"] = np.zeros((d,), np.float32)
+    elif cfg.architecture == "qwen2":  # HF Qwen2 always has q/k/v biases
+      out[p + "self_attn.q_proj.bias"] = np.zeros((h * k,), np.float32)
+      out[p + "self_attn.k_proj.bias"] = np.zeros((g * k,), np.float32)
+      out[p + "self_attn.v_proj.bias"] = np.zeros((g * k,), np.float32)
+    out[p + "post_attention_layernorm.weight"] = layers["mlp_norm"][i]
+    out[p + "mlp.gate_proj.weight"] = layers["w_gate"][i].T
+    out[p + "mlp.up_proj.weight"] = layers["w_up"][i].T
+    out[p + "mlp.down_proj.weight"] = layers["w_down"][i].T
+  out["model.norm.weight"] = np32(params.final_norm)
+  if params.lm_head is not None:
+    out["lm_head.weight"] = np32(params.lm_head).T
+  elif not cfg.tie_embeddings:
+    raise ValueError("params.lm_head is None but cfg.tie_embeddings is False: make them agree")
+  return out
+
+
+def save_hf(model: Model | tuple[LlamaConfig, Params], path: str | os.PathLike,
+            dtype: str | None = None, *, max_shard_bytes: int | None = None) -> Path:
+  """Writes a Hugging Face checkpoint directory that `load_hf` and `transformers` read.
+
+  Args:
+    model: a `Model` (its tokenizer is saved too, when it has one) or a `(cfg, params)` pair.
+    path: output directory (created if needed; existing checkpoint files are overwritten).
+    dtype: storage dtype, "float32", "bfloat16" or "float16"; default `cfg.dtype`.
+    max_shard_bytes: when set, split the weights into shards of at most this size (one tensor
+      may exceed it) named model-0000i-of-0000n.safetensors, listed in
+      model.safetensors.index.json.
+  Returns:
+    The directory path.
+  """
+  if isinstance(model, Model):
+    cfg, params, tokenizer = model.cfg, model.params, model.tokenizer
+  else:
+    (cfg, params), tokenizer = model, None
+  dtype = cfg.dtype if dtype is None else dtype
+  if dtype not in _SAVE_DTYPES:
+    raise ValueError(f"dtype {dtype!r} cannot be saved: use one of {sorted(_SAVE_DTYPES)}")
+  np_dtype = _SAVE_DTYPES[dtype][1]
+  config = config_to_hf(cfg, dtype)
+  tensors = {k: v.astype(np_dtype) for k, v in params_to_hf(params, cfg).items()}
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  for stale in [path / "model.safetensors", path / "model.safetensors.index.json",
+                *path.glob("model-*-of-*.safetensors")]:
+    stale.unlink(missing_ok=True)
+  (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+  if max_shard_bytes is None:
+    write_safetensors(path / "model.safetensors", tensors)
+  else:
+    shards: list[dict[str, np.ndarray]] = [{}]
+    used = 0
+    for name, a in tensors.items():
+      if shards[-1] and used + a.nbytes > max_shard_bytes:
+        shards.append({})
+        used = 0
+      shards[-1][name] = a
+      used += a.nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+      file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      total += write_safetensors(path / file, shard)
+      weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n",
+                                                       encoding="utf-8")
+  if tokenizer is not None and hasattr(tokenizer, "backend"):
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    tok_config = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                  "add_bos_token": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
+                  "tokenizer_class": "PreTrainedTokenizerFast",
+                  "model_max_length": cfg.max_position_embeddings}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n",
+                                                encoding="utf-8")
+  return path

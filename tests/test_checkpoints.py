@@ -1,0 +1,488 @@
+"""Checkpoints: GGUF dequantizers, GGUF and Hugging Face round trips, bad input, HF parity."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models.config import RopeScaling
+from jaxspec.models.errors import CheckpointError
+from jaxspec.models.gguf_loader import dequantize, llama3_rope_factors, load_gguf
+from jaxspec.models.hf_loader import (load_hf, params_from_hf, params_to_hf, read_safetensors,
+                                      save_hf)
+from jaxspec.models.llama import rope_inv_freq
+from jaxspec.models.loading import bundled_gguf_path, load
+from jaxspec.models.model import Model
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+REFERENCE = SHARED / "reference" / "smollm2_hf_reference.npz"
+T = gguf.GGMLQuantizationType
+
+
+_forward = jax.jit(forward, static_argnums=3)
+
+
+def _logits(params, cfg, tokens):
+  """float32 logits [T, V] of one row of tokens through a fresh cache."""
+  tokens = jnp.asarray(tokens, jnp.int32)[None]
+  logits, _, _ = _forward(params, tokens, init_cache(cfg, 1, tokens.shape[1]), cfg)
+  return np.asarray(logits[0])
+
+
+def _assert_params_equal(a, b, atol=0.0):
+  la, tree_a = jax.tree_util.tree_flatten(a)
+  lb, tree_b = jax.tree_util.tree_flatten(b)
+  assert tree_a == tree_b
+  for x, y in zip(la, lb):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=atol,
+                               rtol=0)
+
+
+# -- dequantizers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_dequantize_matches_gguf(qtype):
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 10, (7, 1))).astype(np.float32)
+  x[0, :32] = 0.0  # an all-zero block (scale 0)
+  x[1, :32] = 3.0  # a constant block (Q4_1 range 0)
+  q = gguf.quants.quantize(x, T[qtype])
+  ours = dequantize(q, qtype, x.shape)
+  assert ours.dtype == np.float32 and ours.shape == x.shape
+  np.testing.assert_array_equal(ours, gguf.quants.dequantize(q, T[qtype]).reshape(x.shape))
+  # and it is the tensor that was quantized, within the type's precision (relative to a row)
+  tol = {"F32": 0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_0": 0.13, "Q4_1": 0.07}[qtype]
+  assert np.all(np.abs(ours - x) <= tol * np.abs(x).max(axis=1, keepdims=True))
+
+
+def test_dequantize_rejects_wrong_sizes_and_types():
+  with pytest.raises(CheckpointError, match="needs 68 bytes"):
+    dequantize(np.zeros(60, np.uint8), "Q8_0", (64,))
+  with pytest.raises(CheckpointError, match="Q5_K is not supported"):
+    dequantize(np.zeros(176, np.uint8), "Q5_K", (256,))
+
+
+# -- GGUF round trip ------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+      range(ord("®"), ord("ÿ") + 1))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
+TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+  """(tokens, token types, merges) of a tiny byte-level BPE vocabulary (262 + merges)."""
+  tokens = TINY_SPECIAL + [_bytes_to_unicode()[b] for b in range(256)]
+  tokens += ["".join(m) for m in TINY_MERGES]
+  types = [3] * len(TINY_SPECIAL) + [1] * (len(tokens) - len(TINY_SPECIAL))
+  return tokens, types, [" ".join(m) for m in TINY_MERGES]
+
+
+def _permute(w, n_head):
+  """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+      w.shape)
+
+
+# ggml type of each tensor in the tiny GGUF: covers every supported type.
+TINY_TYPES = {"token_embd": "Q8_0", "output": "F16", "attn_q": "F16", "attn_k": "Q8_0",
+              "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "BF16", "ffn_up": "Q8_0",
+              "ffn_down": "F32", "norm": "F32", "bias": "F32"}
+
+
+def write_tiny_gguf(path, cfg, params, *, arch="llama", types=None, rope_factors=None,
+                    tokenizer=True):
+  """Writes `params` as llama.cpp would; returns the HF-named tensors as dequantized."""
+  types = {**TINY_TYPES, **(types or {})}
+  hf = params_to_hf(params, cfg)
+  w = gguf.GGUFWriter(str(path), arch)
+  w.add_name("tiny")
+  w.add_block_count(cfg.num_layers)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_heads)
+  w.add_head_count_kv(cfg.num_kv_heads)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_rope_dimension_count(cfg.head_dim)
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  if tokenizer:
+    tokens, token_types, merges = tiny_vocab()
+    assert len(tokens) <= cfg.vocab_size
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TINY_TEMPLATE)
+  expected = {}
+
+  def add(gguf_name, hf_name, kind, n_head=None):
+    x = hf[hf_name]
+    if n_head is not None and arch == "llama":
+      x = _permute(x, n_head)
+    q = gguf.quants.quantize(np.ascontiguousarray(x, np.float32), T[types[kind]])
+    w.add_tensor(gguf_name, q, raw_dtype=T[types[kind]])
+    # Quantization works on blocks within a row, so dequantizing the permuted rows and undoing
+    # the permutation equals quantizing the original: compare against that, permutation-free.
+    expected[hf_name] = gguf.quants.dequantize(
+        gguf.quants.quantize(np.ascontiguousarray(hf[hf_name], np.float32), T[types[kind]]),
+        T[types[kind]]).reshape(hf[hf_name].shape)
+
+  add("token_embd.weight", "model.embed_tokens.weight", "token_embd")
+  add("output_norm.weight", "model.norm.weight", "norm")
+  if not cfg.tie_embeddings:
+    add("output.weight", "lm_head.weight", "output")
+  if rope_factors is not None:
+    w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
+  for i in range(cfg.num_layers):
+    p, b = f"model.layers.{i}.", f"blk.{i}."
+    add(b + "attn_norm.weight", p + "input_layernorm.weight", "norm")
+    add(b + "attn_q.weight", p + "self_attn.q_proj.weight", "attn_q", cfg.num_heads)
+    add(b + "attn_k.weight", p + "self_attn.k_proj.weight", "attn_k", cfg.num_kv_heads)
+    add(b + "attn_v.weight", p + "self_attn.v_proj.weight", "attn_v")
+    add(b + "attn_output.weight", p + "self_attn.o_proj.weight", "attn_output")
+    if cfg.attention_bias:
+      add(b + "attn_q.bias", p + "self_attn.q_proj.bias", "bias", cfg.num_heads)
+      add(b + "attn_k.bias", p + "self_attn.k_proj.bias", "bias", cfg.num_kv_heads)
+      add(b + "attn_v.bias", p + "self_attn.v_proj.bias", "bias")
+    add(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", "norm")
+    add(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", "ffn_gate")
+    add(b + "ffn_up.weight", p + "mlp.up_proj.weight", "ffn_up")
+    add(b + "ffn_down.weight", p + "mlp.down_proj.weight", "ffn_down")
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return expected
+
+
+def _tiny(arch="llama", **overrides):
+  cfg = tiny_config(vocab_size=272, architecture=arch, bos_token_id=1, eos_token_ids=(2,),
+                    rms_norm_eps=1e-5, **overrides)
+  params = init_params(cfg, jax.random.key(0), scale=0.1)
+  # Non-trivial norms, so a norm read from the wrong tensor cannot pass.
+  layers = dataclasses.replace(
+      params.layers, attn_norm=1 + 0.1 * jax.random.normal(jax.random.key(1), (2, 64)),
+      mlp_norm=1 + 0.1 * jax.random.normal(jax.random.key(2), (2, 64)))
+  return cfg, dataclasses.replace(params, layers=layers)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("llama", {"tie_embeddings": True}),
+    ("qwen2", {"attention_bias": True, "tie_embeddings": True}),
+])
+def test_tiny_gguf_round_trip(tmp_path, arch, overrides):
+  cfg, params = _tiny(arch, **overrides)
+  expected = write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, arch=arch)
+  model = load_gguf(tmp_path / "tiny.gguf")
+  assert model.cfg == cfg
+  assert model.name == "tiny"
+  # Exactly the dequantized originals, with llama.cpp's Q/K row permutation undone.
+  _assert_params_equal(model.params, params_from_hf(expected, cfg), atol=1e-6)
+  # ... which are the originals up to quantization error.
+  _assert_params_equal(model.params, params, atol=0.05)
+  tokens = np.arange(3, 40)
+  np.testing.assert_allclose(_logits(model.params, cfg, tokens),
+                             _logits(params_from_hf(expected, cfg), cfg, tokens), atol=1e-4)
+  # Against the unquantized model only roughly: 4-bit weights move logits by ~0.3.
+  corr = np.corrcoef(_logits(model.params, cfg, tokens).ravel(),
+                     _logits(params, cfg, tokens).ravel())[0, 1]
+  assert corr > 0.95
+
+
+def test_tiny_gguf_tokenizer(tmp_path):
+  cfg, params = _tiny()
+  write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
+  tok = load_gguf(tmp_path / "tiny.gguf").tokenizer
+  ids = tok.encode("hello world<|im_end|>")
+  inv = {t: i for i, t in enumerate(tiny_vocab()[0])}
+  assert ids == [inv["hell"], inv["o"], inv["Ġw"], inv["or"], inv["l"], inv["d"], 2]
+  assert tok.decode(ids) == "hello world"
+  assert tok.decode(ids, skip_special_tokens=False) == "hello world<|im_end|>"
+  assert tok.eos_token_ids == (2,) and tok.vocab_size == len(inv)
+  assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("scaling", [
+    RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=8.0,
+                original_max_position_embeddings=1000),  # two blended frequencies: fitted
+    RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192),  # Llama 3.1's values; one blended
+])
+def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, scaling):
+  cfg, params = _tiny()
+  factors = llama3_rope_factors(scaling, cfg.rope_theta, cfg.head_dim)
+  write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, rope_factors=factors)
+  loaded = load_gguf(tmp_path / "tiny.gguf").cfg
+  assert loaded.rope_scaling is not None
+  np.testing.assert_allclose(rope_inv_freq(loaded),
+                             rope_inv_freq(dataclasses.replace(cfg, rope_scaling=scaling)),
+                             rtol=1e-5)
+
+
+def test_bundled_model_config(smollm):
+  cfg = smollm.cfg
+  assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+          cfg.vocab_size) == (30, 576, 9, 3, 64, 49152)
+  assert cfg.tie_embeddings and smollm.params.lm_head is None
+  assert cfg.eos_token_ids == (2,) and cfg.rope_theta == 100000.0
+  assert smollm.params.layers.wq.shape == (30, 576, 9, 64)
+
+
+# -- Hugging Face round trip ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("llama", {"attention_bias": True, "rope_scaling": RopeScaling(factor=4.0)}),
+    ("mistral", {"sliding_window": 5, "tie_embeddings": True}),
+    ("qwen2", {"attention_bias": True, "tie_embeddings": True}),
+])
+def test_hf_round_trip(tmp_path, arch, overrides):
+  cfg, params = _tiny(arch, **overrides)
+  save_hf((cfg, params), tmp_path)
+  model = load_hf(tmp_path)
+  assert model.cfg == cfg
+  _assert_params_equal(model.params, params)
+  tokens = np.arange(3, 20)
+  np.testing.assert_array_equal(_logits(model.params, cfg, tokens), _logits(params, cfg, tokens))
+  # transformers' own reader (the safetensors package) agrees with ours on the file
+  from safetensors.numpy import load_file
+  theirs = load_file(tmp_path / "model.safetensors")
+  ours = read_safetensors(tmp_path / "model.safetensors")
+  assert theirs.keys() == ours.keys()
+  for k in theirs:
+    np.testing.assert_array_equal(theirs[k], ours[k])
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["architectures"] == [{"llama": "LlamaForCausalLM",
+                                      "mistral": "MistralForCausalLM",
+                                      "qwen2": "Qwen2ForCausalLM"}[arch]]
+
+
+def test_hf_sharded_bf16_round_trip(tmp_path):
+  cfg, params = _tiny()
+  save_hf((cfg, params), tmp_path, dtype="bfloat16", max_shard_bytes=40_000)
+  index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+  shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+  assert len(shards) > 2 and set(index["weight_map"].values()) == {s.name for s in shards}
+  assert not (tmp_path / "model.safetensors").exists()
+  assert read_safetensors(shards[0])["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
+  model = load_hf(tmp_path)  # float32 params from bf16 storage: exactly the rounded weights
+  as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  _assert_params_equal(model.params, as_bf16)
+  model16 = load(str(tmp_path), dtype="bfloat16")
+  assert model16.cfg.dtype == "bfloat16" and model16.params.embed.dtype == jnp.bfloat16
+  tokens = np.arange(3, 20)
+  np.testing.assert_array_equal(_logits(model.params, cfg, tokens),
+                                _logits(as_bf16, cfg, tokens))
+
+
+def test_hf_reads_safetensors_written_by_the_library(tmp_path):
+  from safetensors.numpy import save_file
+  cfg, params = _tiny()
+  save_hf((cfg, params), tmp_path)
+  save_file(read_safetensors(tmp_path / "model.safetensors") | {}, tmp_path / "other.safetensors")
+  ours = read_safetensors(tmp_path / "other.safetensors")
+  _assert_params_equal(params_from_hf(ours, cfg), params)
+
+
+def test_hf_model_with_tokenizer_round_trip(tmp_path):
+  cfg, params = _tiny()
+  write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
+  model = load(str(tmp_path / "tiny.gguf"))
+  save_hf(model, tmp_path / "hf")
+  back = load_hf(tmp_path / "hf")
+  text = "hello world <|im_start|>x"
+  assert back.tokenizer.encode(text) == model.tokenizer.encode(text)
+  msgs = [{"role": "user", "content": "hi"}]
+  assert back.tokenizer.apply_chat_template(msgs) == model.tokenizer.apply_chat_template(msgs)
+  assert back.cfg.eos_token_ids == (2,) and back.tokenizer.eos_token_ids == (2,)
+
+
+def test_hf_config_fields(tmp_path):
+  """eos lists, generation_config eos, head_dim default and Qwen2 sliding-window switch."""
+  cfg, params = _tiny("qwen2", attention_bias=True)
+  save_hf((cfg, params), tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  del config["head_dim"]
+  config.update(eos_token_id=[2, 5], use_sliding_window=False, sliding_window=4096,
+                rope_scaling={"rope_type": "default"})
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+  loaded = load_hf(tmp_path).cfg
+  assert loaded.eos_token_ids == (2, 5, 7)
+  assert loaded.head_dim == 16 and loaded.sliding_window is None and loaded.rope_scaling is None
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_missing_paths(tmp_path):
+  with pytest.raises(CheckpointError, match="does not exist"):
+    load_gguf(tmp_path / "nope.gguf")
+  with pytest.raises(CheckpointError, match="does not exist"):
+    load_hf(tmp_path / "nope")
+  with pytest.raises(CheckpointError, match="does not exist"):
+    load(str(tmp_path / "nope.gguf"))
+  with pytest.raises(CheckpointError, match="smollm2-135m.*gguf.*config.json"):
+    load("llama-70b")
+  with pytest.raises(CheckpointError, match="no config.json"):
+    load(str(tmp_path))
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3, 0.7, 0.999])
+def test_truncated_tiny_gguf(tmp_path, fraction):
+  cfg, params = _tiny()
+  write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
+  data = (tmp_path / "tiny.gguf").read_bytes()
+  (tmp_path / "cut.gguf").write_bytes(data[:int(len(data) * fraction)])
+  with pytest.raises(CheckpointError, match="truncated|not a GGUF file"):
+    load_gguf(tmp_path / "cut.gguf")
+
+
+def test_truncated_bundled_gguf(tmp_path):
+  with open(bundled_gguf_path(), "rb") as f:
+    (tmp_path / "cut.gguf").write_bytes(f.read(40_000_000))
+  with pytest.raises(CheckpointError, match="truncated: tensor 'blk.*' needs bytes up to"):
+    load_gguf(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_garbage_gguf(tmp_path, seed):
+  rng = np.random.default_rng(seed)
+  (tmp_path / "junk.gguf").write_bytes(rng.bytes(5000))
+  with pytest.raises(CheckpointError, match="not a GGUF file"):
+    load_gguf(tmp_path / "junk.gguf")
+  # Valid magic and version, garbage after: huge counts and lengths must not allocate or hang.
+  (tmp_path / "junk.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + rng.bytes(5000))
+  with pytest.raises(CheckpointError, match="truncated or corrupt|corrupt"):
+    load_gguf(tmp_path / "junk.gguf")
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+  w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma")
+  w.add_block_count(1)
+  w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(CheckpointError, match="architecture 'gemma' is not supported"):
+    load_gguf(tmp_path / "g.gguf")
+
+
+def test_gguf_unsupported_quant_type(tmp_path):
+  cfg, params = _tiny()
+  write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, types={"ffn_up": "Q5_0"})
+  with pytest.raises(CheckpointError, match=r"Q5_0 \(e\.g\. blk\.0\.ffn_up\.weight\)"):
+    load_gguf(tmp_path / "tiny.gguf")
+
+
+def test_truncated_and_malformed_safetensors(tmp_path):
+  cfg, params = _tiny()
+  save_hf((cfg, params), tmp_path)
+  st = tmp_path / "model.safetensors"
+  data = st.read_bytes()
+  st.write_bytes(data[:len(data) - 100])
+  with pytest.raises(CheckpointError, match="truncated: tensor"):
+    load_hf(tmp_path)
+  st.write_bytes(data[:200])
+  with pytest.raises(CheckpointError, match="truncated or not a safetensors file"):
+    load_hf(tmp_path)
+  st.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}" + data[28:])
+  with pytest.raises(CheckpointError, match="header is not JSON"):
+    load_hf(tmp_path)
+  st.write_bytes(b"abc")
+  with pytest.raises(CheckpointError, match="not a safetensors file"):
+    load_hf(tmp_path)
+
+
+def test_hf_unsupported_architecture_and_missing_files(tmp_path):
+  cfg, params = _tiny()
+  save_hf((cfg, params), tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+  with pytest.raises(CheckpointError, match="architecture 'GPT2LMHeadModel' is not supported"):
+    load_hf(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(
+      config | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+  with pytest.raises(CheckpointError, match="rope scaling type 'yarn'"):
+    load_hf(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+  with pytest.raises(CheckpointError, match="never unpickles"):
+    load_hf(tmp_path)
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+  with pytest.raises(CheckpointError, match="missing"):
+    load_hf(tmp_path)
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"model.norm.weight": "../config.json"}}))
+  with pytest.raises(CheckpointError, match="not a file name"):
+    load_hf(tmp_path)
+
+
+def test_hf_missing_tensor(tmp_path):
+  cfg, params = _tiny()
+  tensors = params_to_hf(params, cfg)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+    params_from_hf(tensors, cfg)
+
+
+# -- parity with Hugging Face ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Model:
+  return load()
+
+
+@pytest.fixture(scope="module")
+def reference():
+  if not REFERENCE.is_file():
+    pytest.skip(f"Hugging Face reference {REFERENCE} is absent (it lives in the shared folder)")
+  with np.load(REFERENCE, allow_pickle=False) as z:
+    return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_logits_match_hugging_face(smollm, reference, i):
+  n = int(reference["prompt_len"][i])
+  # Full float32 matmuls: accelerators default to TF32-like precision, which moves logits ~1e-2.
+  with jax.default_matmul_precision("highest"):
+    logits = _logits(smollm.params, smollm.cfg, reference["prompt_ids"][i, :n])
+  np.testing.assert_allclose(logits[-8:], reference[f"logits_{i}"], atol=1e-3, rtol=0)

@@ -1,0 +1,122 @@
+"""The model and its cache: consistency, rollback, ragged rows, rotary scaling, variants."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import (LlamaConfig, RopeScaling, forward, init_cache, init_params,
+                            tiny_config)
+from jaxspec.models.llama import rope_inv_freq
+
+fwd = jax.jit(forward, static_argnames=("cfg", "hidden_layers", "logits"))
+
+
+def _model(**over):
+  cfg = tiny_config(**over)
+  return cfg, init_params(cfg, jax.random.key(1), scale=0.2)
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True},
+                                     {"sliding_window": 5}, {"tie_embeddings": True},
+                                     {"rope_scaling": RopeScaling(factor=8.0,
+                                                                  original_max_position_embeddings=64)}])
+def test_token_by_token_equals_full_forward(variant):
+  cfg, params = _model(**variant)
+  toks = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
+  full, _, c = fwd(params, toks, init_cache(cfg, 2, 32), cfg)
+  np.testing.assert_array_equal(c.length, [12, 12])
+  cache = init_cache(cfg, 2, 32)
+  steps = []
+  for t in range(12):
+    lg, _, cache = fwd(params, toks[:, t:t + 1], cache, cfg)
+    steps.append(lg)
+  np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
+
+
+def test_rollback_is_complete():
+  cfg, params = _model()
+  toks = jax.random.randint(jax.random.key(3), (1, 10), 0, cfg.vocab_size)
+  junk = jax.random.randint(jax.random.key(4), (1, 4), 0, cfg.vocab_size)
+  _, _, c = fwd(params, toks[:, :6], init_cache(cfg, 1, 32), cfg)
+  _, _, c_junk = fwd(params, junk, c, cfg)  # written past...
+  c_back = dataclasses.replace(c_junk, length=c_junk.length - 4)  # ...and rolled back
+  l_back, _, _ = fwd(params, toks[:, 6:], c_back, cfg)
+  l_ref, _, _ = fwd(params, toks[:, 6:], c, cfg)
+  np.testing.assert_allclose(l_back, l_ref, atol=1e-6)
+
+
+def test_ragged_rows_match_rows_alone():
+  cfg, params = _model()
+  a = jax.random.randint(jax.random.key(5), (1, 9), 0, cfg.vocab_size)
+  b = jax.random.randint(jax.random.key(6), (1, 4), 0, cfg.vocab_size)
+  # Prefill both rows padded to 9, roll row 1 back to its true length 4.
+  batch = jnp.concatenate([a, jnp.pad(b, ((0, 0), (0, 5)))], 0)
+  _, _, c = fwd(params, batch, init_cache(cfg, 2, 32), cfg)
+  c = dataclasses.replace(c, length=jnp.array([9, 4], jnp.int32))
+  nxt = jax.random.randint(jax.random.key(7), (2, 3), 0, cfg.vocab_size)
+  lb, _, c2 = fwd(params, nxt, c, cfg)
+  np.testing.assert_array_equal(c2.length, [12, 7])
+  for row, pre in enumerate([a, b]):
+    _, _, ci = fwd(params, pre, init_cache(cfg, 1, 32), cfg)
+    li, _, _ = fwd(params, nxt[row:row + 1], ci, cfg)
+    np.testing.assert_allclose(lb[row], li[0], atol=2e-5)
+
+
+def test_hidden_layers_are_layer_outputs():
+  cfg, params = _model(num_layers=3)
+  toks = jax.random.randint(jax.random.key(8), (1, 5), 0, cfg.vocab_size)
+  _, h, _ = fwd(params, toks, init_cache(cfg, 1, 16), cfg, hidden_layers=(0, 2))
+  assert h.layers.shape == (2, 1, 5, cfg.hidden_size)
+  from jaxspec.models.llama import rms_norm
+  np.testing.assert_allclose(rms_norm(h.layers[1], params.final_norm, cfg.rms_norm_eps), h.final,
+                             atol=1e-5)
+  one = dataclasses.replace(cfg, num_layers=1)
+  p1 = dataclasses.replace(params, layers=jax.tree.map(lambda x: x[:1], params.layers))
+  _, h1, _ = fwd(p1, toks, init_cache(one, 1, 16), one, hidden_layers=(0,))
+  np.testing.assert_allclose(h1.layers[0], h.layers[0], atol=1e-5)
+
+
+def test_llama3_rope_scaling_matches_reference_formula():
+  s = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=8192)
+  cfg = LlamaConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=1,
+                    num_heads=1, num_kv_heads=1, head_dim=128, rope_theta=500000.0,
+                    rope_scaling=s)
+  # Hugging Face's _compute_llama3_parameters, written out in numpy.
+  base = 1.0 / (500000.0 ** (np.arange(0, 128, 2, dtype=np.float64) / 128))
+  low_wl, high_wl = 8192 / 1.0, 8192 / 4.0
+  out = []
+  for f in base:
+    wl = 2 * math.pi / f
+    if wl < high_wl:
+      out.append(f)
+    elif wl > low_wl:
+      out.append(f / 8.0)
+    else:
+      sm = (8192 / wl - 1.0) / (4.0 - 1.0)
+      out.append((1 - sm) * f / 8.0 + sm * f)
+  np.testing.assert_allclose(rope_inv_freq(cfg), np.array(out), rtol=1e-5)
+
+
+def test_bfloat16_close_to_float32():
+  cfg, params = _model()
+  cfg16 = dataclasses.replace(cfg, dtype="bfloat16")
+  p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  toks = jax.random.randint(jax.random.key(9), (1, 8), 0, cfg.vocab_size)
+  l32, _, _ = fwd(params, toks, init_cache(cfg, 1, 16), cfg)
+  l16, _, c16 = fwd(p16, toks, init_cache(cfg16, 1, 16), cfg16)
+  assert c16.k.dtype == jnp.bfloat16 and l16.dtype == jnp.float32
+  # bfloat16 keeps ~3 significant digits: relative error of a few percent of the logit scale.
+  err = np.abs(np.asarray(l16) - np.asarray(l32)).max() / np.abs(np.asarray(l32)).max()
+  assert err < 0.05, err
+
+
+def test_config_rejects_bad_gqa_and_dtype():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    tiny_config(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match="dtype"):
+    tiny_config(dtype="float16")

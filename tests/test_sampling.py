@@ -1,0 +1,69 @@
+"""The sampling module: filters against a numpy reference, argument validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.sampling import Sampling, probs, sample
+
+
+def _ref_probs(logits, t, k, p, m):
+  """Hugging Face warper order: temperature, top-k, top-p, min-p."""
+  x = logits.astype(np.float64) / t
+  if k > 0:
+    kth = np.sort(x)[::-1][k - 1]
+    x = np.where(x >= kth, x, -np.inf)
+  if p < 1:
+    order = np.argsort(-x, kind="stable")
+    pr = np.exp(x[order] - x[order][0])
+    pr /= pr.sum()
+    before = np.cumsum(pr) - pr
+    drop = order[before >= p]
+    x[drop] = -np.inf
+  if m > 0:
+    pr = np.exp(x - x.max())
+    pr /= pr.sum()
+    x = np.where(pr >= m * pr.max(), x, -np.inf)
+  pr = np.exp(x - x.max())
+  return pr / pr.sum()
+
+
+@pytest.mark.parametrize("t,k,p,m", [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.6, 0.0),
+                                     (1.0, 0, 1.0, 0.2), (0.9, 10, 0.8, 0.05)])
+def test_probs_match_reference(t, k, p, m):
+  logits = jax.random.normal(jax.random.key(0), (3, 40)) * 3
+  sp = Sampling(temperature=t, top_k=k, top_p=p, min_p=m).arrays(3)
+  got = np.asarray(probs(logits, sp))
+  for r in range(3):
+    np.testing.assert_allclose(got[r], _ref_probs(np.asarray(logits[r]), t, k, p, m), atol=1e-6)
+
+
+def test_greedy_is_one_hot_and_rows_can_differ():
+  logits = jax.random.normal(jax.random.key(1), (2, 16))
+  sp = Sampling().arrays(2)
+  sp.temperature = jnp.array([0.0, 1.0])
+  pr = np.asarray(probs(logits, sp))
+  assert pr[0].max() == 1.0 and pr[0].argmax() == int(logits[0].argmax())
+  np.testing.assert_allclose(pr[1], jax.nn.softmax(logits[1]), atol=1e-6)
+  keys = jax.random.split(jax.random.key(2), 2)
+  assert int(sample(keys, logits, sp)[0]) == int(logits[0].argmax())
+
+
+def test_sample_frequencies():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.2, 0.0]]))
+  sp = Sampling(temperature=1.0, top_k=2).arrays(4000)
+  keys = jax.random.split(jax.random.key(3), 4000)
+  toks = np.asarray(sample(keys, jnp.repeat(logits, 4000, 0), sp))
+  freq = np.bincount(toks, minlength=4) / 4000
+  # top-k 2 renormalises {0.5, 0.3}: 0.625 / 0.375; 5 sigma of a binomial with n=4000 is 0.038.
+  np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.04)
+
+
+@pytest.mark.parametrize("kw,match", [({"temperature": -0.1}, "temperature"),
+                                      ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                                      ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+                                      ({"min_p": 1.5}, "min_p")])
+def test_bad_sampling_values(kw, match):
+  with pytest.raises(ValueError, match=match):
+    Sampling(**kw)

@@ -1,0 +1,61 @@
+"""The real model: greedy parity with Hugging Face, and speculative greedy equality on it."""
+
+import numpy as np
+import pytest
+
+from conftest import REFERENCE, shared_or_skip
+from jaxspec.drafters import NGram
+from jaxspec.generate import generate
+from jaxspec.speculative import speculative_generate
+
+N = 128
+
+
+@pytest.fixture(scope="module")
+def ref():
+  return np.load(shared_or_skip(REFERENCE), allow_pickle=False)
+
+
+@pytest.fixture(scope="module")
+def greedy(smollm2, ref):
+  """Our greedy continuations of all 26 reference prompts, EOS-stopping, in two length buckets
+  (so short prompts are not padded to the longest)."""
+  lens = ref["prompt_len"]
+  prompts = [ref["prompt_ids"][i, :lens[i]].tolist() for i in range(len(lens))]
+  out = {}
+  for bucket in (np.flatnonzero(lens <= 128), np.flatnonzero(lens > 128)):
+    res = generate(smollm2, [prompts[i] for i in bucket], max_new_tokens=N, stop_ids=[2])
+    for j, i in enumerate(bucket):
+      out[i] = res.row(j)
+  return prompts, out
+
+
+def _compare_upto(ref, i):
+  """Steps to compare: up to the first near-tie (top-2 margin < 1e-3), and the EOS step."""
+  margins = ref["greedy_top2_margin"][i]
+  ties = np.flatnonzero(margins < 1e-3)
+  return int(ties[0]) if len(ties) else N
+
+
+def test_greedy_continuations_match_hugging_face(ref, greedy):
+  _, ours = greedy
+  for i in range(len(ref["prompt_len"])):
+    upto = _compare_upto(ref, i)
+    eos = int(ref["greedy_eos_step"][i])
+    want = ref["greedy_ids"][i].tolist()
+    got = ours[i]
+    if eos >= 0 and eos < upto:
+      # Unmasked greedy decoding picks EOS at step `eos`: we must stop exactly there.
+      assert got == want[:eos] + [2], f"prompt {i}: EOS expected at step {eos}"
+    else:
+      assert got[:upto] == want[:upto], f"prompt {i}: diverged before step {upto}"
+
+
+def test_ngram_speculation_is_exact_on_smollm2(smollm2, greedy):
+  prompts, ours = greedy
+  pick = [10, 6, 23, 0]  # summarization-, rag-, stem- and coding-style prompts; mixed lengths
+  out = speculative_generate(smollm2, NGram(), [prompts[i] for i in pick], max_new_tokens=N,
+                             num_draft_tokens=4, stop_ids=[2])
+  for j, i in enumerate(pick):
+    assert out.row(j) == ours[i], f"prompt {i}"
+  assert out.stats["tau"] > 1.0

@@ -1,0 +1,196 @@
+"""The speculative core: exact greedy for every drafter, exact sampling, statistics, bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxspec.drafters import DraftModel, NGram
+from jaxspec.generate import generate
+from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models.model import Model
+from jaxspec.sampling import Sampling, probs
+from jaxspec.speculative import acceptance, speculative_generate
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+  return generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
+
+
+def _drafter(name, tiny_target, poor_draft):
+  return {"ngram": NGram(max_ngram=3), "poor-draft": DraftModel(poor_draft),
+          "self-draft": DraftModel(tiny_target)}[name]
+
+
+@pytest.mark.parametrize("name", ["ngram", "poor-draft"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_equals_generate_batch4(tiny_target, poor_draft, reference, name, k):
+  out = speculative_generate(tiny_target, _drafter(name, tiny_target, poor_draft), PROMPTS,
+                             max_new_tokens=N_NEW, num_draft_tokens=k, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  np.testing.assert_array_equal(out.lengths, reference.lengths)
+  st_ = out.stats
+  assert st_["target_passes"] >= math.ceil(N_NEW / (k + 1))
+  assert len(st_["acceptance_per_position"]) == k
+  if name == "poor-draft":  # rejections really happen
+    assert st_["acceptance_rate"] < 0.5
+
+
+@pytest.mark.parametrize("name", ["ngram", "poor-draft", "self-draft"])
+def test_greedy_equals_generate_batch1(tiny_target, poor_draft, reference, name):
+  for i in (0, 3):
+    out = speculative_generate(tiny_target, _drafter(name, tiny_target, poor_draft), [PROMPTS[i]],
+                               max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=())
+    assert out.row(0) == reference.row(i)
+    if name == "self-draft":  # the target drafting for itself is always accepted
+      assert out.stats["acceptance_rate"] == 1.0
+      assert out.stats["tau"] > 3.5
+
+
+def test_stop_inside_accepted_run(tiny_target, reference):
+  stop = int(reference.tokens[0, 6])
+  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=[stop])
+  out = speculative_generate(tiny_target, DraftModel(tiny_target), PROMPTS, max_new_tokens=N_NEW,
+                             num_draft_tokens=8, stop_ids=[stop])
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.lengths, ref.lengths)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact sampling.
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 6).flatmap(lambda v: st.tuples(
+    st.lists(st.floats(0, 1), min_size=v, max_size=v).filter(lambda x: sum(x) > 0.05),
+    st.lists(st.floats(0, 1), min_size=v, max_size=v).filter(lambda x: sum(x) > 0.05))))
+def test_one_step_output_distribution_is_p(pq):
+  """P(output = y), computed over u for every draft x ~ q, equals p(y) (k = 1)."""
+  p = np.array(pq[0], np.float32) / np.sum(pq[0], dtype=np.float32)
+  q = np.array(pq[1], np.float32) / np.sum(pq[1], dtype=np.float32)
+  v = len(p)
+  grid = (np.arange(4000, dtype=np.float32) + 0.5) / 4000  # u midpoints; error <= 1/8000 each
+  n = len(grid)
+  out = np.zeros(v)
+  for x in range(v):
+    if q[x] == 0:
+      continue  # the drafter never proposes x
+    pp = jnp.broadcast_to(jnp.asarray(np.stack([p, p])), (n, 2, v))  # p_1 and the bonus p_2
+    qq = jnp.broadcast_to(jnp.asarray(q)[None, None], (n, 1, v))
+    n_acc, resid = acceptance(pp, qq, jnp.full((n, 1), x, jnp.int32), jnp.asarray(grid)[:, None])
+    n_acc, resid = np.asarray(n_acc), np.asarray(resid, np.float64)
+    p_acc = n_acc.mean()
+    out[x] += q[x] * p_acc
+    rej = np.flatnonzero(n_acc == 0)
+    if len(rej):
+      r = resid[rej[0]]
+      out += q[x] * (1 - p_acc) * r / r.sum()
+  np.testing.assert_allclose(out, p, atol=2e-3)
+
+
+def _chi2_critical(df, z=3.719):
+  """Wilson-Hilferty approximation of the chi-square quantile; z = 3.719 is the 1e-4 tail."""
+  return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+  t_cfg = tiny_config(vocab_size=8, eos_token_ids=())
+  target = Model(t_cfg, init_params(t_cfg, jax.random.key(11), scale=0.6), name="v8-target")
+  d_cfg = tiny_config(vocab_size=8, num_layers=1, eos_token_ids=())
+  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(12), scale=0.6), name="v8-draft")
+  return target, draft
+
+
+def _exact_joint(target, prompt, sp):
+  """P(t1, t2) = p(t1) p(t2 | t1) under the processed target distribution."""
+  v = target.cfg.vocab_size
+  seqs = jnp.array([prompt + [a] for a in range(v)])
+  lg, _, _ = forward(target.params, seqs, init_cache(target.cfg, v, 16), target.cfg)
+  arr = sp.arrays(v)
+  p1 = np.asarray(probs(lg[:1, -2], sampling_arrays_row(arr, 1)))[0]
+  p2 = np.asarray(probs(lg[:, -1], arr))
+  return p1[:, None] * p2
+
+
+def sampling_arrays_row(arr, n):
+  return jax.tree.map(lambda x: x[:n], arr)
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_monte_carlo_joint_of_first_two_tokens(small_vocab, same):
+  """Chi-square of 20000 rows' (t1, t2) against the target's exact joint; the test's false
+  failure probability is about 1e-4 (critical value at the 1e-4 tail)."""
+  target, draft = small_vocab
+  drafter = DraftModel(target if same else draft)
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.9)
+  prompt = [1, 2, 3, 4]
+  n = 20000
+  out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=2, sampling=sp,
+                             num_draft_tokens=2, key=1234)
+  joint = _exact_joint(target, prompt, sp).reshape(-1)
+  obs = np.bincount(out.tokens[:, 0] * 8 + out.tokens[:, 1], minlength=64)
+  assert obs[joint == 0].sum() == 0, "a token outside top-k/top-p was emitted"
+  keep = joint * n >= 5
+  exp = joint[keep] * n
+  o = obs[keep].astype(np.float64)
+  # Cells with tiny expectations are pooled into one.
+  o = np.append(o, obs[~keep].sum())
+  exp = np.append(exp, joint[~keep].sum() * n)
+  if exp[-1] < 5:
+    o, exp = o[:-1], exp[:-1]
+  chi2 = float(((o - exp) ** 2 / exp).sum())
+  assert chi2 < _chi2_critical(len(exp) - 1), (chi2, len(exp))
+  if same:
+    assert out.stats["acceptance_rate"] > 0.999
+  else:
+    assert out.stats["acceptance_rate"] < 0.9
+
+
+def test_ngram_drafts_copy_the_most_recent_match():
+  from jaxspec.drafters import DraftContext
+  seq = jnp.array([[1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0, 0]])
+  ctx = DraftContext(seq=seq, seq_len=jnp.array([12]), prompt_len=jnp.array([12]))
+  drafts, q, _ = NGram(max_ngram=3).propose(None, None, ctx, 3, None, None)
+  assert q is None
+  np.testing.assert_array_equal(drafts, [[7, 8, 1]])  # after the later "1 2 3", not the first
+  ctx = DraftContext(seq=seq, seq_len=jnp.array([5]), prompt_len=jnp.array([5]))
+  drafts, _, _ = NGram(max_ngram=3).propose(None, None, ctx, 4, None, None)
+  # "1" matched at 0; the following tokens 2 3 9 1, clipped to what is known.
+  np.testing.assert_array_equal(drafts, [[2, 3, 9, 1]])
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_drafter_and_k(tiny_target):
+  other = tiny_config(vocab_size=64)
+  with pytest.raises(ValueError, match="draft vocab 64 != target vocab 128"):
+    speculative_generate(tiny_target, DraftModel(Model(other, init_params(other, jax.random.key(0)))),
+                         PROMPTS, max_new_tokens=4)
+  for k in (0, -2, 1.5, "4"):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+      speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=4, num_draft_tokens=k)
+  with pytest.raises(ValueError, match="speculative slots"):
+    speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=40, num_draft_tokens=16,
+                         max_len=64)
+  with pytest.raises(ValueError, match="Drafter"):
+    speculative_generate(tiny_target, "ngram", PROMPTS, max_new_tokens=4)
+
+
+def test_drafter_on_other_devices_needs_a_placement(tiny_target):
+  devs = jax.devices()
+  if len(devs) < 2:
+    pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  moved = Model(tiny_target.cfg, jax.device_put(tiny_target.params, devs[1]))
+  with pytest.raises(ValueError, match="Placement"):
+    speculative_generate(tiny_target, DraftModel(moved), PROMPTS, max_new_tokens=4)
