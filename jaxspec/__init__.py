@@ -1,1 +1,22 @@
-"""jaxspec: exact speculative decoding for LLMs, written the JAX way."""
+"""jaxspec: exact speculative decoding for LLMs, written the JAX way.
+
+    import jaxspec
+    model = jaxspec.load()                       # the bundled SmolLM2-135M-Instruct
+    prompt = model.tokenizer.encode_chat("Summarise: ...")
+    out = jaxspec.speculative_generate(model, jaxspec.NGram(), [prompt], max_new_tokens=128)
+    print(out.texts[0], out.stats["tau"])
+"""
+
+from jaxspec.drafters import DraftContext, Drafter, DraftModel, NGram
+from jaxspec.generate import GenerateOutput, generate, generate_stream
+from jaxspec.models.loading import load
+from jaxspec.models.model import Model
+from jaxspec.sampling import Sampling
+from jaxspec.speculative import (acceptance, draft, rejection_sample, speculative_generate,
+                                 speculative_stream, verify)
+
+__version__ = "0.1.0"
+
+__all__ = ["DraftContext", "DraftModel", "Drafter", "GenerateOutput", "Model", "NGram", "Sampling",
+           "acceptance", "draft", "generate", "generate_stream", "load", "rejection_sample",
+           "speculative_generate", "speculative_stream", "verify"]

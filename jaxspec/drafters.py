@@ -6,13 +6,15 @@ with new weights of the same shapes reuses the compiled loop. Three pure methods
 loop:
 
   init(params, prompt, prompt_len, max_len)  -> state     after the target's prefill
-  propose(params, state, ctx, k, sp, keys)   -> (drafts [B, k], q [B, k, V] | None, state)
+  propose(params, state, ctx, k, sp, keys)   -> (Proposal, state)
   commit(params, state, ctx)                 -> state     after acceptance, ctx holds the
                                                           accepted sequence and the target's
                                                           hidden states
 
-`q` is the draft distribution processed with the same sampling parameters as the target; a
-deterministic drafter returns None (one-hot q, still exact).
+A `Proposal` holds the k drafts, their distribution q processed with the same sampling
+parameters as the target (None for a deterministic drafter: one-hot q, still exact), and how
+many of the k are real proposals per row (an n-gram drafter with no match has none): when no
+live row has any, the loop runs a plain one-token step instead of a (k+1)-token verify.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class DraftContext:
   hidden: Hidden | None = None  # target hidden states of the last target pass
   hidden_pos: jax.Array | None = None  # [B] index into hidden's T axis of the newest kept token
   n_new: jax.Array | None = None  # [B] tokens appended by the last step (0 for finished rows)
+
+
+@_pytree
+@dataclasses.dataclass
+class Proposal:
+  tokens: jax.Array  # [B, k] int32
+  q: jax.Array | None = None  # [B, k, V] float32 draft probabilities; None = one-hot
+  n_valid: jax.Array | None = None  # [B] int32 real drafts per row (None = all k)
 
 
 class Drafter:
@@ -159,7 +169,7 @@ class DraftModel(Drafter):
       q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     else:
       drafts, q = d0[:, None], q0[:, None]
-    return drafts, q, DraftModelState(cache)
+    return Proposal(tokens=drafts, q=q), DraftModelState(cache)
 
   def commit(self, params, state: DraftModelState, ctx) -> DraftModelState:
     cache = dataclasses.replace(state.cache, length=jnp.maximum(ctx.seq_len - 2, 0))
@@ -183,8 +193,8 @@ class NGram(Drafter):
   sequence's last n tokens (n from `max_ngram` down to `min_ngram`), searching the prompt and
   everything generated so far. Deterministic (one-hot q); costs no model pass.
 
-  A row with no match proposes its last token repeated; verification rejects it at no cost
-  beyond the verify width.
+  A row with no match proposes nothing (n_valid = 0); a match with fewer than k known tokens
+  after it proposes those (the rest are filler the loop may still verify).
   """
 
   max_ngram: int = 3
@@ -226,6 +236,5 @@ class NGram(Drafter):
     # Tokens past the end of the known sequence are unknown: repeat the last known one.
     idx = jnp.minimum(idx, n[:, None] - 1)
     drafts = jnp.take_along_axis(seq, idx, axis=1)
-    last = jnp.take_along_axis(seq, (n - 1)[:, None], axis=1)
-    drafts = jnp.where(found[:, None], drafts, last)
-    return drafts.astype(jnp.int32), None, state
+    n_valid = jnp.where(found, jnp.clip(n - start, 0, k), 0).astype(jnp.int32)
+    return Proposal(tokens=drafts.astype(jnp.int32), n_valid=n_valid), state

@@ -120,10 +120,10 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
                        f" [0, {model.cfg.vocab_size})")
     rows.append(p)
   longest = max(len(p) for p in rows)
-  padded_len = round_up(longest, 16)
+  padded_len = round_up(longest, 64)  # coarse buckets: fewer compilations across prompts
   need = longest + max_new_tokens + extra
   if max_len is None:
-    max_len = round_up(max(need, padded_len), 64)
+    max_len = round_up(max(need, padded_len), 128)
   elif longest > max_len - max_new_tokens - extra:
     raise ValueError(
         f"a prompt of {longest} tokens does not fit: max_len {max_len} - max_new_tokens"

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.drafters import DraftContext, Drafter
+from jaxspec.drafters import DraftContext, Drafter, Proposal
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
                               decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
@@ -49,8 +49,9 @@ def draft(drafter: Drafter, params, state, ctx: DraftContext, k: int, sp: Sampli
   """Asks `drafter` for k tokens per row.
 
   Returns:
-    drafts [B, k] int32, q [B, k, V] float32 draft probabilities (None for a deterministic
-    drafter, meaning one-hot q), and the drafter's new state.
+    a `Proposal` (tokens [B, k] int32; q [B, k, V] float32 draft probabilities, None for a
+    deterministic drafter, meaning one-hot q; n_valid [B] real drafts per row) and the
+    drafter's new state.
   """
   return drafter.propose(params, state, ctx, k, sp, keys)
 
@@ -90,6 +91,8 @@ def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Arra
   b, k1, v = p.shape
   k = k1 - 1
   p = p.astype(jnp.float32)
+  if k == 0:  # nothing drafted: a plain step samples from p_1
+    return jnp.zeros((b,), jnp.int32), p[:, 0]
   p_x = jnp.take_along_axis(p[:, :k], drafts[:, :, None], axis=2)[..., 0]  # [B, k]
   if q is None:
     q_x = jnp.ones_like(p_x)
@@ -155,9 +158,10 @@ class SpecStats:
   drafted: jax.Array  # [B] tokens drafted per row
   accepted: jax.Array  # [B] drafts accepted per row
   emitted: jax.Array  # [B] tokens emitted by verify steps per row
-  row_steps: jax.Array  # [B] verify steps in which the row was live
+  row_steps: jax.Array  # [B] target passes in which the row was live
+  spec_row_steps: jax.Array  # [B] of those, the passes that verified drafts (not plain steps)
   accepted_at: jax.Array  # [k] live row-steps whose draft i was accepted
-  k_history: jax.Array  # [max_steps] k used at each step (fixed k for now)
+  k_history: jax.Array  # [max_steps] k verified at each step (0: a plain step, nothing drafted)
 
 
 @_pytree
@@ -194,7 +198,7 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
   dstate = drafter.init(dparams, prompt, prompt_len, max_len)
   z = lambda *s: jnp.zeros(s, jnp.int32)
   stats = SpecStats(target_passes=z(), drafted=z(b), accepted=z(b), emitted=z(b), row_steps=z(b),
-                    accepted_at=z(k), k_history=z(max_steps))
+                    spec_row_steps=z(b), accepted_at=z(k), k_history=z(max_steps))
   return SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
                    done=jnp.zeros((b,), bool), cache=cache, draft_state=dstate, keys=keys,
                    stats=stats)
@@ -206,12 +210,28 @@ def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_t
   step_keys = jax.vmap(jax.random.fold_in)(s.keys, s.seq_len)
   kd, kv = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(step_keys)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
-  drafts, q, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
+  prop, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
+  n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
   old_len = s.cache.length
-  p, hidden, cache = verify(tparams, s.cache, last, drafts, cfg, sp,
-                            hidden_layers=drafter.hidden_layers)
-  n_acc, emitted = rejection_sample(p, q, drafts, kv)
+  speculate = jnp.any(live & (n_valid > 0))
+
+  def verify_drafts(cache):
+    p, hidden, cache = verify(tparams, cache, last, prop.tokens, cfg, sp,
+                              hidden_layers=drafter.hidden_layers)
+    n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv)
+    return n_acc, emitted, hidden, cache
+
+  def plain_step(cache):
+    # No live row has a real draft: a one-token pass costs less than verifying filler.
+    p, hidden, cache = verify(tparams, cache, last, prop.tokens[:, :0], cfg, sp,
+                              hidden_layers=drafter.hidden_layers)
+    n_acc, emitted = rejection_sample(p, None, prop.tokens[:, :0], kv)
+    emitted = jnp.pad(emitted, ((0, 0), (0, k)), constant_values=-1)
+    hidden = jax.tree.map(lambda h: jnp.pad(h, [(0, 0)] * (h.ndim - 2) + [(0, k), (0, 0)]), hidden)
+    return n_acc, emitted, hidden, cache
+
+  n_acc, emitted, hidden, cache = lax.cond(speculate, verify_drafts, plain_step, s.cache)
   n_emit = n_acc + 1
   # A stop token inside the accepted run ends the row there.
   idx = jnp.arange(k + 1)[None, :]
@@ -234,12 +254,13 @@ def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_t
   steps = st.target_passes
   stats = SpecStats(
       target_passes=steps + 1,
-      drafted=st.drafted + live * k,
+      drafted=st.drafted + jnp.where(live & speculate, n_valid, 0),
       accepted=st.accepted + acc_eff,
       emitted=st.emitted + n_emit,
       row_steps=st.row_steps + live,
+      spec_row_steps=st.spec_row_steps + (live & speculate),
       accepted_at=st.accepted_at + jnp.sum((jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None], 0),
-      k_history=st.k_history.at[steps].set(k, mode="drop"))
+      k_history=st.k_history.at[steps].set(jnp.where(speculate, k, 0), mode="drop"))
   return SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
                    draft_state=dstate, keys=s.keys, stats=stats)
 
@@ -416,20 +437,23 @@ def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:
   """Host-side statistics from the device counters."""
   st = jax.tree.map(np.asarray, st)
   passes = int(st.target_passes)
-  row_steps = st.row_steps.astype(np.float64)
-  total_row_steps = max(float(row_steps.sum()), 1.0)
+  total_row_steps = max(float(st.row_steps.sum()), 1.0)
+  spec_steps = max(float(st.spec_row_steps.sum()), 1.0)
   acc_at = st.accepted_at.astype(np.float64)
-  reached = np.concatenate([[total_row_steps], acc_at[:-1]]) if k > 0 else np.zeros(0)
+  reached = np.concatenate([[spec_steps], acc_at[:-1]]) if k > 0 else np.zeros(0)
   return dict(
       target_passes=passes,
       drafted_per_row=st.drafted.tolist(),
       accepted_per_row=st.accepted.tolist(),
       acceptance_rate=float(st.accepted.sum() / max(st.drafted.sum(), 1)),
-      # Unconditional (as vLLM reports): fraction of live verify steps whose draft i was accepted.
-      acceptance_per_position=(acc_at / total_row_steps).tolist(),
+      # Unconditional (as vLLM reports): fraction of the live row-steps that verified drafts in
+      # which draft i was accepted.
+      acceptance_per_position=(acc_at / spec_steps).tolist(),
       # Conditional: accepted at i given drafts 0..i-1 were accepted.
       conditional_acceptance_per_position=np.divide(acc_at, np.maximum(reached, 1)).tolist(),
-      # tau: tokens emitted per verify pass of a live row, counting the bonus/correction token.
+      # tau: tokens emitted per target pass of a live row, counting the bonus/correction token
+      # (plain steps, where nothing was drafted, count as passes emitting one token).
       tau=float(st.emitted.sum() / total_row_steps),
+      plain_steps=int(passes - int((st.k_history[:passes] > 0).sum())),
       k_per_step=st.k_history[:passes].tolist(),
   )

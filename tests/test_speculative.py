@@ -159,13 +159,23 @@ def test_ngram_drafts_copy_the_most_recent_match():
   from jaxspec.drafters import DraftContext
   seq = jnp.array([[1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0, 0]])
   ctx = DraftContext(seq=seq, seq_len=jnp.array([12]), prompt_len=jnp.array([12]))
-  drafts, q, _ = NGram(max_ngram=3).propose(None, None, ctx, 3, None, None)
-  assert q is None
-  np.testing.assert_array_equal(drafts, [[7, 8, 1]])  # after the later "1 2 3", not the first
+  prop, _ = NGram(max_ngram=3).propose(None, None, ctx, 3, None, None)
+  assert prop.q is None
+  np.testing.assert_array_equal(prop.tokens, [[7, 8, 1]])  # after the later "1 2 3", not the first
+  np.testing.assert_array_equal(prop.n_valid, [3])
   ctx = DraftContext(seq=seq, seq_len=jnp.array([5]), prompt_len=jnp.array([5]))
-  drafts, _, _ = NGram(max_ngram=3).propose(None, None, ctx, 4, None, None)
-  # "1" matched at 0; the following tokens 2 3 9 1, clipped to what is known.
-  np.testing.assert_array_equal(drafts, [[2, 3, 9, 1]])
+  prop, _ = NGram(max_ngram=3).propose(None, None, ctx, 4, None, None)
+  # "1" matched at 0; the following tokens 2 3 9 1 are all known.
+  np.testing.assert_array_equal(prop.tokens, [[2, 3, 9, 1]])
+  np.testing.assert_array_equal(prop.n_valid, [4])
+  ctx = DraftContext(seq=seq, seq_len=jnp.array([4]), prompt_len=jnp.array([4]))
+  prop, _ = NGram(max_ngram=3).propose(None, None, ctx, 4, None, None)
+  np.testing.assert_array_equal(prop.n_valid, [0])  # "9" never occurred before: no proposal
+  seq2 = jnp.array([[4, 5, 6, 4, 5, 0, 0, 0]])
+  ctx = DraftContext(seq=seq2, seq_len=jnp.array([5]), prompt_len=jnp.array([5]))
+  prop, _ = NGram(max_ngram=3).propose(None, None, ctx, 4, None, None)
+  np.testing.assert_array_equal(prop.n_valid, [3])  # "4 5" -> 6 4 5, then the sequence ends
+  np.testing.assert_array_equal(prop.tokens[0, :3], [6, 4, 5])
 
 
 # ----------------------------------------------------------------------------------------------

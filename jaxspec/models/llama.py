@@ -290,16 +290,20 @@ def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
                 positions_start: jax.Array) -> KVCache:
   """Writes k/v [L, B, T, G, K] at per-row offsets; length becomes positions_start + T.
 
-  Writes past `max_len` are dropped (callers size the cache so that never happens to tokens
-  they keep).
+  Every write must fit: `max_len` >= positions_start + T (callers size the cache for the
+  prompt, the new tokens and the verify width; an out-of-range start would be clamped).
   """
   t = k_new.shape[2]
-  rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
-  pos = positions_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-  # Advanced indices on axes 1 and 3 put their [B, T] shape first: updates are [B, T, L, G, K].
-  upd = lambda x, c: jnp.transpose(x, (1, 2, 0, 3, 4)).astype(c.dtype)
-  k = cache.k.at[:, rows, :, pos].set(upd(k_new, cache.k), mode="drop")
-  v = cache.v.at[:, rows, :, pos].set(upd(v_new, cache.v), mode="drop")
+  # One dynamic-update-slice per row: XLA updates those in place, where a scatter (or a
+  # dropping one) became a pass over the whole cache every step.
+  k, v = cache.k, cache.v
+  kn = jnp.swapaxes(k_new, 2, 3).astype(k.dtype)  # [L, B, G, T, K]
+  vn = jnp.swapaxes(v_new, 2, 3).astype(v.dtype)
+  zero = jnp.int32(0)
+  for b in range(cache.batch_size):
+    start = (zero, jnp.int32(b), zero, positions_start[b].astype(jnp.int32), zero)
+    k = lax.dynamic_update_slice(k, kn[:, b:b + 1], start)
+    v = lax.dynamic_update_slice(v, vn[:, b:b + 1], start)
   return KVCache(k=k, v=v, length=positions_start + t)
 
 

@@ -1,0 +1,95 @@
+"""Shared benchmark helpers: machine facts, prompts, bandwidth, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+SPEC_BENCH = SHARED / "data" / "spec_bench_dev.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+            "humanities")
+
+
+def machine() -> dict:
+  cpu = platform.processor() or ""
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip()
+  except OSError:
+    commit = ""
+  import flax
+  return dict(cpu=cpu, cores=os.cpu_count(), devices=[str(d) for d in jax.devices()],
+              backend=jax.default_backend(), python=platform.python_version(),
+              jax=jax.__version__, flax=flax.__version__, numpy=np.__version__,
+              git_commit=commit, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def load_spec_bench(path: Path = SPEC_BENCH) -> list[dict]:
+  if not path.exists():
+    raise SystemExit(f"{path} not found: the benchmarks need ../shared/data (see README)")
+  return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def chat_prompts(model, rows: list[dict]) -> list[list[int]]:
+  """First turn of every row, chat-formatted with the model's template."""
+  return [model.tokenizer.encode_chat(r["turns"][0]) for r in rows]
+
+
+def by_category(rows: list[dict], per_category: int | None,
+                categories: tuple[str, ...] | None = None) -> "OrderedDict[str, list[dict]]":
+  out: OrderedDict[str, list[dict]] = OrderedDict()
+  for r in rows:
+    if categories and r["category"] not in categories:
+      continue
+    lst = out.setdefault(r["category"], [])
+    if per_category is None or len(lst) < per_category:
+      lst.append(r)
+  return out
+
+
+def copy_bandwidth_gbs() -> dict:
+  """Measured memory bandwidth (STREAM "copy" convention: bytes read + bytes written per s),
+  single-threaded numpy and XLA (all cores); the larger is the bound we compare against."""
+  n = 256 * 1024 * 1024 // 4  # 1 GiB of float32
+  a = np.ones(n, np.float32)
+  b = np.empty_like(a)
+  best_np = 0.0
+  for _ in range(4):
+    t = time.perf_counter()
+    np.copyto(b, a)
+    best_np = max(best_np, 2 * a.nbytes / (time.perf_counter() - t))
+  x = jnp.ones(n, jnp.float32)
+  f = jax.jit(lambda x: x * 1.0001)
+  f(x).block_until_ready()
+  best_xla = 0.0
+  for _ in range(4):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    best_xla = max(best_xla, 2 * x.nbytes / (time.perf_counter() - t))
+  del a, b, x
+  return dict(numpy_copy_gbs=best_np / 1e9, xla_copy_gbs=best_xla / 1e9,
+              bound_gbs=max(best_np, best_xla) / 1e9)
+
+
+def write_json(path: Path, data: dict) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(data, indent=1, default=float))
+  print(f"wrote {path}")

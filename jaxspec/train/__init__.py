@@ -1,0 +1,2 @@
+"""Draft-head training (Medusa, MLP speculator, EAGLE). Not yet implemented (see the draft heads
+issue)."""
