@@ -10,11 +10,9 @@ copy bandwidth), and batch 8 and 32 throughput.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from common import ROOT, chat_prompts, copy_bandwidth_gbs, load_spec_bench, machine, write_json
 from jaxspec import generate, load

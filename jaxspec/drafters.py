@@ -32,9 +32,7 @@ from jaxspec.models.llama import Hidden, KVCache, Params, forward, init_cache
 from jaxspec.models.model import Model
 
 
-def _pytree(cls):
-  fields = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
 
 
 @_pytree

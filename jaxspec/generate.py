@@ -25,9 +25,7 @@ from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, SamplingArrays
 
 
-def _pytree(cls):
-  fields = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
 
 
 @dataclasses.dataclass

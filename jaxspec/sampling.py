@@ -20,9 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def _pytree(cls):
-  fields = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

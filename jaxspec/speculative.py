@@ -26,18 +26,16 @@ import numpy as np
 from jax import lax
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.drafters import DraftContext, Drafter, Proposal
+from jaxspec.drafters import DraftContext, Drafter
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
                               decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Hidden, KVCache, forward
+from jaxspec.models.llama import KVCache, forward
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, SamplingArrays
 
 
-def _pytree(cls):
-  fields = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------

@@ -467,8 +467,8 @@ def test_hf_missing_tensor(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm() -> Model:
-  return load()
+def smollm(smollm2) -> Model:
+  return smollm2  # the session-wide load (conftest), so the suite parses the GGUF once
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,11 @@ def reference(tiny_target):
 
 
 def _drafter(name, tiny_target, poor_draft):
+  if name == "bf16-self-draft":  # the target itself at another precision
+    import dataclasses
+    cfg16 = dataclasses.replace(tiny_target.cfg, dtype="bfloat16")
+    return DraftModel(Model(cfg16, jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                tiny_target.params)))
   return {"ngram": NGram(max_ngram=3), "poor-draft": DraftModel(poor_draft),
           "self-draft": DraftModel(tiny_target)}[name]
 
@@ -44,7 +49,7 @@ def test_greedy_equals_generate_batch4(tiny_target, poor_draft, reference, name,
     assert st_["acceptance_rate"] < 0.5
 
 
-@pytest.mark.parametrize("name", ["ngram", "poor-draft", "self-draft"])
+@pytest.mark.parametrize("name", ["ngram", "poor-draft", "self-draft", "bf16-self-draft"])
 def test_greedy_equals_generate_batch1(tiny_target, poor_draft, reference, name):
   for i in (0, 3):
     out = speculative_generate(tiny_target, _drafter(name, tiny_target, poor_draft), [PROMPTS[i]],

@@ -11,3 +11,9 @@ Axis letters used in einsum strings and shape comments across jaxspec:
 from jaxspec.models.config import LlamaConfig, RopeScaling, tiny_config
 from jaxspec.models.llama import (Hidden, KVCache, LayerParams, Params, forward, init_cache,
                                   init_params, logits_from_hidden, lm_head_weight)
+from jaxspec.models.loading import load
+from jaxspec.models.model import Model
+
+__all__ = ["Hidden", "KVCache", "LayerParams", "LlamaConfig", "Model", "Params", "RopeScaling",
+           "forward", "init_cache", "init_params", "lm_head_weight", "load", "logits_from_hidden",
+           "tiny_config"]

@@ -23,13 +23,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import jax
-import ml_dtypes
 import numpy as np
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.llama import LayerParams, Params, rope_inv_freq
+from jaxspec.models.llama import Params, rope_inv_freq, stack_params
 from jaxspec.models.model import Model
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -528,20 +526,6 @@ def _read_params(tensors: dict, cfg: LlamaConfig, path: Path) -> Params:
                  bv=get(p + "attn_v.bias", (g * k,)).reshape(g, k))
     return out
 
-  np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
-
-  def to_jax(x):
-    return jax.device_put(np.ascontiguousarray(x, np_dtype))
-
-  # Layers go straight into stacked [L, ...] arrays: one copy per weight, not three.
-  stacked = {}
-  for i in range(cfg.num_layers):
-    for key, value in layer(i).items():
-      if key not in stacked:
-        stacked[key] = np.empty((cfg.num_layers, *value.shape), np_dtype)
-      stacked[key][i] = value
-  stacked = {key: jax.device_put(value) for key, value in stacked.items()}
-  lm_head = None if cfg.tie_embeddings else to_jax(get("output.weight", (cfg.vocab_size, d)).T)
-  return Params(embed=to_jax(get("token_embd.weight", (cfg.vocab_size, d))),
-                layers=LayerParams(**stacked),
-                final_norm=to_jax(get("output_norm.weight", (d,))), lm_head=lm_head)
+  lm_head = None if cfg.tie_embeddings else get("output.weight", (cfg.vocab_size, d)).T
+  return stack_params(cfg, layer, get("token_embd.weight", (cfg.vocab_size, d)),
+                      get("output_norm.weight", (d,)), lm_head)

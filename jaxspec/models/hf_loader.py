@@ -20,13 +20,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.llama import LayerParams, Params
+from jaxspec.models.llama import Params, stack_params
 from jaxspec.models.model import Model
 
 # Hugging Face class name <-> jaxspec `LlamaConfig.architecture`.
@@ -403,28 +402,14 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
                             " bias")
     return out
 
-  np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
-
-  def to_jax(x):
-    return jax.device_put(np.ascontiguousarray(x, np_dtype))
-
-  # Layers go straight into stacked [L, ...] arrays: one copy per weight, not three.
-  stacked = {}
-  for i in range(cfg.num_layers):
-    for key, value in layer(i).items():
-      if key not in stacked:
-        stacked[key] = np.empty((cfg.num_layers, *value.shape), np_dtype)
-      stacked[key][i] = value
-  stacked = {key: jax.device_put(value) for key, value in stacked.items()}
   lm_head = None
   if not cfg.tie_embeddings:
     if "lm_head.weight" not in tensors:
       raise CheckpointError(f"{where}: tensor 'lm_head.weight' is missing but config.json has"
                             " tie_word_embeddings false; set it to true if the head is tied")
-    lm_head = to_jax(get("lm_head.weight", (cfg.vocab_size, d)).T)
-  return Params(embed=to_jax(get("model.embed_tokens.weight", (cfg.vocab_size, d))),
-                layers=LayerParams(**stacked), final_norm=to_jax(get("model.norm.weight", (d,))),
-                lm_head=lm_head)
+    lm_head = get("lm_head.weight", (cfg.vocab_size, d)).T
+  return stack_params(cfg, layer, get("model.embed_tokens.weight", (cfg.vocab_size, d)),
+                      get("model.norm.weight", (d,)), lm_head)
 
 
 def params_to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:

@@ -23,10 +23,13 @@ from jax import lax
 from jaxspec.models.config import LlamaConfig
 
 
-def _pytree(cls):
+def pytree_dataclass(cls):
   """Registers a dataclass as a pytree whose fields are all children (None is an empty child)."""
   fields = [f.name for f in dataclasses.fields(cls)]
   return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+_pytree = pytree_dataclass
 
 
 @_pytree
@@ -88,6 +91,24 @@ class Hidden:
 
   final: jax.Array  # [B, T, D] after the final norm (what the LM head reads)
   layers: jax.Array | None = None  # [n, B, T, D] outputs of the requested layers, in order
+
+
+def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None) -> Params:
+  """Builds `Params` from host arrays: `layer(i)` returns layer i's LayerParams fields as numpy
+  arrays; they go straight into stacked [L, ...] arrays of cfg's dtype (one copy per weight)."""
+  import ml_dtypes
+  import numpy as np
+  np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
+  to_jax = lambda x: jax.device_put(np.ascontiguousarray(x, np_dtype))
+  stacked = {}
+  for i in range(cfg.num_layers):
+    for key, value in layer(i).items():
+      if key not in stacked:
+        stacked[key] = np.empty((cfg.num_layers, *value.shape), np_dtype)
+      stacked[key][i] = value
+  return Params(embed=to_jax(embed), layers=LayerParams(**{k: jax.device_put(v) for k, v in
+                                                           stacked.items()}),
+                final_norm=to_jax(final_norm), lm_head=None if lm_head is None else to_jax(lm_head))
 
 
 def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
@@ -294,16 +315,24 @@ def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
   prompt, the new tokens and the verify width; an out-of-range start would be clamped).
   """
   t = k_new.shape[2]
-  # One dynamic-update-slice per row: XLA updates those in place, where a scatter (or a
-  # dropping one) became a pass over the whole cache every step.
   k, v = cache.k, cache.v
   kn = jnp.swapaxes(k_new, 2, 3).astype(k.dtype)  # [L, B, G, T, K]
   vn = jnp.swapaxes(v_new, 2, 3).astype(v.dtype)
-  zero = jnp.int32(0)
-  for b in range(cache.batch_size):
-    start = (zero, jnp.int32(b), zero, positions_start[b].astype(jnp.int32), zero)
-    k = lax.dynamic_update_slice(k, kn[:, b:b + 1], start)
-    v = lax.dynamic_update_slice(v, vn[:, b:b + 1], start)
+  if cache.batch_size <= 64:
+    # One dynamic-update-slice per row: XLA updates those in place, where the equivalent
+    # scatter became a pass over the whole cache every step on CPU.
+    zero = jnp.int32(0)
+    for b in range(cache.batch_size):
+      start = (zero, jnp.int32(b), zero, positions_start[b].astype(jnp.int32), zero)
+      k = lax.dynamic_update_slice(k, kn[:, b:b + 1], start)
+      v = lax.dynamic_update_slice(v, vn[:, b:b + 1], start)
+  else:  # very large batches: one scatter rather than thousands of unrolled updates
+    rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
+    pos = positions_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    # Advanced indices on axes 1 and 3 put their [B, T] shape first: updates are [B, T, L, G, K].
+    upd = lambda x: jnp.transpose(x, (1, 3, 0, 2, 4))
+    k = k.at[:, rows, :, pos].set(upd(kn), mode="promise_in_bounds")
+    v = v.at[:, rows, :, pos].set(upd(vn), mode="promise_in_bounds")
   return KVCache(k=k, v=v, length=positions_start + t)
 
 
