@@ -188,8 +188,7 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
   """Prefill: the target caches every prompt token but the last, which becomes the first verify
   pass's input, so even the first new token is drafted and verified."""
   b, pw = prompt.shape
-  _, hidden, cache = prefill(tparams, prompt, prompt_len, cfg, max_len,
-                             hidden_layers=drafter.hidden_layers, logits=False)
+  _, _, cache = prefill(tparams, prompt, prompt_len, cfg, max_len, logits=False)
   cache = dataclasses.replace(cache, length=prompt_len - 1)
   keys = sampling_lib.row_keys(key, b)
   seq = jnp.zeros((b, seq_cap), jnp.int32).at[:, :pw].set(prompt)
