@@ -5,7 +5,7 @@ loop) whose weights, if any, are passed separately as a pytree (`drafter.params`
 with new weights of the same shapes reuses the compiled loop. Three pure methods run inside the
 loop:
 
-  init(params, prompt, prompt_len, max_len)  -> state     after the target's prefill
+  init(params, prompt, prompt_len, max_len, hidden) -> state   after the target's prefill
   propose(params, state, ctx, k, sp, keys)   -> (Proposal, state)
   commit(params, state, ctx)                 -> state     after acceptance, ctx holds the
                                                           accepted sequence and the target's
@@ -64,7 +64,12 @@ class Drafter:
   """Base class; see the module docstring for the protocol."""
 
   name: str = "drafter"
-  # Target hidden layers the drafter reads (indices as in `forward(hidden_layers=...)`).
+  # Whether the drafter reads the target's hidden states: then `init` gets the prefill's and
+  # `commit` each verify pass's `Hidden` (final normed states plus `hidden_layers`); otherwise
+  # the target skips collecting them.
+  uses_target_hidden: bool = False
+  # Target decoder layers whose outputs the drafter reads (indices as in
+  # `forward(hidden_layers=...)`), when uses_target_hidden.
   hidden_layers: tuple[int, ...] = ()
 
   @property
@@ -75,9 +80,12 @@ class Drafter:
   def vocab_size(self) -> int | None:
     return None
 
-  def init(self, params, prompt: jax.Array, prompt_len: jax.Array, max_len: int):
+  def init(self, params, prompt: jax.Array, prompt_len: jax.Array, max_len: int,
+           hidden: Hidden | None = None):
     """State after the prompt (prompt [B, P] right-padded, prompt_len [B]); max_len is the
-    sequence capacity."""
+    sequence capacity. `hidden` is the target's prefill Hidden ([B, P, D] per entry, padding
+    positions included) when `uses_target_hidden`, else None. The target's cache then holds
+    positions [0, prompt_len - 1): the last prompt token is the first verify pass's input."""
     raise NotImplementedError
 
   def propose(self, params, state, ctx: DraftContext, k: int, sp, keys):
@@ -134,7 +142,7 @@ class DraftModel(Drafter):
   def vocab_size(self) -> int:
     return self.model.cfg.vocab_size
 
-  def init(self, params, prompt, prompt_len, max_len) -> DraftModelState:
+  def init(self, params, prompt, prompt_len, max_len, hidden=None) -> DraftModelState:
     cache = init_cache(self.cfg, prompt.shape[0], max_len)
     _, _, cache = forward(params, prompt, cache, self.cfg, logits=False, fresh=True)
     # The prompt is right-padded; the draft cache stays one behind the target's, which holds
@@ -204,7 +212,7 @@ class NGram(Drafter):
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram},"
                        f" max_ngram={self.max_ngram}")
 
-  def init(self, params, prompt, prompt_len, max_len):
+  def init(self, params, prompt, prompt_len, max_len, hidden=None):
     return NoState()
 
   def commit(self, params, state, ctx):

@@ -188,11 +188,14 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
   """Prefill: the target caches every prompt token but the last, which becomes the first verify
   pass's input, so even the first new token is drafted and verified."""
   b, pw = prompt.shape
-  _, _, cache = prefill(tparams, prompt, prompt_len, cfg, max_len, logits=False)
+  want_hidden = drafter.uses_target_hidden
+  _, hidden, cache = prefill(tparams, prompt, prompt_len, cfg, max_len, logits=False,
+                             hidden_layers=drafter.hidden_layers if want_hidden else ())
   cache = dataclasses.replace(cache, length=prompt_len - 1)
   keys = sampling_lib.row_keys(key, b)
   seq = jnp.zeros((b, seq_cap), jnp.int32).at[:, :pw].set(prompt)
-  dstate = drafter.init(dparams, prompt, prompt_len, max_len)
+  dstate = drafter.init(dparams, prompt, prompt_len, max_len,
+                        hidden=hidden if want_hidden else None)
   z = lambda *s: jnp.zeros(s, jnp.int32)
   stats = SpecStats(target_passes=z(), drafted=z(b), accepted=z(b), emitted=z(b), row_steps=z(b),
                     spec_row_steps=z(b), accepted_at=z(k), k_history=z(max_steps))
@@ -211,18 +214,19 @@ def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_t
   n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
   old_len = s.cache.length
+  hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   speculate = jnp.any(live & (n_valid > 0))
 
   def verify_drafts(cache):
     p, hidden, cache = verify(tparams, cache, last, prop.tokens, cfg, sp,
-                              hidden_layers=drafter.hidden_layers)
+                              hidden_layers=hidden_layers)
     n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv)
     return n_acc, emitted, hidden, cache
 
   def plain_step(cache):
     # No live row has a real draft: a one-token pass costs less than verifying filler.
     p, hidden, cache = verify(tparams, cache, last, prop.tokens[:, :0], cfg, sp,
-                              hidden_layers=drafter.hidden_layers)
+                              hidden_layers=hidden_layers)
     n_acc, emitted = rejection_sample(p, None, prop.tokens[:, :0], kv)
     emitted = jnp.pad(emitted, ((0, 0), (0, k)), constant_values=-1)
     hidden = jax.tree.map(lambda h: jnp.pad(h, [(0, 0)] * (h.ndim - 2) + [(0, k), (0, 0)]), hidden)
