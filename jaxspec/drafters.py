@@ -71,6 +71,9 @@ class Drafter:
   # Target decoder layers whose outputs the drafter reads (indices as in
   # `forward(hidden_layers=...)`), when uses_target_hidden.
   hidden_layers: tuple[int, ...] = ()
+  # Proposing costs next to nothing (no model pass): the loop then proposes k_max tokens before
+  # choosing k, so the adaptive controller knows which rows have real drafts.
+  free_proposals: bool = False
 
   @property
   def params(self) -> Any:
@@ -122,13 +125,19 @@ class DraftModel(Drafter):
   """
 
   model: Model
+  p_min: float = 0.0
   name: str = "draft-model"
 
+  def __post_init__(self):
+    if not 0.0 <= self.p_min < 1.0:
+      raise ValueError(f"p_min must be in [0, 1) (0 = never stop early), got {self.p_min}")
+
   def __hash__(self):
-    return hash((DraftModel, self.model.cfg))
+    return hash((DraftModel, self.model.cfg, self.p_min))
 
   def __eq__(self, other):
-    return isinstance(other, DraftModel) and other.model.cfg == self.model.cfg
+    return (isinstance(other, DraftModel) and other.model.cfg == self.model.cfg
+            and other.p_min == self.p_min)
 
   @property
   def cfg(self) -> LlamaConfig:
@@ -150,7 +159,11 @@ class DraftModel(Drafter):
     return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(prompt_len - 2, 0)))
 
   def propose(self, params, state: DraftModelState, ctx, k, sp, keys):
+    """k drafts per row; with p_min > 0 a row stops (n_valid) at the first draft whose
+    probability under the draft model's own softmax is below p_min, and drafting ends as soon
+    as no row is still confident (llama.cpp's --draft-p-min)."""
     cfg = self.cfg
+    b = ctx.seq.shape[0]
     two = _last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
     # A row holding a single token has no "token before last": it feeds [last, last], reads the
     # logits of the first and keeps only that one entry.
@@ -158,24 +171,55 @@ class DraftModel(Drafter):
     start = state.cache.length
     logits, _, cache = forward(params, two, state.cache, cfg)
     cache = dataclasses.replace(cache, length=start + jnp.where(single, 1, 2))
-    q0 = sampling_lib.probs(jnp.where(single[:, None], logits[:, 0], logits[:, 1]), sp)
     step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
-    d0 = sampling_lib.sample_from_probs(step_keys[:, 0], q0)
+    v = cfg.vocab_size
 
-    def body(carry, key_i):
+    def pick(logits_i, key_i):
+      q = sampling_lib.probs(logits_i, sp)
+      tok = sampling_lib.sample_from_probs(key_i, q)
+      conf = jnp.take_along_axis(jax.nn.softmax(logits_i.astype(jnp.float32), -1),
+                                 tok[:, None], axis=1)[:, 0]
+      return tok, q, conf >= self.p_min
+
+    d0, q0, ok0 = pick(jnp.where(single[:, None], logits[:, 0], logits[:, 1]), step_keys[:, 0])
+    drafts = jnp.zeros((b, k), jnp.int32).at[:, 0].set(d0)
+    qs = jnp.zeros((b, k, v), jnp.float32).at[:, 0].set(q0)
+    n_valid = ok0.astype(jnp.int32)
+
+    def cond(c):
+      i, _, _, _, alive, _ = c
+      return (i < k) & jnp.any(alive)
+
+    def body(c):
+      i, drafts, qs, n_valid, alive, cache = c
+      tok = lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
+      logits, _, cache = forward(params, tok[:, None], cache, cfg)
+      key_i = lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
+      nxt, q, ok = pick(logits[:, 0], key_i)
+      drafts = lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
+      qs = lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
+      alive = alive & ok
+      return i + 1, drafts, qs, n_valid + alive, alive, cache
+
+    if self.p_min > 0:
+      _, drafts, qs, n_valid, _, cache = lax.while_loop(
+          cond, body, (jnp.int32(1), drafts, qs, n_valid, ok0, cache))
+      return Proposal(tokens=drafts, q=qs, n_valid=n_valid), DraftModelState(cache)
+
+    def scan_body(carry, key_i):  # a fixed trip count: outputs stacked, no early exit
       tok, cache = carry
       logits, _, cache = forward(params, tok[:, None], cache, cfg)
-      q = sampling_lib.probs(logits[:, 0], sp)
-      nxt = sampling_lib.sample_from_probs(key_i, q)
+      nxt, q, _ = pick(logits[:, 0], key_i)
       return (nxt, cache), (nxt, q)
 
     if k > 1:
-      (_, cache), (toks, qs) = lax.scan(body, (d0, cache), jnp.swapaxes(step_keys[:, 1:], 0, 1))
+      (_, cache), (toks, qs) = lax.scan(scan_body, (d0, cache),
+                                        jnp.swapaxes(step_keys[:, 1:], 0, 1))
       drafts = jnp.concatenate([d0[:, None], toks.T], axis=1)
-      q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+      qs = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     else:
-      drafts, q = d0[:, None], q0[:, None]
-    return Proposal(tokens=drafts, q=q), DraftModelState(cache)
+      drafts, qs = d0[:, None], q0[:, None]
+    return Proposal(tokens=drafts, q=qs), DraftModelState(cache)
 
   def commit(self, params, state: DraftModelState, ctx) -> DraftModelState:
     cache = dataclasses.replace(state.cache, length=jnp.maximum(ctx.seq_len - 2, 0))
@@ -206,6 +250,7 @@ class NGram(Drafter):
   max_ngram: int = 3
   min_ngram: int = 1
   name: str = "ngram"
+  free_proposals = True  # a lookup, not a model pass
 
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:

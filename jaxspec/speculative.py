@@ -26,7 +26,9 @@ import numpy as np
 from jax import lax
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.drafters import DraftContext, Drafter
+from jaxspec import adaptive
+from jaxspec.adaptive import AutoK, CostModel
+from jaxspec.drafters import DraftContext, Drafter, Proposal
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
                               decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
@@ -75,11 +77,14 @@ def verify(params, cache: KVCache, last: jax.Array, drafts: jax.Array, cfg: Llam
   return sampling_lib.probs(logits, sp), hidden, cache
 
 
-def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Array):
+def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Array,
+               n_valid: jax.Array | None = None):
   """The deterministic half of rejection sampling, given the uniforms u [B, k] in [0, 1).
 
   Draft i is accepted iff u_i * q_i(x_i) < p_i(x_i), i.e. with probability min(1, p/q) (the
   division-free form accepts q = 0 with p > 0, and never accepts p = 0, u = 0 included).
+  With n_valid [B], a row's drafts from n_valid on are not proposals: the row behaves exactly
+  as if it had drafted n_valid tokens (its token at n_valid comes from p itself).
 
   Returns:
     n_accepted [B] int32 in 0..k, and the unnormalised distribution [B, V] of the token that
@@ -97,24 +102,28 @@ def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Arra
   else:
     q_x = jnp.take_along_axis(q.astype(jnp.float32), drafts[:, :, None], axis=2)[..., 0]
   accept = u * q_x < p_x
+  limit = jnp.full((b,), k, jnp.int32) if n_valid is None else jnp.clip(n_valid, 0, k)
+  accept = accept & (jnp.arange(k)[None, :] < limit[:, None])
   n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
   rows = jnp.arange(b)
   p_j = p[rows, n_acc]  # [B, V]
+  rejected = n_acc < limit  # else: past the last real draft, the token comes from p itself
   if q is None:
     # max(p - onehot(x), 0) zeroes x's entry (p <= 1); there is no q at the bonus position.
     x_j = drafts[rows, jnp.minimum(n_acc, k - 1)]
-    hit = (jnp.arange(v)[None, :] == x_j[:, None]) & (n_acc < k)[:, None]
+    hit = (jnp.arange(v)[None, :] == x_j[:, None]) & rejected[:, None]
     resid = jnp.where(hit, 0.0, p_j)
   else:
-    q_pad = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)
-    resid = jnp.maximum(p_j - q_pad[rows, n_acc], 0.0)
+    q_j = q.astype(jnp.float32)[rows, jnp.minimum(n_acc, k - 1)]
+    resid = jnp.where(rejected[:, None], jnp.maximum(p_j - q_j, 0.0), p_j)
   # p == q leaves no residual mass; a rejection then has probability zero in exact arithmetic,
   # so falling back to p only matters under rounding.
   resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_j)
   return n_acc.astype(jnp.int32), resid
 
 
-def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array):
+def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array,
+                     n_valid: jax.Array | None = None):
   """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per row.
 
   Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
@@ -127,6 +136,7 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
     q: [B, k, V] draft probabilities, or None for deterministic drafts (one-hot q).
     drafts: [B, k] int32.
     keys: [B] per-row PRNG keys for this step.
+    n_valid: [B] real drafts per row (None: all k); later drafts are never accepted.
   Returns:
     n_accepted [B] int32 in 0..k, and emitted [B, k+1] int32: the accepted drafts followed by
     the correction or bonus token at index n_accepted (entries after it are -1).
@@ -134,7 +144,7 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
   b, k1, _ = p.shape
   ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (k1 - 1,), jnp.float32))(ku)  # [B, k]
-  n_acc, resid = acceptance(p, q, drafts, u)
+  n_acc, resid = acceptance(p, q, drafts, u, n_valid)
   final = sampling_lib.sample_from_probs(ks, resid)
   idx = jnp.arange(k1)[None, :]
   d_pad = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
@@ -145,6 +155,33 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
 
 # ----------------------------------------------------------------------------------------------
 # The fused loop.
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """How the loop picks k (static: part of the compiled program).
+
+  buckets: the compiled draft counts, ascending, starting with 0 (a plain decode step).
+  auto: choose among them from the acceptance and cost models; otherwise use the largest,
+    falling back to a plain step when no live row has a real draft.
+  """
+
+  buckets: tuple[int, ...]
+  auto: bool = False
+  decay: float = 0.95
+  prior: tuple[float, float] = (0.5, 0.5)
+
+  @property
+  def k_max(self) -> int:
+    return self.buckets[-1]
+
+  @classmethod
+  def fixed(cls, k: int) -> Policy:
+    return cls(buckets=(0, k))
+
+  @classmethod
+  def from_auto(cls, a: AutoK) -> Policy:
+    return cls(buckets=a.resolved_buckets(), auto=True, decay=a.decay, prior=tuple(a.prior))
 
 
 @_pytree
@@ -158,7 +195,8 @@ class SpecStats:
   emitted: jax.Array  # [B] tokens emitted by verify steps per row
   row_steps: jax.Array  # [B] target passes in which the row was live
   spec_row_steps: jax.Array  # [B] of those, the passes that verified drafts (not plain steps)
-  accepted_at: jax.Array  # [k] live row-steps whose draft i was accepted
+  accepted_at: jax.Array  # [K] live row-steps whose draft i was accepted
+  reached_at: jax.Array  # [K] live row-steps that verified a real draft i after i-1 accepts
   k_history: jax.Array  # [max_steps] k verified at each step (0: a plain step, nothing drafted)
 
 
@@ -172,6 +210,7 @@ class SpecState:
   cache: KVCache  # target cache: positions [0, seq_len - 1)
   draft_state: Any
   keys: jax.Array  # [B]
+  counts: adaptive.AcceptanceCounts  # the controller's acceptance model
   stats: SpecStats
 
 
@@ -184,7 +223,7 @@ def _write_tokens(seq, seq_len, emitted, n_emit):
 
 
 def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len, seq_cap,
-               k, max_new_tokens, stop_ids, max_steps):
+               policy, max_new_tokens, stop_ids, max_steps):
   """Prefill: the target caches every prompt token but the last, which becomes the first verify
   pass's input, so even the first new token is drafted and verified."""
   b, pw = prompt.shape
@@ -197,46 +236,97 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
   dstate = drafter.init(dparams, prompt, prompt_len, max_len,
                         hidden=hidden if want_hidden else None)
   z = lambda *s: jnp.zeros(s, jnp.int32)
+  k = policy.k_max
   stats = SpecStats(target_passes=z(), drafted=z(b), accepted=z(b), emitted=z(b), row_steps=z(b),
-                    spec_row_steps=z(b), accepted_at=z(k), k_history=z(max_steps))
+                    spec_row_steps=z(b), accepted_at=z(k), reached_at=z(k), k_history=z(max_steps))
   return SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
                    done=jnp.zeros((b,), bool), cache=cache, draft_state=dstate, keys=keys,
-                   stats=stats)
+                   counts=adaptive.init_counts(b, k), stats=stats)
 
 
-def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_tokens, stop_ids):
+def _pad_to(x, width, value):
+  """Pads axis 1 of x to `width`."""
+  return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
+                 constant_values=value)
+
+
+def _spec_step(tparams, dparams, s: SpecState, sp, costs, *, cfg, drafter, policy, max_new_tokens,
+               stop_ids, force=False):
+  """One draft -> verify -> accept -> roll back step.
+
+  The draft count is chosen among `policy.buckets`, each a branch of a `lax.switch` compiled
+  with its own static width; `force` always takes the largest bucket and verifies (for timing).
+  """
   b = s.seq.shape[0]
+  kmax = policy.k_max
   live = ~s.done
   step_keys = jax.vmap(jax.random.fold_in)(s.keys, s.seq_len)
   kd, kv = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(step_keys)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
-  prop, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
-  n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
-  old_len = s.cache.length
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
-  speculate = jnp.any(live & (n_valid > 0))
+  full = jnp.full((b,), kmax, jnp.int32)
 
-  def verify_drafts(cache):
-    p, hidden, cache = verify(tparams, cache, last, prop.tokens, cfg, sp,
+  # A drafter whose proposals cost next to nothing (n-gram lookup) proposes k_max up front, so
+  # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
+  if drafter.free_proposals:
+    prop_all, dstate_all = draft(drafter, dparams, s.draft_state, ctx, kmax, sp, kd)
+    nv_all = full if prop_all.n_valid is None else prop_all.n_valid
+    known = nv_all
+  else:
+    prop_all = dstate_all = None
+    nv_all, known = full, None
+  if force:
+    idx = jnp.int32(len(policy.buckets) - 1)
+  elif policy.auto:
+    alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
+    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known)
+  else:
+    idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
+
+  def plain(cache, dstate):
+    p, hidden, cache = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
                               hidden_layers=hidden_layers)
-    n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv)
-    return n_acc, emitted, hidden, cache
+    n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv)
+    return (n_acc, _pad_to(emitted, kmax + 1, -1), jax.tree.map(lambda h: _pad_to(h, kmax + 1, 0),
+            hidden), cache, dstate, jnp.zeros((b,), jnp.int32), jnp.int32(0))
 
-  def plain_step(cache):
-    # No live row has a real draft: a one-token pass costs less than verifying filler.
-    p, hidden, cache = verify(tparams, cache, last, prop.tokens[:, :0], cfg, sp,
-                              hidden_layers=hidden_layers)
-    n_acc, emitted = rejection_sample(p, None, prop.tokens[:, :0], kv)
-    emitted = jnp.pad(emitted, ((0, 0), (0, k)), constant_values=-1)
-    hidden = jax.tree.map(lambda h: jnp.pad(h, [(0, 0)] * (h.ndim - 2) + [(0, k), (0, 0)]), hidden)
-    return n_acc, emitted, hidden, cache
+  def branch(k):
+    def run(cache):
+      if k == 0:
+        dstate = dstate_all if drafter.free_proposals else s.draft_state
+        return plain(cache, dstate)
+      if drafter.free_proposals:
+        prop = Proposal(tokens=prop_all.tokens[:, :k],
+                        q=None if prop_all.q is None else prop_all.q[:, :k],
+                        n_valid=jnp.minimum(nv_all, k))
+        dstate = dstate_all
+      else:
+        prop, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
+      n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
 
-  n_acc, emitted, hidden, cache = lax.cond(speculate, verify_drafts, plain_step, s.cache)
+      def verify_drafts(cache):
+        p, hidden, cache = verify(tparams, cache, last, prop.tokens, cfg, sp,
+                                  hidden_layers=hidden_layers)
+        n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid)
+        return (n_acc, _pad_to(emitted, kmax + 1, -1),
+                jax.tree.map(lambda h: _pad_to(h, kmax + 1, 0), hidden), cache, dstate, n_valid,
+                jnp.int32(k))
+
+      if force:
+        return verify_drafts(cache)
+      # No live row has a real draft: a one-token pass costs less than verifying filler.
+      return lax.cond(jnp.any(live & (n_valid > 0)), verify_drafts,
+                      lambda c: plain(c, dstate), cache)
+    return run
+
+  n_acc, emitted, hidden, cache, dstate, n_valid, k_used = lax.switch(
+      idx, [branch(k) for k in policy.buckets], s.cache)
+  old_len = s.cache.length
   n_emit = n_acc + 1
   # A stop token inside the accepted run ends the row there.
-  idx = jnp.arange(k + 1)[None, :]
-  stop_hit = is_stop(emitted, stop_ids) & (idx < n_emit[:, None])
+  i1 = jnp.arange(kmax + 1)[None, :]
+  stop_hit = is_stop(emitted, stop_ids) & (i1 < n_emit[:, None])
   first_stop = jnp.argmax(stop_hit, axis=1)
   has_stop = stop_hit.any(axis=1)
   n_emit = jnp.where(has_stop, first_stop + 1, n_emit)
@@ -250,25 +340,31 @@ def _spec_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, k, max_new_t
   ctx = DraftContext(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, hidden=hidden,
                      hidden_pos=jnp.maximum(n_emit - 1, 0), n_new=n_emit)
   dstate = drafter.commit(dparams, dstate, ctx)
+  verified = live & (k_used > 0)
+  n_real = jnp.where(verified, jnp.minimum(n_valid, k_used), 0)
+  counts = adaptive.update_counts(s.counts, policy.decay, verified, n_real, n_acc)
   acc_eff = jnp.where(live, jnp.minimum(n_acc, n_emit), 0)
   st = s.stats
   steps = st.target_passes
+  i = jnp.arange(kmax)[None, :]
+  reached = (i < jnp.minimum(jnp.minimum(n_acc, n_real) + 1, n_real)[:, None]) & verified[:, None]
   stats = SpecStats(
       target_passes=steps + 1,
-      drafted=st.drafted + jnp.where(live & speculate, n_valid, 0),
+      drafted=st.drafted + n_real,
       accepted=st.accepted + acc_eff,
       emitted=st.emitted + n_emit,
       row_steps=st.row_steps + live,
-      spec_row_steps=st.spec_row_steps + (live & speculate),
-      accepted_at=st.accepted_at + jnp.sum((jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None], 0),
-      k_history=st.k_history.at[steps].set(jnp.where(speculate, k, 0), mode="drop"))
+      spec_row_steps=st.spec_row_steps + verified,
+      accepted_at=st.accepted_at + jnp.sum((i < n_acc[:, None]) & verified[:, None], 0),
+      reached_at=st.reached_at + jnp.sum(reached, 0),
+      k_history=st.k_history.at[steps].set(k_used, mode="drop"))
   return SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
-                   draft_state=dstate, keys=s.keys, stats=stats)
+                   draft_state=dstate, keys=s.keys, counts=counts, stats=stats)
 
 
-def _spec_loop(tparams, dparams, s, sp, until, **static):
+def _spec_loop(tparams, dparams, s, sp, costs, until, **static):
   return lax.while_loop(lambda s: jnp.any(~s.done) & (s.stats.target_passes < until),
-                        lambda s: _spec_step(tparams, dparams, s, sp, **static), s)
+                        lambda s: _spec_step(tparams, dparams, s, sp, costs, **static), s)
 
 
 def _outputs(s: SpecState, max_new_tokens: int):
@@ -279,17 +375,18 @@ def _outputs(s: SpecState, max_new_tokens: int):
   return jnp.where(jnp.arange(max_new_tokens)[None, :] < n_out[:, None], toks, -1), n_out
 
 
-_STATIC = ("cfg", "drafter", "max_len", "seq_cap", "k", "max_new_tokens", "stop_ids", "max_steps")
+_STATIC = ("cfg", "drafter", "max_len", "seq_cap", "policy", "max_new_tokens", "stop_ids",
+           "max_steps")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _speculative_jit(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len,
-                     seq_cap, k, max_new_tokens, stop_ids, max_steps):
+def _speculative_jit(tparams, dparams, prompt, prompt_len, sp, key, costs, *, cfg, drafter,
+                     max_len, seq_cap, policy, max_new_tokens, stop_ids, max_steps):
   s = _spec_init(tparams, dparams, prompt, prompt_len, sp, key, cfg=cfg, drafter=drafter,
-                 max_len=max_len, seq_cap=seq_cap, k=k, max_new_tokens=max_new_tokens,
+                 max_len=max_len, seq_cap=seq_cap, policy=policy, max_new_tokens=max_new_tokens,
                  stop_ids=stop_ids, max_steps=max_steps)
-  s = _spec_loop(tparams, dparams, s, sp, jnp.int32(max_steps), cfg=cfg, drafter=drafter, k=k,
-                 max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+  s = _spec_loop(tparams, dparams, s, sp, costs, jnp.int32(max_steps), cfg=cfg, drafter=drafter,
+                 policy=policy, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
   toks, n_out = _outputs(s, max_new_tokens)
   return toks, n_out, s.stats
 
@@ -326,17 +423,112 @@ def _devices(tree) -> set:
   return out
 
 
+def resolve_policy(num_draft_tokens, auto: AutoK | None = None) -> Policy:
+  """`num_draft_tokens` (an integer k >= 1 or "auto") as the loop's static policy."""
+  if isinstance(num_draft_tokens, str):
+    if num_draft_tokens != "auto":
+      raise ValueError(f"num_draft_tokens must be \"auto\" or an integer >= 1, got"
+                       f" {num_draft_tokens!r}")
+    return Policy.from_auto(auto or AutoK())
+  if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
+      or num_draft_tokens < 1:
+    raise ValueError(f"num_draft_tokens must be \"auto\" or an integer >= 1, got"
+                     f" {num_draft_tokens!r}")
+  if auto is not None:
+    raise ValueError(f"auto= configures num_draft_tokens=\"auto\" but num_draft_tokens is"
+                     f" {num_draft_tokens}: pass num_draft_tokens=\"auto\" or drop auto=")
+  return Policy.fixed(int(num_draft_tokens))
+
+
 def check_num_draft_tokens(k) -> int:
-  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-    raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
-  return int(k)
+  """Validates an integer k (kept for callers that only take fixed k)."""
+  return resolve_policy(k).k_max
+
+
+# ----------------------------------------------------------------------------------------------
+# The cost model, measured on the actual batch, cache size and drafter.
+
+_STEP_STATIC = ("cfg", "drafter", "policy", "max_new_tokens", "stop_ids", "force")
+_step_jit = jax.jit(_spec_step, static_argnames=_STEP_STATIC, donate_argnums=(2,))
+_COSTS: dict[Any, CostModel] = {}
+
+
+def measure_costs(target: Model, drafter: Drafter, prep, sp: SamplingArrays, policy: Policy, *,
+                  stop_ids=(), repeats: int = 5, key=None) -> CostModel:
+  """Times one loop step for every k in `policy.buckets` on these prompts (batch, cache size).
+
+  Each k is timed as the real step (draft k tokens, verify k + 1, accept, roll back), compiled
+  on its own and forced to verify, with the state donated as in the loop; the median of
+  `repeats` runs after a warm-up. Results are cached per (models, drafter, shapes).
+  """
+  b = prep.tokens.shape[0]
+  sig = (target.cfg, drafter, b, prep.tokens.shape[1], prep.max_len, policy.buckets,
+         jax.tree.map(lambda a: a.dtype.name if hasattr(a, "dtype") else a, sp).__repr__(),
+         float(np.asarray(sp.temperature).max()) > 0)
+  if sig in _COSTS:
+    return _COSTS[sig]
+  kmax = policy.k_max
+  init_static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len,
+                     seq_cap=prep.max_len + kmax + 1, policy=policy, max_new_tokens=10 ** 6,
+                     stop_ids=(), max_steps=1)
+  s = _spec_init_jit(target.params, drafter.params, jnp.asarray(prep.tokens),
+                     jnp.asarray(prep.lengths), sp, _as_key(key), **init_static)
+  secs = []
+  for k in policy.buckets:
+    pol = Policy(buckets=(0, k) if k else (0,))
+    zk = jnp.zeros((k,), jnp.int32)
+    st = dataclasses.replace(s, counts=adaptive.init_counts(b, k), stats=dataclasses.replace(
+        s.stats, accepted_at=zk, reached_at=zk))
+    st = jax.tree.map(jnp.copy, st)  # donated below; s serves every k
+    costs = jnp.ones((len(pol.buckets),), jnp.float32)
+    step = functools.partial(_step_jit, cfg=target.cfg, drafter=drafter, policy=pol,
+                             max_new_tokens=10 ** 6, stop_ids=(), force=True)
+    st = jax.block_until_ready(step(target.params, drafter.params, st, sp, costs))  # compile
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      st = jax.block_until_ready(step(target.params, drafter.params, st, sp, costs))
+      times.append(time.perf_counter() - t0)
+    secs.append(float(np.median(times)))
+    del st
+  cm = CostModel(tuple(policy.buckets), tuple(secs), batch_size=b, source="measured")
+  _COSTS[sig] = cm
+  return cm
+
+
+def _costs_array(policy: Policy, cost: CostModel | None) -> jax.Array:
+  if cost is None:
+    return jnp.ones((len(policy.buckets),), jnp.float32)
+  return jnp.asarray(cost.at(policy.buckets))
+
+
+def _prepare(target, drafter, prompts, max_new_tokens, sampling, num_draft_tokens, auto, cost,
+             max_len, temperature):
+  """Everything `speculative_generate` checks before compiling."""
+  if temperature is not None:
+    sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
+  sp_user = _resolve_sampling(sampling)
+  policy = resolve_policy(num_draft_tokens, auto)
+  check_drafter(target, drafter)
+  if cost is not None and not isinstance(cost, CostModel):
+    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
+  try:
+    prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
+                           max_len=max_len)
+  except ValueError as e:
+    if policy.auto and "does not fit" in str(e):
+      raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="
+                       f" {policy.k_max} drafts: lower AutoK(k_max=...))") from None
+    raise
+  return sp_user, policy, prep
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
-                         sampling: Sampling | None = None, num_draft_tokens: int = 4,
+                         sampling: Sampling | None = None, num_draft_tokens: int | str = "auto",
                          key: jax.Array | int | None = None,
                          stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-                         temperature: float | None = None) -> GenerateOutput:
+                         temperature: float | None = None, auto: AutoK | None = None,
+                         cost: CostModel | None = None) -> GenerateOutput:
   """Speculative decoding whose output distribution is exactly the target's.
 
   Prefill and the whole draft -> verify -> accept -> roll back loop run as one jitted
@@ -348,75 +540,89 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     prompts: a string, list of strings, or list of token-id lists.
     max_new_tokens: tokens to generate per row.
     sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy.
-    num_draft_tokens: k, drafts per step.
+    num_draft_tokens: k, drafts per step, or "auto" (default): every step chooses k in
+      0..k_max from the measured acceptance and step costs (k = 0 is a plain decode step).
     key: PRNG key or int seed.
     stop_ids: tokens that end a row; default the target's EOS ids.
     max_len: cache size; default just enough (prompt + max_new_tokens + k + 1).
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
+    auto: `AutoK(k_max, buckets, decay, prior)` for num_draft_tokens="auto".
+    cost: a `CostModel` of step time per k; with "auto" and none given, it is measured once
+      for this batch, cache size and drafter (cached for later calls).
   Returns:
     `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
-    draft position and the mean acceptance length tau (tokens emitted per verify pass, counting
-    the bonus token).
+    draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
+    the bonus token) and the k chosen at every step.
   """
-  if temperature is not None:
-    sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
-  sp_user = _resolve_sampling(sampling)
-  k = check_num_draft_tokens(num_draft_tokens)
-  check_drafter(target, drafter)
-  prep = prepare_prompts(target, prompts, max_new_tokens, extra=k + 1, max_len=max_len)
+  sp_user, policy, prep = _prepare(target, drafter, prompts, max_new_tokens, sampling,
+                                   num_draft_tokens, auto, cost, max_len, temperature)
   stops = stop_ids_for(target, stop_ids)
   b = prep.tokens.shape[0]
+  sp = sp_user.arrays(b)
+  profile_s = 0.0
+  if policy.auto and cost is None:
+    t0 = time.perf_counter()
+    cost = measure_costs(target, drafter, prep, sp, policy, key=key)
+    profile_s = time.perf_counter() - t0
   # The sequence buffer holds prompt + outputs, plus k + 1 slots that a step may write past.
-  seq_cap = prep.max_len + k + 1
-  static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len, seq_cap=seq_cap, k=k,
-                max_new_tokens=int(max_new_tokens), stop_ids=stops,
+  seq_cap = prep.max_len + policy.k_max + 1
+  static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len, seq_cap=seq_cap,
+                policy=policy, max_new_tokens=int(max_new_tokens), stop_ids=stops,
                 max_steps=int(max_new_tokens) + 1)
   args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-          sp_user.arrays(b), _as_key(key))
+          sp, _as_key(key), _costs_array(policy, cost))
   exe, compile_s = compiled(_speculative_jit, None, *args, **static)
   t0 = time.perf_counter()
   toks, n_out, st = jax.block_until_ready(exe(*args))
   dt = time.perf_counter() - t0
   toks, n_out = np.asarray(toks), np.asarray(n_out)
-  stats = summarize_stats(st, k)
+  stats = summarize_stats(st, policy.k_max)
   new = int(n_out.sum())
-  stats.update(seconds=dt, compile_seconds=compile_s, new_tokens=new,
+  stats.update(seconds=dt, compile_seconds=compile_s, profile_seconds=profile_s, new_tokens=new,
                tokens_per_second=new / dt if dt > 0 else float("inf"), batch_size=b,
-               num_draft_tokens=k, drafter=drafter.name)
+               num_draft_tokens="auto" if policy.auto else policy.k_max, k_max=policy.k_max,
+               drafter=drafter.name)
+  if policy.auto:
+    stats["cost_model"] = dict(zip(map(str, cost.ks), cost.seconds))
   return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=prep.lengths,
                         texts=decode_texts(target, toks, n_out), stats=stats)
 
 
-_LOOP_STATIC = ("cfg", "drafter", "k", "max_new_tokens", "stop_ids")
+_LOOP_STATIC = ("cfg", "drafter", "policy", "max_new_tokens", "stop_ids")
 _spec_init_jit = jax.jit(_spec_init, static_argnames=_STATIC)
 _spec_loop_jit = jax.jit(_spec_loop, static_argnames=_LOOP_STATIC, donate_argnums=(2,))
 
 
 def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_tokens: int = 128,
-                       sampling: Sampling | None = None, num_draft_tokens: int = 4, key=None,
-                       stop_ids: Sequence[int] | None = None, chunk: int = 4):
+                       sampling: Sampling | None = None, num_draft_tokens: int | str = "auto",
+                       key=None, stop_ids: Sequence[int] | None = None, chunk: int = 4,
+                       auto: AutoK | None = None, cost: CostModel | None = None):
   """Speculative decoding of one prompt, yielding (new tokens, info) every `chunk` verify steps.
 
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
   text as it is produced; `info["stats"]` holds the statistics once the row is done.
   """
-  sp_user = _resolve_sampling(sampling)
-  k = check_num_draft_tokens(num_draft_tokens)
-  check_drafter(target, drafter)
-  prep = prepare_prompts(target, prompt, max_new_tokens, extra=k + 1)
+  sp_user, policy, prep = _prepare(target, drafter, prompt, max_new_tokens, sampling,
+                                   num_draft_tokens, auto, cost, None, None)
   stops = stop_ids_for(target, stop_ids)
   b = prep.tokens.shape[0]
   sp = sp_user.arrays(b)
-  static = dict(cfg=target.cfg, drafter=drafter, k=k, max_new_tokens=int(max_new_tokens),
-                stop_ids=stops)
+  profile_s = 0.0
+  if policy.auto and cost is None:
+    t0 = time.perf_counter()
+    cost = measure_costs(target, drafter, prep, sp, policy, key=key)
+    profile_s = time.perf_counter() - t0
+  costs = _costs_array(policy, cost)
+  static = dict(cfg=target.cfg, drafter=drafter, policy=policy,
+                max_new_tokens=int(max_new_tokens), stop_ids=stops)
   init_args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
                sp, _as_key(key))
-  init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + k + 1,
+  init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + policy.k_max + 1,
                      max_steps=int(max_new_tokens) + 1, **static)
   init_exe, c1 = compiled(_spec_init_jit, "stream-init", *init_args, **init_static)
   state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *init_args)
   loop_exe, c2 = compiled(_spec_loop_jit, "stream-loop", target.params, drafter.params, state0,
-                          sp, jnp.int32(0), **static)
+                          sp, costs, jnp.int32(0), **static)
   t0 = time.perf_counter()
   state = jax.block_until_ready(init_exe(*init_args))
 
@@ -426,11 +632,12 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
             int(s.stats.target_passes))
 
   for new, info in _stream_loop(
-      lambda s, until: loop_exe(target.params, drafter.params, s, sp, until),
+      lambda s, until: loop_exe(target.params, drafter.params, s, sp, costs, until),
       view, state, chunk, t0):
     s = info.pop("state")
-    info["stats"] = summarize_stats(s.stats, k)
+    info["stats"] = summarize_stats(s.stats, policy.k_max)
     info["compile_seconds"] = c1 + c2
+    info["profile_seconds"] = profile_s
     yield new, info
 
 
@@ -441,20 +648,22 @@ def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:
   total_row_steps = max(float(st.row_steps.sum()), 1.0)
   spec_steps = max(float(st.spec_row_steps.sum()), 1.0)
   acc_at = st.accepted_at.astype(np.float64)
-  reached = np.concatenate([[spec_steps], acc_at[:-1]]) if k > 0 else np.zeros(0)
+  hist = st.k_history[:passes]
   return dict(
       target_passes=passes,
       drafted_per_row=st.drafted.tolist(),
       accepted_per_row=st.accepted.tolist(),
       acceptance_rate=float(st.accepted.sum() / max(st.drafted.sum(), 1)),
       # Unconditional (as vLLM reports): fraction of the live row-steps that verified drafts in
-      # which draft i was accepted.
+      # which draft i was accepted (a step verifying fewer than i drafts counts as a miss).
       acceptance_per_position=(acc_at / spec_steps).tolist(),
-      # Conditional: accepted at i given drafts 0..i-1 were accepted.
-      conditional_acceptance_per_position=np.divide(acc_at, np.maximum(reached, 1)).tolist(),
+      # Conditional: accepted at i given a real draft i was verified after i-1 accepts.
+      conditional_acceptance_per_position=np.divide(
+          acc_at, np.maximum(st.reached_at, 1)).tolist(),
       # tau: tokens emitted per target pass of a live row, counting the bonus/correction token
       # (plain steps, where nothing was drafted, count as passes emitting one token).
       tau=float(st.emitted.sum() / total_row_steps),
-      plain_steps=int(passes - int((st.k_history[:passes] > 0).sum())),
-      k_per_step=st.k_history[:passes].tolist(),
+      plain_steps=int((hist == 0).sum()),
+      k_per_step=hist.tolist(),
+      mean_k=float(hist.mean()) if passes else 0.0,
   )

@@ -1,0 +1,215 @@
+"""Adaptive speculation: choose how many tokens to draft at every step, including none.
+
+Three pieces, each a pure function over arrays so they run inside the jitted loop:
+
+* **An acceptance model.** Per row and per draft position i, exponentially decayed counts of
+  how often draft i was tried (drafts 1..i-1 accepted) and accepted, giving the conditional
+  acceptance probability a[b, i], shrunk towards the row's rate over all positions (so a
+  position never tried yet is estimated from the others). Counts decay every step, observed or
+  not, so a row that stopped drafting drifts back to the prior and is probed again later.
+* **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
+  every compiled width k (k = 0 is a plain one-token decode step): measured at start-up on the
+  actual batch, cache size and drafter (`measure`), or given (`CostModel`).
+* **The controller.** With E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a[b, i] the expected tokens a
+  live row emits when k drafts are verified (at most as many as the drafter really proposed),
+  choose the width k maximising sum_b E_b(k) / cost(k). For i.i.d. acceptance alpha this is the
+  textbook (1 - alpha^(k+1)) / ((1 - alpha) (k c + v(k))).
+
+Choosing k depends only on the past, and every step's rejection sampling is exact for any k,
+so the output distribution is still exactly the target's.
+
+The verify width is bucketed: each k in `AutoK.buckets` is its own branch of a `lax.switch`,
+compiled once, so a step pays for the width it uses (on CPUs a (k+1)-token verify costs far
+more than a decode step). The alternative, one width masked per row, is `AutoK(buckets=(0,
+k_max))`; `benchmarks/bench_adaptive.py` measures both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.llama import pytree_dataclass as _pytree
+
+_DEFAULT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoK:
+  """Configuration of `num_draft_tokens="auto"`.
+
+  Attributes:
+    k_max: the most drafts per step.
+    buckets: the compiled draft counts the controller chooses from (0 = a plain decode step);
+      default 0, 1, 2, 3, 4, 6, 8, ... up to k_max (k_max included).
+    decay: per-step forgetting factor of the acceptance counts (0.95: about the last 20 steps).
+    prior: Beta pseudo-counts (accepted, rejected) of every position's acceptance estimate.
+  """
+
+  k_max: int = 8
+  buckets: tuple[int, ...] | None = None
+  decay: float = 0.95
+  prior: tuple[float, float] = (0.5, 0.5)
+
+  def __post_init__(self):
+    if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, np.integer)) \
+        or self.k_max < 1:
+      raise ValueError(f"AutoK.k_max must be an integer >= 1, got {self.k_max!r}")
+    if self.buckets is not None:
+      b = tuple(self.buckets)
+      if not b or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or
+                      not 0 <= k <= self.k_max for k in b):
+        raise ValueError(f"AutoK.buckets must be draft counts in 0..k_max={self.k_max}, got"
+                         f" {self.buckets!r}")
+    if not 0.0 < self.decay <= 1.0:
+      raise ValueError(f"AutoK.decay must be in (0, 1], got {self.decay}")
+    if len(self.prior) != 2 or min(self.prior) <= 0:
+      raise ValueError(f"AutoK.prior must be two positive pseudo-counts, got {self.prior!r}")
+
+  def resolved_buckets(self) -> tuple[int, ...]:
+    if self.buckets is not None:
+      ks = set(int(k) for k in self.buckets) | {0}
+    else:
+      ks = {k for k in _DEFAULT_BUCKETS if k <= self.k_max} | {self.k_max}
+    return tuple(sorted(ks))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Seconds of one loop step per number of drafts k (k = 0: a plain decode step).
+
+  Attributes:
+    ks: draft counts, ascending.
+    seconds: the step time for each.
+    batch_size: the batch it was measured at (informational).
+    source: where the numbers come from ("measured", "given", ...).
+  """
+
+  ks: tuple[int, ...]
+  seconds: tuple[float, ...]
+  batch_size: int | None = None
+  source: str = "given"
+
+  def __post_init__(self):
+    if len(self.ks) != len(self.seconds) or not self.ks:
+      raise ValueError("CostModel needs one time per k")
+    if list(self.ks) != sorted(set(self.ks)) or self.ks[0] < 0:
+      raise ValueError(f"CostModel.ks must be ascending distinct counts >= 0, got {self.ks}")
+    if any(not np.isfinite(s) or s <= 0 for s in self.seconds):
+      raise ValueError(f"CostModel.seconds must be positive, got {self.seconds}")
+
+  @classmethod
+  def from_formula(cls, ks: Sequence[int], draft_cost: float, verify_cost) -> CostModel:
+    """k * draft_cost + verify_cost(k) for each k (verify_cost(0) is a decode step)."""
+    return cls(tuple(int(k) for k in ks),
+               tuple(float(k * draft_cost + verify_cost(k)) for k in ks), source="formula")
+
+  def at(self, ks: Sequence[int]) -> np.ndarray:
+    """Times for these k, linearly interpolated (and extrapolated) from the known ones."""
+    x, y = np.asarray(self.ks, np.float64), np.asarray(self.seconds, np.float64)
+    if len(x) == 1:
+      return np.full(len(ks), y[0], np.float32)
+    out = np.interp(ks, x, y)
+    hi = np.asarray(ks) > x[-1]  # extrapolate with the last slope
+    slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+    out = np.where(hi, y[-1] + slope * (np.asarray(ks) - x[-1]), out)
+    return np.maximum(out, 1e-9).astype(np.float32)
+
+  def relative(self) -> dict[int, float]:
+    """Step time per k relative to a plain step (k = 0 when measured)."""
+    base = self.at([0])[0]
+    return {k: float(s / base) for k, s in zip(self.ks, self.seconds)}
+
+
+# ----------------------------------------------------------------------------------------------
+# The acceptance model.
+
+
+@_pytree
+@dataclasses.dataclass
+class AcceptanceCounts:
+  """Decayed per-row, per-position counts behind the acceptance estimate."""
+
+  tried: jax.Array  # [B, K] f32 draft i was verified with drafts 1..i-1 accepted
+  accepted: jax.Array  # [B, K] f32 ... and was accepted
+
+
+def init_counts(batch: int, k_max: int) -> AcceptanceCounts:
+  z = jnp.zeros((batch, k_max), jnp.float32)
+  return AcceptanceCounts(tried=z, accepted=z)
+
+
+def acceptance_estimate(counts: AcceptanceCounts, prior: tuple[float, float],
+                        strength: float = 4.0) -> jax.Array:
+  """Each row's conditional acceptance per position [B, K], shrunk towards the row's pooled rate.
+
+  The pooled rate (all positions together, Beta `prior`) is the prior mean of every position
+  with weight `strength`: a position the row has not tried yet (k never reached it) takes the
+  row's overall rate, so a drafter that is always right is trusted with longer drafts.
+  """
+  a, r = prior
+  pooled = (counts.accepted.sum(1, keepdims=True) + a) / (counts.tried.sum(1, keepdims=True) + a + r)
+  return (counts.accepted + strength * pooled) / (counts.tried + strength)
+
+
+def update_counts(counts: AcceptanceCounts, decay: float, verified: jax.Array,
+                  n_real: jax.Array, n_accepted: jax.Array) -> AcceptanceCounts:
+  """Decays the counts and adds one step's observations.
+
+  Args:
+    verified: [B] bool rows whose drafts were verified this step (live, k > 0).
+    n_real: [B] real drafts verified per row (min(k, what the drafter proposed)).
+    n_accepted: [B] drafts accepted per row.
+  """
+  k = counts.tried.shape[1]
+  i = jnp.arange(k)[None, :]
+  acc = jnp.minimum(n_accepted, n_real)[:, None]
+  tried = (i < jnp.minimum(acc + 1, n_real[:, None])) & verified[:, None]
+  accepted = (i < acc) & verified[:, None]
+  return AcceptanceCounts(tried=decay * counts.tried + tried,
+                          accepted=decay * counts.accepted + accepted)
+
+
+def expected_tokens(alpha: jax.Array, ks: Sequence[int], n_real: jax.Array | None = None):
+  """Expected tokens a row emits in a step verifying k drafts, for each k in ks [B, len(ks)].
+
+  E(k) = 1 + sum_{j=1..min(k, n_real)} prod_{i<=j} alpha_i (the bonus/correction token counts).
+  """
+  b, kmax = alpha.shape
+  reach = jnp.cumprod(alpha, axis=1)  # [B, K] P(drafts 1..j all accepted)
+  if n_real is not None:
+    reach = jnp.where(jnp.arange(kmax)[None, :] < n_real[:, None], reach, 0.0)
+  csum = jnp.concatenate([jnp.zeros((b, 1), reach.dtype), jnp.cumsum(reach, axis=1)], axis=1)
+  return 1.0 + csum[:, jnp.asarray(ks)]
+
+
+def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int],
+           n_real: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """The controller: index into ks maximising the batch's expected tokens per second.
+
+  Args:
+    alpha: [B, K] acceptance estimate per row and position.
+    live: [B] bool rows still generating.
+    costs: [len(ks)] seconds per step for each k.
+    ks: the candidate draft counts.
+    n_real: [B] drafts the drafter has for each row, when known before choosing.
+  Returns:
+    (index into ks, predicted tokens per second for every k [len(ks)]).
+  """
+  e = expected_tokens(alpha, ks, n_real)  # [B, nk]
+  rate = jnp.sum(jnp.where(live[:, None], e, 0.0), axis=0) / costs
+  return jnp.argmax(rate).astype(jnp.int32), rate
+
+
+def best_k_formula(alpha: float, ks: Sequence[int], costs: Sequence[float]) -> int:
+  """argmax_k (1 - alpha^(k+1)) / ((1 - alpha) cost(k)): the i.i.d. textbook optimum."""
+  ks = list(ks)
+  if alpha >= 1.0:
+    gain = [k + 1.0 for k in ks]
+  else:
+    gain = [(1 - alpha ** (k + 1)) / (1 - alpha) for k in ks]
+  return ks[int(np.argmax(np.array(gain) / np.asarray(costs)))]

@@ -1,0 +1,187 @@
+"""Adaptive speculation: the controller against the textbook optimum, exactness with "auto",
+the measured cost model, bad input."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import adaptive
+from jaxspec.adaptive import AutoK, CostModel
+from jaxspec.drafters import DraftModel, NGram
+from jaxspec.generate import generate
+from jaxspec.sampling import Sampling
+from jaxspec.speculative import speculative_generate
+from test_speculative import _chi2_critical, _exact_joint, small_vocab  # noqa: F401
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
+N_NEW = 24
+KS = tuple(range(9))
+# Verify cost growing with k as on a CPU, plus a per-token draft cost: the formula's c and v(k).
+DRAFT_C, VERIFY = 0.02, (lambda k: 1.0 + 0.02 * k + 0.05 * k * k)
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "decay"))
+def _simulate(key, alpha, counts, costs, *, steps, decay):
+  """Runs the controller against i.i.d. acceptance with probability alpha; returns chosen ks."""
+
+  def step(counts, key):
+    est = adaptive.acceptance_estimate(counts, (0.5, 0.5))
+    idx, _ = adaptive.choose(est, jnp.ones((1,), bool), costs, KS)
+    k = jnp.asarray(KS)[idx]
+    acc = jax.random.bernoulli(key, alpha, (len(KS) - 1,))
+    n_acc = jnp.sum(jnp.cumprod(acc) * (jnp.arange(len(KS) - 1) < k))
+    counts = adaptive.update_counts(counts, decay, (k > 0)[None], k[None], n_acc[None])
+    return counts, k
+
+  return jax.lax.scan(step, counts, jax.random.split(key, steps))
+
+
+def test_controller_settles_on_the_formula_k_and_moves_when_alpha_drops():
+  cost = CostModel.from_formula(KS, DRAFT_C, VERIFY)
+  costs = jnp.asarray(cost.at(KS))
+  high, low = 0.9, 0.35
+  best_high = adaptive.best_k_formula(high, KS, cost.seconds)
+  best_low = adaptive.best_k_formula(low, KS, cost.seconds)
+  assert best_high >= 3 and best_low <= 1  # the two regimes really differ
+
+  def value(alpha, k):  # the formula's tokens per unit time
+    return (1 - alpha ** (k + 1)) / (1 - alpha) / cost.at([k])[0]
+
+  counts = adaptive.init_counts(1, len(KS) - 1)
+  counts, ks1 = _simulate(jax.random.key(0), high, counts, costs, steps=600, decay=0.99)
+  counts, ks2 = _simulate(jax.random.key(1), low, counts, costs, steps=600, decay=0.99)
+  ks1, ks2 = np.asarray(ks1), np.asarray(ks2)
+  mode1 = np.bincount(ks1[300:]).argmax()
+  mode2 = np.bincount(ks2[300:]).argmax()
+  assert mode1 == best_high, (mode1, best_high, np.bincount(ks1[300:]))
+  assert mode2 == best_low, (mode2, best_low, np.bincount(ks2[300:]))
+  # Settled: the chosen ks' throughput stays within 2% of the optimum's.
+  assert np.mean([value(high, k) for k in ks1[300:]]) > 0.98 * value(high, best_high)
+  assert np.mean([value(low, k) for k in ks2[300:]]) > 0.98 * value(low, best_low)
+  # With the default forgetting (decay 0.95) it moves within a few dozen steps of the drop.
+  counts = adaptive.init_counts(1, len(KS) - 1)
+  counts, _ = _simulate(jax.random.key(2), high, counts, costs, steps=200, decay=0.95)
+  _, ks3 = _simulate(jax.random.key(3), low, counts, costs, steps=100, decay=0.95)
+  assert np.bincount(np.asarray(ks3)[40:]).argmax() == best_low
+
+
+def test_estimate_and_expected_tokens():
+  counts = adaptive.init_counts(2, 4)
+  # Row 0: drafts always accepted; row 1: always rejected at the first position.
+  for _ in range(50):
+    counts = adaptive.update_counts(counts, 0.95, jnp.array([True, True]), jnp.array([4, 4]),
+                                    jnp.array([4, 0]))
+  est = np.asarray(adaptive.acceptance_estimate(counts, (0.5, 0.5)))
+  assert est[0].min() > 0.95 and est[1, 0] < 0.05
+  e = np.asarray(adaptive.expected_tokens(jnp.asarray(est), (0, 2, 4)))
+  assert e[:, 0].tolist() == [1.0, 1.0]
+  assert e[0, 2] > 4.7 and e[1, 2] < 1.1
+  # A row with only 1 real draft cannot expect more than 2 tokens.
+  e = np.asarray(adaptive.expected_tokens(jnp.asarray(est), (4,), jnp.array([1, 4])))
+  assert e[0, 0] <= 2.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactness with "auto".
+
+FLAT = CostModel(ks=(0, 8), seconds=(1.0, 1.0))  # every k costs the same: drafting is free
+CPU_LIKE = CostModel.from_formula(range(9), 0.1, VERIFY)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+  return generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
+
+
+@pytest.mark.parametrize("name", ["ngram", "poor-draft", "self-draft"])
+def test_auto_greedy_equals_generate(tiny_target, poor_draft, reference, name):
+  drafter = {"ngram": NGram(), "poor-draft": DraftModel(poor_draft),
+             "self-draft": DraftModel(tiny_target)}[name]
+  out = speculative_generate(tiny_target, drafter, PROMPTS, max_new_tokens=N_NEW,
+                             num_draft_tokens="auto", auto=AutoK(k_max=4), cost=CPU_LIKE,
+                             stop_ids=())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  np.testing.assert_array_equal(out.lengths, reference.lengths)
+  ks = out.stats["k_per_step"]
+  assert len(ks) == out.stats["target_passes"] and out.stats["num_draft_tokens"] == "auto"
+  if name == "self-draft":  # always accepted: it settles where the formula puts alpha = 1
+    best = adaptive.best_k_formula(1.0, range(5), CPU_LIKE.seconds[:5])
+    assert best >= 3 and np.bincount(ks).argmax() == best, ks
+  if name == "poor-draft":  # always rejected: it soon stops drafting (k = 0, plain steps)
+    assert out.stats["plain_steps"] >= len(ks) // 2
+
+
+def test_auto_measures_costs_once(tiny_target, reference):
+  """Without a cost model, "auto" times every bucket on this batch once and caches it."""
+  auto = AutoK(k_max=3)
+  out = speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=N_NEW,
+                             num_draft_tokens="auto", auto=auto, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  cm = out.stats["cost_model"]
+  assert list(cm) == ["0", "1", "2", "3"] and all(v > 0 for v in cm.values())
+  assert out.stats["profile_seconds"] > 0
+  again = speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=N_NEW,
+                               num_draft_tokens="auto", auto=auto, stop_ids=())
+  assert again.stats["profile_seconds"] < out.stats["profile_seconds"] / 5
+  assert again.stats["cost_model"] == cm
+
+
+def test_auto_sampling_distribution(small_vocab):  # noqa: F811
+  """The first two tokens' joint under "auto" with a poor draft: chi-square at the 1e-4 tail."""
+  target, draft = small_vocab
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.9)
+  prompt, n = [1, 2, 3, 4], 20000
+  out = speculative_generate(target, DraftModel(draft), [prompt] * n, max_new_tokens=2,
+                             sampling=sp, num_draft_tokens="auto", auto=AutoK(k_max=2),
+                             cost=FLAT, key=99)
+  assert out.stats["k_per_step"][0] == 2  # free drafts: it verified two at first
+  joint = _exact_joint(target, prompt, sp).reshape(-1)
+  obs = np.bincount(out.tokens[:, 0] * 8 + out.tokens[:, 1], minlength=64)
+  assert obs[joint == 0].sum() == 0
+  keep = joint * n >= 5
+  o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
+  exp = np.append(joint[keep] * n, joint[~keep].sum() * n)
+  if exp[-1] < 5:
+    o, exp = o[:-1], exp[:-1]
+  chi2 = float(((o - exp) ** 2 / exp).sum())
+  assert chi2 < _chi2_critical(len(exp) - 1), (chi2, len(exp))
+
+
+def test_draft_confidence_early_stop(tiny_target, poor_draft, reference):
+  """p_min: a draft model stops drafting a row once its own confidence drops below it."""
+  out = speculative_generate(tiny_target, DraftModel(poor_draft, p_min=0.99), PROMPTS,
+                             max_new_tokens=N_NEW, num_draft_tokens=4, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  base = speculative_generate(tiny_target, DraftModel(poor_draft), PROMPTS,
+                              max_new_tokens=N_NEW, num_draft_tokens=4, stop_ids=())
+  assert sum(out.stats["drafted_per_row"]) < sum(base.stats["drafted_per_row"])
+  assert out.stats["plain_steps"] > 0  # no row confident: a plain step instead of a verify
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_auto_input(tiny_target):
+  for k in ("fast", "AUTO", 0, 2.5, True, None):
+    with pytest.raises(ValueError, match="num_draft_tokens must be \"auto\" or an integer"):
+      speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=4, num_draft_tokens=k)
+  with pytest.raises(ValueError, match="k_max"):
+    speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=40, max_len=64,
+                         num_draft_tokens="auto", auto=AutoK(k_max=16), cost=FLAT)
+  with pytest.raises(ValueError, match="AutoK.k_max"):
+    AutoK(k_max=0)
+  with pytest.raises(ValueError, match="buckets"):
+    AutoK(k_max=4, buckets=(0, 6))
+  with pytest.raises(ValueError, match="auto= configures"):
+    speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=4, num_draft_tokens=3,
+                         auto=AutoK())
+  with pytest.raises(ValueError, match="CostModel"):
+    speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=4, cost={0: 1.0})
+  with pytest.raises(ValueError, match="positive"):
+    CostModel(ks=(0, 1), seconds=(1.0, -1.0))
+  with pytest.raises(ValueError, match="p_min"):
+    DraftModel(tiny_target, p_min=1.5)
