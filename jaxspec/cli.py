@@ -1,4 +1,4 @@
-"""The `jaxspec` command line: `jaxspec generate "PROMPT"`."""
+"""The `jaxspec` command line: `jaxspec generate "PROMPT"` and `jaxspec train KIND`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
 
 
+def _draft_count(text: str):
+  if text == "auto":
+    return text
+  try:
+    k = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}") from None
+  if k < 1:
+    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {k}")
+  return k
+
+
 def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="jaxspec", description="Exact speculative decoding in JAX.")
   sub = ap.add_subparsers(dest="command", required=True)
@@ -28,10 +40,14 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--max-new-tokens", type=int, default=128)
   g.add_argument("--draft", default="ngram",
                  help="none | ngram | PATH of a draft model (.gguf or HF directory)")
-  g.add_argument("--num-draft-tokens", type=int, default=4, help="k, drafts per step")
+  g.add_argument("--num-draft-tokens", type=_draft_count, default="auto",
+                 help="k, drafts per step, or 'auto' (default: chosen every step from measured"
+                      " acceptance and cost, 0 = a plain step)")
+  g.add_argument("--k-max", type=int, default=8, help="the most drafts per step with 'auto'")
   g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   g.add_argument("--chunk", type=int, default=8, help="decode steps between printed chunks")
   _add_sampling(g)
+  _add_train_parser(sub)
   return ap
 
 
@@ -70,8 +86,10 @@ def cmd_generate(args) -> int:
     if drafter is None:
       stream = generate_stream(model, [ids], chunk=args.chunk, **common)
     else:
+      from jaxspec.adaptive import AutoK
+      auto = AutoK(k_max=args.k_max) if args.num_draft_tokens == "auto" else None
       stream = speculative_stream(model, drafter, [ids], num_draft_tokens=args.num_draft_tokens,
-                                  chunk=max(1, args.chunk // 2), **common)
+                                  auto=auto, chunk=max(1, args.chunk // 2), **common)
     from jaxspec.models.tokenizer import StreamDecoder
     dec = StreamDecoder(tok)
     n, info = 0, {}
@@ -84,20 +102,223 @@ def cmd_generate(args) -> int:
     raise SystemExit(f"error: {e}")
   secs = info.get("seconds", 0.0)
   line = (f"[jaxspec] {n} new tokens, {n / secs if secs else 0:.1f} tokens/s,"
-          f" compile {info.get('compile_seconds', 0.0):.1f} s, load {load_s:.1f} s,"
+          f" compile {info.get('compile_seconds', 0.0) + info.get('profile_seconds', 0.0):.1f} s,"
+          f" load {load_s:.1f} s,"
           f" model {model.name}, draft {args.draft}")
   st = info.get("stats")
   if st:
-    line += (f", k={args.num_draft_tokens}, tau {st['tau']:.2f},"
+    k = (f"auto (mean {st['mean_k']:.1f}, {st['plain_steps']} plain steps)"
+         if args.num_draft_tokens == "auto" else args.num_draft_tokens)
+    line += (f", k={k}, tau {st['tau']:.2f},"
              f" acceptance {st['acceptance_rate']:.2f}")
   print(line, flush=True)
   return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# jaxspec train
+
+
+TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model")
+# Defaults sized for the bundled SmolLM2-135M on a 2-core CPU, where writing the data (320
+# prompts, 128 response tokens) takes about 12 minutes and a training step of a batch of 8 about
+# 5-10 s (draft-model, eagle) or 20-40 s (medusa, mlp: their losses run the 49k-token LM head
+# for every head at every position); together about an hour.
+TRAIN_DEFAULTS = {
+    "draft-model": dict(steps=200, lr=5e-4, batch_size=8),
+    "eagle": dict(steps=200, lr=5e-4, batch_size=8),
+    "medusa": dict(steps=100, lr=1e-3, batch_size=8),
+    "mlp": dict(steps=80, lr=1e-3, batch_size=8),
+}
+
+
+def _option(text: str) -> tuple[str, object]:
+  import json
+  key, sep, value = text.partition("=")
+  if not sep or not key:
+    raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+  try:
+    return key, json.loads(value)
+  except json.JSONDecodeError:
+    return key, value
+
+
+def _add_train_parser(sub) -> None:
+  t = sub.add_parser("train", help="train a draft head or a draft model on the target's own"
+                                   " responses (self-distillation)",
+                     description="Has the target answer the prompts (unless --data-dir), then"
+                                 " trains a draft and saves it in --out.")
+  t.add_argument("kind", choices=TRAIN_KINDS,
+                 help="what to train (put it before --prompts, which takes several files)")
+  t.add_argument("--prompts", nargs="+", default=[], metavar="FILE",
+                 help="JSON-lines prompt files (e.g. ../shared/data/gsm8k_train.jsonl)")
+  t.add_argument("--out", required=True, help="output directory (the trained draft, training/"
+                                              " checkpoints and, unless --data-dir, data/)")
+  t.add_argument("--model", default=None, help="the target (default: the bundled SmolLM2-135M)")
+  t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  t.add_argument("--data-dir", default=None,
+                 help="reuse a dataset written earlier (skips running the target)")
+  t.add_argument("--resume", action="store_true",
+                 help="continue an interrupted run in --out from its latest checkpoint")
+  t.add_argument("--steps", type=int, default=None, help="optimizer steps (default per kind)")
+  t.add_argument("--batch-size", type=int, default=None)
+  t.add_argument("--lr", type=float, default=None, help="peak learning rate")
+  t.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps / 10)")
+  t.add_argument("--weight-decay", type=float, default=0.01)
+  t.add_argument("--clip-norm", type=float, default=1.0)
+  t.add_argument("--save-every", type=int, default=50)
+  t.add_argument("--keep-last", type=int, default=2, help="checkpoints kept")
+  t.add_argument("--eval-every", type=int, default=100,
+                 help="held-out evaluation every this many steps (and at the end)")
+  t.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+  t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--max-prompts", type=int, default=320,
+                 help="prompts the target answers, drawn evenly from the files")
+  t.add_argument("--max-new-tokens", type=int, default=128, help="response tokens per prompt")
+  t.add_argument("--max-prompt-len", type=int, default=256,
+                 help="longer prompts (after the chat template) are skipped")
+  t.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                 help="one response per prompt per value (0 = greedy; e.g. 0 0.7)")
+  t.add_argument("--gen-batch-size", type=int, default=16, help="rows per generate call")
+  t.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+  t.add_argument("--allow-eval-prompts", action="store_true",
+                 help="allow training on an evaluation set (spec_bench): contaminates it")
+  t.add_argument("--num-layers", type=int, default=4,
+                 help="draft-model: target layers the draft keeps")
+  t.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                 help="head option (JSON value), e.g. --option num_heads=3 --option version=3")
+  t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+  t.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _train_config(args):
+  from jaxspec.train.trainer import TrainConfig
+  d = TRAIN_DEFAULTS[args.kind]
+  steps = d["steps"] if args.steps is None else args.steps
+  warmup = min(50, steps // 10) if args.warmup is None else args.warmup
+  return TrainConfig(steps=steps, batch_size=d["batch_size"] if args.batch_size is None
+                     else args.batch_size, lr=d["lr"] if args.lr is None else args.lr,
+                     warmup_steps=warmup, weight_decay=args.weight_decay,
+                     clip_norm=args.clip_norm, seed=args.seed,
+                     save_every=min(args.save_every, steps), keep_last_n=args.keep_last,
+                     eval_every=args.eval_every, eval_batches=args.eval_batches)
+
+
+def _training_data(args, target, layers, progress):
+  """The dataset: --data-dir, or out/data when a finished one is there, else written now."""
+  from pathlib import Path
+
+  from jaxspec.train.data import DataConfig, Dataset, read_prompts, write_dataset
+  data_dir = Path(args.data_dir) if args.data_dir else Path(args.out) / "data"
+  if args.data_dir or (data_dir / "meta.json").is_file():
+    ds = Dataset(data_dir)
+    ds.check_target(target, layers=layers)
+    ds = Dataset(data_dir, layers=layers)
+    print(f"[jaxspec] reusing the {len(ds)} rows of {data_dir} (the data flags are ignored)",
+          file=sys.stderr)
+    return ds
+  cfg = DataConfig(max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
+                   temperatures=tuple(args.temperature), batch_size=args.gen_batch_size,
+                   hidden_layers=tuple(layers), chat=not args.no_chat, seed=args.seed)
+  prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
+                                 allow_eval=args.allow_eval_prompts)
+  write_dataset(target, prompts, data_dir, cfg, prompt_files=counts, progress=progress)
+  return Dataset(data_dir, layers=layers)
+
+
+def cmd_train(args) -> int:
+  import json
+  from pathlib import Path
+
+  from jaxspec.models.errors import CheckpointError
+  from jaxspec.models.loading import load
+
+  t0 = time.perf_counter()
+  progress = not args.no_progress
+  options = dict(args.option)
+  try:
+    cfg = _train_config(args)
+    if args.kind != "draft-model" and options.get("draft_vocab") is not None:
+      raise ValueError("--option draft_vocab is not supported on the command line: use"
+                       " draft_vocab_size=N (the N most frequent response tokens)")
+    if not (args.prompts or args.data_dir or (Path(args.out) / "data" / "meta.json").is_file()):
+      raise ValueError("no training data: pass --prompts FILE... (the target answers them) or"
+                       " --data-dir DIR (a dataset written earlier)")
+    target = load(args.model, dtype=args.dtype)
+    if args.kind == "draft-model":
+      if options:
+        raise ValueError(f"draft-model takes no --option (got {sorted(options)}): use"
+                         " --num-layers")
+      from jaxspec.train.distill import draft_from_target
+      draft_from_target(target, args.num_layers)  # checks --num-layers before any work
+      layers = ()
+    else:
+      from jaxspec.heads import HEADS
+      spec = HEADS[args.kind]
+      layers = tuple(spec.required_layers(target.cfg, options))
+    ds = _training_data(args, target, layers, progress)
+    out = Path(args.out)
+    summary = {"kind": args.kind, "target": target.name, "data": str(ds.path),
+               "train_rows": int(len(ds.train_indices)), "eval_rows": int(len(ds.eval_indices)),
+               "config": cfg.to_json()}
+    if args.kind == "draft-model":
+      from jaxspec.train.distill import distill
+      _, history = distill(target, ds, out, cfg, num_layers=args.num_layers, resume=args.resume,
+                           save_dtype=args.save_dtype, progress=progress)
+    else:
+      history, tau = _train_head(args, spec, options, target, ds, cfg, out, progress)
+      summary["offline_tau"] = tau
+  except (ValueError, CheckpointError, FloatingPointError) as e:  # DataError: a ValueError
+    raise SystemExit(f"error: {e}")
+  summary["final"] = history[-1] if history else None
+  summary["seconds"] = round(time.perf_counter() - t0, 1)
+  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+  last = history[-1] if history else {}
+  line = (f"[jaxspec] trained {args.kind} for {cfg.steps} steps in {summary['seconds']:.0f} s:"
+          f" loss {history[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}"
+          if history else f"[jaxspec] {args.kind}: nothing to train")
+  if "eval_loss" in last:
+    line += f", held-out loss {last['eval_loss']:.4f}"
+  if summary.get("offline_tau") is not None:
+    line += f", offline tau {summary['offline_tau']:.2f}"
+  print(line + f"; saved to {out}", flush=True)
+  return 0
+
+
+def _train_head(args, spec, options, target, ds, cfg, out, progress):
+  """Creates, trains and saves a head; returns (history, offline tau on held-out batches)."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxspec.heads import save_head
+  from jaxspec.train.trainer import train
+  if args.kind == "eagle" and options.get("draft_vocab_size") and "token_counts" not in options:
+    from jaxspec.heads import token_counts
+    rows = ds.train_indices
+    options = dict(options, token_counts=token_counts(ds.tokens[rows], ds.loss_mask[rows],
+                                                      target.cfg.vocab_size))
+  model = spec.create(target.cfg, rngs=nnx.Rngs(args.seed), **options)
+  model, history = train(model, spec.loss, ds, cfg, out / "training", frozen=target.params,
+                         resume=args.resume, progress=progress)
+  k = spec.num_steps(model)
+  taus = [spec.offline_chain_tau(model, {n: jnp.asarray(v) for n, v in b.items()},
+                                 target.params, k)
+          for b in ds.eval_batches(cfg.batch_size, cfg.eval_batches)]
+  tau = sum(taus) / len(taus) if taus else None
+  meta = {"data": str(ds.path), "steps": cfg.steps, "final": history[-1] if history else None,
+          "offline_tau": tau, "offline_tau_k": k, "options": {
+              key: v for key, v in options.items() if key != "token_counts"}}
+  save_head(out, args.kind, model, target.cfg, meta=meta, dtype=args.save_dtype,
+            target_params=target.params)
+  return history, tau
 
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   if args.command == "generate":
     return cmd_generate(args)
+  if args.command == "train":
+    return cmd_train(args)
   return 2
 
 

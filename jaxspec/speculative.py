@@ -32,7 +32,7 @@ from jaxspec.drafters import DraftContext, Drafter, Proposal
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
                               decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import KVCache, forward
+from jaxspec.models.llama import Hidden, KVCache, forward
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, SamplingArrays
 
@@ -244,18 +244,26 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
                    counts=adaptive.init_counts(b, k), stats=stats)
 
 
+def _pad_hidden(h: Hidden, width: int) -> Hidden:
+  """Pads the token axis of a verify pass's Hidden (final [B, T, D]; layers [n, B, T, D])."""
+  def pad(x, ax):
+    return jnp.pad(x, [(0, width - x.shape[ax]) if i == ax else (0, 0) for i in range(x.ndim)])
+  return Hidden(final=pad(h.final, 1), layers=None if h.layers is None else pad(h.layers, 2))
+
+
 def _pad_to(x, width, value):
   """Pads axis 1 of x to `width`."""
   return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
                  constant_values=value)
 
 
-def _spec_step(tparams, dparams, s: SpecState, sp, costs, *, cfg, drafter, policy, max_new_tokens,
-               stop_ids, force=False):
+def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, drafter, policy,
+               max_new_tokens, stop_ids):
   """One draft -> verify -> accept -> roll back step.
 
   The draft count is chosen among `policy.buckets`, each a branch of a `lax.switch` compiled
-  with its own static width; `force` always takes the largest bucket and verifies (for timing).
+  with its own static width. force_idx >= 0 (a traced int) takes that bucket and verifies even
+  filler: the cost model times the real loop that way, with no extra compilation.
   """
   b = s.seq.shape[0]
   kmax = policy.k_max
@@ -276,20 +284,20 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, *, cfg, drafter, polic
   else:
     prop_all = dstate_all = None
     nv_all, known = full, None
-  if force:
-    idx = jnp.int32(len(policy.buckets) - 1)
-  elif policy.auto:
+  if policy.auto:
     alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
     idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known)
   else:
     idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
+  forced = force_idx >= 0
+  idx = jnp.where(forced, force_idx, idx)
 
   def plain(cache, dstate):
     p, hidden, cache = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
                               hidden_layers=hidden_layers)
     n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv)
-    return (n_acc, _pad_to(emitted, kmax + 1, -1), jax.tree.map(lambda h: _pad_to(h, kmax + 1, 0),
-            hidden), cache, dstate, jnp.zeros((b,), jnp.int32), jnp.int32(0))
+    return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1), cache, dstate,
+            jnp.zeros((b,), jnp.int32), jnp.int32(0))
 
   def branch(k):
     def run(cache):
@@ -310,13 +318,11 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, *, cfg, drafter, polic
                                   hidden_layers=hidden_layers)
         n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid)
         return (n_acc, _pad_to(emitted, kmax + 1, -1),
-                jax.tree.map(lambda h: _pad_to(h, kmax + 1, 0), hidden), cache, dstate, n_valid,
+                _pad_hidden(hidden, kmax + 1), cache, dstate, n_valid,
                 jnp.int32(k))
 
-      if force:
-        return verify_drafts(cache)
       # No live row has a real draft: a one-token pass costs less than verifying filler.
-      return lax.cond(jnp.any(live & (n_valid > 0)), verify_drafts,
+      return lax.cond(forced | jnp.any(live & (n_valid > 0)), verify_drafts,
                       lambda c: plain(c, dstate), cache)
     return run
 
@@ -362,9 +368,11 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, *, cfg, drafter, polic
                    draft_state=dstate, keys=s.keys, counts=counts, stats=stats)
 
 
-def _spec_loop(tparams, dparams, s, sp, costs, until, **static):
+def _spec_loop(tparams, dparams, s, sp, costs, until, force_idx, **static):
+  """Steps until every row is done or `until` target passes have run."""
   return lax.while_loop(lambda s: jnp.any(~s.done) & (s.stats.target_passes < until),
-                        lambda s: _spec_step(tparams, dparams, s, sp, costs, **static), s)
+                        lambda s: _spec_step(tparams, dparams, s, sp, costs, force_idx, **static),
+                        s)
 
 
 def _outputs(s: SpecState, max_new_tokens: int):
@@ -377,18 +385,10 @@ def _outputs(s: SpecState, max_new_tokens: int):
 
 _STATIC = ("cfg", "drafter", "max_len", "seq_cap", "policy", "max_new_tokens", "stop_ids",
            "max_steps")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _speculative_jit(tparams, dparams, prompt, prompt_len, sp, key, costs, *, cfg, drafter,
-                     max_len, seq_cap, policy, max_new_tokens, stop_ids, max_steps):
-  s = _spec_init(tparams, dparams, prompt, prompt_len, sp, key, cfg=cfg, drafter=drafter,
-                 max_len=max_len, seq_cap=seq_cap, policy=policy, max_new_tokens=max_new_tokens,
-                 stop_ids=stop_ids, max_steps=max_steps)
-  s = _spec_loop(tparams, dparams, s, sp, costs, jnp.int32(max_steps), cfg=cfg, drafter=drafter,
-                 policy=policy, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-  toks, n_out = _outputs(s, max_new_tokens)
-  return toks, n_out, s.stats
+_LOOP_STATIC = ("cfg", "drafter", "policy", "max_new_tokens", "stop_ids")
+_spec_init_jit = jax.jit(_spec_init, static_argnames=_STATIC)
+_spec_loop_jit = jax.jit(_spec_loop, static_argnames=_LOOP_STATIC, donate_argnums=(2,))
+_outputs_jit = jax.jit(_outputs, static_argnums=(1,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,52 +448,32 @@ def check_num_draft_tokens(k) -> int:
 # ----------------------------------------------------------------------------------------------
 # The cost model, measured on the actual batch, cache size and drafter.
 
-_STEP_STATIC = ("cfg", "drafter", "policy", "max_new_tokens", "stop_ids", "force")
-_step_jit = jax.jit(_spec_step, static_argnames=_STEP_STATIC, donate_argnums=(2,))
 _COSTS: dict[Any, CostModel] = {}
 
 
-def measure_costs(target: Model, drafter: Drafter, prep, sp: SamplingArrays, policy: Policy, *,
-                  stop_ids=(), repeats: int = 5, key=None) -> CostModel:
-  """Times one loop step for every k in `policy.buckets` on these prompts (batch, cache size).
+def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Policy, *,
+                  steps: int = 4, repeats: int = 2, batch_size: int | None = None) -> CostModel:
+  """Times the compiled loop forced to each k in `policy.buckets`, from copies of `state`.
 
-  Each k is timed as the real step (draft k tokens, verify k + 1, accept, roll back), compiled
-  on its own and forced to verify, with the state donated as in the loop; the median of
-  `repeats` runs after a warm-up. Results are cached per (models, drafter, shapes).
+  The loop executable is the one that then generates, so this costs no compilation and times
+  exactly what will run (drafting, verify, acceptance, bookkeeping). Each k runs `steps` steps
+  from a copy of the post-prefill state, `repeats` times in alternating order; the fastest
+  per-step time counts.
   """
-  b = prep.tokens.shape[0]
-  sig = (target.cfg, drafter, b, prep.tokens.shape[1], prep.max_len, policy.buckets,
-         jax.tree.map(lambda a: a.dtype.name if hasattr(a, "dtype") else a, sp).__repr__(),
-         float(np.asarray(sp.temperature).max()) > 0)
-  if sig in _COSTS:
-    return _COSTS[sig]
-  kmax = policy.k_max
-  init_static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len,
-                     seq_cap=prep.max_len + kmax + 1, policy=policy, max_new_tokens=10 ** 6,
-                     stop_ids=(), max_steps=1)
-  s = _spec_init_jit(target.params, drafter.params, jnp.asarray(prep.tokens),
-                     jnp.asarray(prep.lengths), sp, _as_key(key), **init_static)
-  secs = []
-  for k in policy.buckets:
-    pol = Policy(buckets=(0, k) if k else (0,))
-    zk = jnp.zeros((k,), jnp.int32)
-    st = dataclasses.replace(s, counts=adaptive.init_counts(b, k), stats=dataclasses.replace(
-        s.stats, accepted_at=zk, reached_at=zk))
-    st = jax.tree.map(jnp.copy, st)  # donated below; s serves every k
-    costs = jnp.ones((len(pol.buckets),), jnp.float32)
-    step = functools.partial(_step_jit, cfg=target.cfg, drafter=drafter, policy=pol,
-                             max_new_tokens=10 ** 6, stop_ids=(), force=True)
-    st = jax.block_until_ready(step(target.params, drafter.params, st, sp, costs))  # compile
-    times = []
-    for _ in range(repeats):
+  n = len(policy.buckets)
+  costs = jnp.ones((n,), jnp.float32)
+  best = [float("inf")] * n
+  for r in range(repeats):
+    for i in (range(n) if r % 2 == 0 else reversed(range(n))):
+      st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
       t0 = time.perf_counter()
-      st = jax.block_until_ready(step(target.params, drafter.params, st, sp, costs))
-      times.append(time.perf_counter() - t0)
-    secs.append(float(np.median(times)))
-    del st
-  cm = CostModel(tuple(policy.buckets), tuple(secs), batch_size=b, source="measured")
-  _COSTS[sig] = cm
-  return cm
+      st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs, jnp.int32(steps),
+                                          jnp.int32(i)))
+      dt = time.perf_counter() - t0
+      ran = max(int(st.stats.target_passes), 1)
+      best[i] = min(best[i], dt / ran)
+      del st
+  return CostModel(tuple(policy.buckets), tuple(best), batch_size=batch_size, source="measured")
 
 
 def _costs_array(policy: Policy, cost: CostModel | None) -> jax.Array:
@@ -556,41 +536,77 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
   """
   sp_user, policy, prep = _prepare(target, drafter, prompts, max_new_tokens, sampling,
                                    num_draft_tokens, auto, cost, max_len, temperature)
-  stops = stop_ids_for(target, stop_ids)
-  b = prep.tokens.shape[0]
-  sp = sp_user.arrays(b)
-  profile_s = 0.0
-  if policy.auto and cost is None:
-    t0 = time.perf_counter()
-    cost = measure_costs(target, drafter, prep, sp, policy, key=key)
-    profile_s = time.perf_counter() - t0
-  # The sequence buffer holds prompt + outputs, plus k + 1 slots that a step may write past.
-  seq_cap = prep.max_len + policy.k_max + 1
-  static = dict(cfg=target.cfg, drafter=drafter, max_len=prep.max_len, seq_cap=seq_cap,
-                policy=policy, max_new_tokens=int(max_new_tokens), stop_ids=stops,
-                max_steps=int(max_new_tokens) + 1)
-  args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-          sp, _as_key(key), _costs_array(policy, cost))
-  exe, compile_s = compiled(_speculative_jit, None, *args, **static)
+  run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
+             int(max_new_tokens), key, cost)
   t0 = time.perf_counter()
-  toks, n_out, st = jax.block_until_ready(exe(*args))
-  dt = time.perf_counter() - t0
+  state = run.start()
+  state = run.loop(state, run.max_steps)
+  toks, n_out = jax.block_until_ready(_outputs_jit(state, int(max_new_tokens)))
+  dt = time.perf_counter() - t0 - run.profile_seconds
   toks, n_out = np.asarray(toks), np.asarray(n_out)
-  stats = summarize_stats(st, policy.k_max)
+  stats = run.stats(state.stats)
   new = int(n_out.sum())
-  stats.update(seconds=dt, compile_seconds=compile_s, profile_seconds=profile_s, new_tokens=new,
-               tokens_per_second=new / dt if dt > 0 else float("inf"), batch_size=b,
-               num_draft_tokens="auto" if policy.auto else policy.k_max, k_max=policy.k_max,
-               drafter=drafter.name)
-  if policy.auto:
-    stats["cost_model"] = dict(zip(map(str, cost.ks), cost.seconds))
+  stats.update(seconds=dt, new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
   return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=prep.lengths,
                         texts=decode_texts(target, toks, n_out), stats=stats)
 
 
-_LOOP_STATIC = ("cfg", "drafter", "policy", "max_new_tokens", "stop_ids")
-_spec_init_jit = jax.jit(_spec_init, static_argnames=_STATIC)
-_spec_loop_jit = jax.jit(_spec_loop, static_argnames=_LOOP_STATIC, donate_argnums=(2,))
+class _Run:
+  """The compiled prefill and loop of one call, and the cost model for "auto"."""
+
+  def __init__(self, target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost):
+    self.target, self.drafter, self.prep, self.policy = target, drafter, prep, policy
+    b = prep.tokens.shape[0]
+    self.sp = sp_user.arrays(b)
+    self.max_steps = max_new_tokens + 1
+    self.cost = cost
+    self.profile_seconds = 0.0
+    self.cost_key = (target.cfg, drafter, b, prep.tokens.shape[1], prep.max_len, policy.buckets,
+                     repr(sp_user))
+    static = dict(cfg=target.cfg, drafter=drafter, policy=policy, max_new_tokens=max_new_tokens,
+                  stop_ids=stops)
+    self.init_args = (target.params, drafter.params, jnp.asarray(prep.tokens),
+                      jnp.asarray(prep.lengths), self.sp, _as_key(key))
+    # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
+    init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + policy.k_max + 1,
+                       max_steps=self.max_steps, **static)
+    self.init_exe, c1 = compiled(_spec_init_jit, "spec-init", *self.init_args, **init_static)
+    state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *self.init_args)
+    self.costs = _costs_array(policy, cost)
+    self.loop_exe, c2 = compiled(_spec_loop_jit, "spec-loop", target.params, drafter.params,
+                                 state0, self.sp, self.costs, jnp.int32(0), jnp.int32(-1),
+                                 **static)
+    self.compile_seconds = c1 + c2
+
+  def start(self) -> SpecState:
+    """Prefill; with "auto" and no cost model, times every k from the prefilled state once
+    (cached per shapes), excluded from the generation time."""
+    state = self.init_exe(*self.init_args)
+    if self.policy.auto and self.cost is None:
+      self.cost = _COSTS.get(self.cost_key)
+      if self.cost is None:
+        state = jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        self.cost = measure_costs(self.loop_exe, self.target.params, self.drafter.params, state,
+                                  self.sp, self.policy, batch_size=self.prep.tokens.shape[0])
+        _COSTS[self.cost_key] = self.cost
+        self.profile_seconds = time.perf_counter() - t0
+      self.costs = _costs_array(self.policy, self.cost)
+    return state
+
+  def loop(self, state: SpecState, until: int | jax.Array) -> SpecState:
+    return self.loop_exe(self.target.params, self.drafter.params, state, self.sp, self.costs,
+                         jnp.int32(until), jnp.int32(-1))
+
+  def stats(self, st: SpecStats) -> dict[str, Any]:
+    out = summarize_stats(st, self.policy.k_max)
+    out.update(compile_seconds=self.compile_seconds, profile_seconds=self.profile_seconds,
+               batch_size=self.prep.tokens.shape[0],
+               num_draft_tokens="auto" if self.policy.auto else self.policy.k_max,
+               k_max=self.policy.k_max, drafter=self.drafter.name)
+    if self.policy.auto:
+      out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
+    return out
 
 
 def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_tokens: int = 128,
@@ -604,40 +620,22 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
   """
   sp_user, policy, prep = _prepare(target, drafter, prompt, max_new_tokens, sampling,
                                    num_draft_tokens, auto, cost, None, None)
-  stops = stop_ids_for(target, stop_ids)
-  b = prep.tokens.shape[0]
-  sp = sp_user.arrays(b)
-  profile_s = 0.0
-  if policy.auto and cost is None:
-    t0 = time.perf_counter()
-    cost = measure_costs(target, drafter, prep, sp, policy, key=key)
-    profile_s = time.perf_counter() - t0
-  costs = _costs_array(policy, cost)
-  static = dict(cfg=target.cfg, drafter=drafter, policy=policy,
-                max_new_tokens=int(max_new_tokens), stop_ids=stops)
-  init_args = (target.params, drafter.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-               sp, _as_key(key))
-  init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + policy.k_max + 1,
-                     max_steps=int(max_new_tokens) + 1, **static)
-  init_exe, c1 = compiled(_spec_init_jit, "stream-init", *init_args, **init_static)
-  state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *init_args)
-  loop_exe, c2 = compiled(_spec_loop_jit, "stream-loop", target.params, drafter.params, state0,
-                          sp, costs, jnp.int32(0), **static)
+  run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
+             int(max_new_tokens), key, cost)
   t0 = time.perf_counter()
-  state = jax.block_until_ready(init_exe(*init_args))
+  state = jax.block_until_ready(run.start())
+  t0 += run.profile_seconds
 
   def view(s: SpecState):
     p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
     return (np.asarray(s.seq)[0, p0:n0], bool(np.asarray(s.done).all()),
             int(s.stats.target_passes))
 
-  for new, info in _stream_loop(
-      lambda s, until: loop_exe(target.params, drafter.params, s, sp, costs, until),
-      view, state, chunk, t0):
+  for new, info in _stream_loop(run.loop, view, state, chunk, t0):
     s = info.pop("state")
-    info["stats"] = summarize_stats(s.stats, policy.k_max)
-    info["compile_seconds"] = c1 + c2
-    info["profile_seconds"] = profile_s
+    info["stats"] = run.stats(s.stats)
+    info["compile_seconds"] = run.compile_seconds
+    info["profile_seconds"] = run.profile_seconds
     yield new, info
 
 

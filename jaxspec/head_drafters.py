@@ -1,0 +1,269 @@
+"""Drafters for the draft heads of `jaxspec.heads` (chain drafting: k tokens in a row).
+
+Each drafter is a frozen, hashable dataclass whose static part is the head's NNX `GraphDef`
+(which carries the head's config) and the target's config; its weights, `params`, are a
+`HeadParams`: the head's `nnx.State` and the target arrays it reads (embedding, final norm, LM
+head), which are the target's own arrays, referenced and not copied.
+
+What the loop gives a drafter (see `jaxspec.speculative._spec_step`). After every step the
+sequence holds x_0 .. x_{n-1} (n = seq_len); the target's cache holds [0, n - 1), and x_{n-1}
+is the input of the next verify pass. `commit` receives the Hidden of the last verify pass over
+[x_{n'-1}, d_1 .. d_k] (n' the previous seq_len): block index j holds f_{n'-1+j}, and the kept
+ones are j = 0 .. n_new - 1, the last being f_{n-2} (`ctx.hidden_pos`). So after a commit the
+drafter knows f_0 .. f_{n-2} and x_0 .. x_{n-1}, and drafts x_n, x_{n+1}, ... With the heads'
+convention (a head at t predicts x_{t+2+j}) that is position t = n - 2:
+
+  Medusa  d_{j+1} = head_j(f_{n-2})
+  MLP     d_{j+1} = stage_j(s_{j-1}, tok_j), s_{-1} = f_{n-2}, tok_0 = x_{n-1}, tok_j = d_j
+  EAGLE   the draft cache holds the pairs (feature_t, x_{t+1}) for t = 0 .. n-2, and `feat` the
+          layer's output at t = n - 2, whose logits give d_1; draft step j then runs the pair
+          (h, d_j) at cache position n - 2 + j.
+
+After the prefill (`init`) the target has computed f_0 .. f_{P-1}; the drafters use the same
+t = P - 2 as after a commit, except EAGLE (version 1), whose LM head is the target's: it drafts
+d_1 from f_{P-1} itself (the target's own distribution) and its first pair is (f_{P-1}, d_1).
+A one-token prompt has no f_{P-2}; those rows draft from f_0 (still exact, just less likely to
+be accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxspec import heads as heads_lib
+from jaxspec import sampling as sampling_lib
+from jaxspec.drafters import DraftContext, Drafter, Proposal
+from jaxspec.models.config import LlamaConfig
+from jaxspec.models.llama import KVCache, Params, init_cache
+from jaxspec.models.llama import pytree_dataclass as _pytree
+
+F32 = jnp.float32
+
+
+@_pytree
+@dataclasses.dataclass
+class HeadParams:
+  """A head drafter's weights: the head's state and the frozen target arrays it reads."""
+
+  head: Any  # nnx.State of the head module
+  target: Params  # embed [V, D], final_norm [D], lm_head [D, V] or None; layers=None
+
+
+@_pytree
+@dataclasses.dataclass
+class FeatureState:
+  feat: jax.Array  # [B, D] float32 f_{n-2}: the feature Medusa / the MLP speculator draft from
+
+
+@_pytree
+@dataclasses.dataclass
+class EagleState:
+  cache: KVCache  # the draft layer's keys/values: pairs t = 0 .. length-1 (length = n - 1)
+  feat: jax.Array  # [B, D] float32: the layer's output at t = n - 2 (or f_{P-1} after init, v1)
+
+
+def frozen_target_arrays(target_params: Params) -> Params:
+  """The target arrays a head reads (same arrays, not copies); `layers` is left out."""
+  return Params(embed=target_params.embed, layers=None, final_norm=target_params.final_norm,
+                lm_head=target_params.lm_head)
+
+
+def _row_keys(keys: jax.Array, k: int) -> jax.Array:
+  return jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
+
+
+def _sample_steps(logits: jax.Array, sp, keys: jax.Array):
+  """logits [B, k, V] -> (tokens [B, k], q [B, k, V]) with q processed by `sp` like the target."""
+  q = sampling_lib.probs(logits, sp)
+  toks = jax.vmap(sampling_lib.sample_from_probs, in_axes=(1, 1), out_axes=1)(
+      _row_keys(keys, logits.shape[1]), q)
+  return toks, q
+
+
+def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x [B, T, ...] at per-row index idx [B] -> [B, ...]."""
+  return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def _layers_btnd(hidden) -> jax.Array | None:
+  """Hidden.layers [n, B, T, D] -> [B, T, n, D] (the heads' batch layout)."""
+  return None if hidden.layers is None else jnp.transpose(hidden.layers, (1, 2, 0, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter(Drafter):
+  """Base of the head drafters: static GraphDef + target config, weights in `params`."""
+
+  graphdef: Any
+  target_cfg: LlamaConfig
+  weights: HeadParams = dataclasses.field(compare=False, repr=False)
+  hidden_layers: tuple[int, ...] = ()
+  name: str = "head"
+
+  uses_target_hidden = True
+  free_proposals = False
+
+  @property
+  def params(self) -> HeadParams:
+    return self.weights
+
+  @property
+  def vocab_size(self) -> int:
+    return self.target_cfg.vocab_size
+
+  def module(self, params: HeadParams):
+    return nnx.merge(self.graphdef, params.head)
+
+
+class _FeatureDrafter(HeadDrafter):
+  """Medusa and the MLP speculator: the state is f_{n-2}."""
+
+  def init(self, params, prompt, prompt_len, max_len, hidden=None) -> FeatureState:
+    if hidden is None:
+      raise ValueError(f"{self.name} drafts from the target's hidden states: the loop must pass"
+                       " them (uses_target_hidden)")
+    return FeatureState(_gather(hidden.final, jnp.maximum(prompt_len - 2, 0)).astype(F32))
+
+  def commit(self, params, state: FeatureState, ctx: DraftContext) -> FeatureState:
+    f = _gather(ctx.hidden.final, ctx.hidden_pos).astype(F32)  # f_{n-2}
+    return FeatureState(jnp.where((ctx.n_new > 0)[:, None], f, state.feat))
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter(_FeatureDrafter):
+  """Medusa: draft j from head j on f_{n-2} (heads are independent, so q_j is too)."""
+
+  name: str = "medusa"
+
+  def propose(self, params, state: FeatureState, ctx, k, sp, keys):
+    model = self.module(params)
+    if k > model.cfg.num_heads:
+      raise ValueError(f"this Medusa head has {model.cfg.num_heads} heads: num_draft_tokens"
+                       f" must be <= {model.cfg.num_heads}, got {k}")
+    logits = model.logits(params.target, state.feat)[:, :k]  # [B, k, V]
+    toks, q = _sample_steps(logits, sp, keys)
+    return Proposal(tokens=toks, q=q), state
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPDrafter(_FeatureDrafter):
+  """The MLP speculator: stage j reads the token drafted by stage j - 1 (x_{n-1} for stage 0)."""
+
+  name: str = "mlp"
+
+  def propose(self, params, state: FeatureState, ctx, k, sp, keys):
+    model = self.module(params)
+    if k > model.cfg.n_predict:
+      raise ValueError(f"this MLP speculator has {model.cfg.n_predict} stages: num_draft_tokens"
+                       f" must be <= {model.cfg.n_predict}, got {k}")
+    tok = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]  # x_{n-1}
+    s = model.start(state.feat)
+    step_keys = _row_keys(keys, k)
+    toks, qs = [], []
+    for j in range(k):
+      s, logits = model.stage(params.target, j, s, tok)
+      q = sampling_lib.probs(logits, sp)
+      tok = sampling_lib.sample_from_probs(step_keys[:, j], q)
+      toks.append(tok)
+      qs.append(q)
+    return Proposal(tokens=jnp.stack(toks, 1), q=jnp.stack(qs, 1)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(HeadDrafter):
+  """EAGLE / EAGLE-3 with its own one-layer KV cache.
+
+  Cache entry t holds the pair (feature_t, x_{t+1}); entries past `length` are scratch (the
+  drafting steps write there and `commit` overwrites them), so a rollback is the length alone.
+  """
+
+  name: str = "eagle"
+
+  def _model(self, params):
+    return self.module(params)
+
+  def init(self, params, prompt, prompt_len, max_len, hidden=None) -> EagleState:
+    if hidden is None:
+      raise ValueError("EAGLE drafts from the target's hidden states: the loop must pass them")
+    model = self._model(params)
+    b, p = prompt.shape
+    feat = model.real_feature(hidden.final, _layers_btnd(hidden))  # [B, P, D] feature_t
+    tok = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)  # x_{t+1}
+    cache = init_cache(model.layer_cfg, b, max_len, dtype=F32)
+    h, cache = heads_lib.eagle_block(model, params.target, cache, feat, tok, fresh=True)
+    # Pairs t = 0 .. P-2 are real (x_{t+1} is a prompt token); the last one is padding.
+    cache = dataclasses.replace(cache, length=jnp.maximum(prompt_len - 1, 0))
+    if model.cfg.version == 1:  # the target's head on f_{P-1} drafts x_P exactly
+      start = _gather(hidden.final, prompt_len - 1).astype(F32)
+    else:
+      start = jnp.where((prompt_len >= 2)[:, None], _gather(h, jnp.maximum(prompt_len - 2, 0)),
+                        feat[:, 0])
+    return EagleState(cache=cache, feat=start)
+
+  def propose(self, params, state: EagleState, ctx, k, sp, keys):
+    model = self._model(params)
+    frozen = params.target
+    step_keys = _row_keys(keys, k)
+    q0 = sampling_lib.probs(model.target_logits(frozen, state.feat), sp)  # [B, V]
+    d0 = sampling_lib.sample_from_probs(step_keys[:, 0], q0)
+    length = state.cache.length
+
+    def body(carry, key_j):
+      feat, tok, cache = carry
+      h, cache = heads_lib.eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
+      q = sampling_lib.probs(model.target_logits(frozen, h[:, 0]), sp)
+      nxt = sampling_lib.sample_from_probs(key_j, q)
+      return (h[:, 0], nxt, cache), (nxt, q)
+
+    if k > 1:
+      (_, _, cache), (toks, qs) = lax.scan(body, (state.feat, d0, state.cache),
+                                           jnp.swapaxes(step_keys[:, 1:], 0, 1))
+      drafts = jnp.concatenate([d0[:, None], toks.T], axis=1)
+      q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    else:
+      cache, drafts, q = state.cache, d0[:, None], q0[:, None]
+    # The drafting steps' entries are scratch: keep the arrays (written in place), not the length.
+    return Proposal(tokens=drafts, q=q), EagleState(
+        cache=dataclasses.replace(cache, length=length), feat=state.feat)
+
+  def commit(self, params, state: EagleState, ctx: DraftContext) -> EagleState:
+    model = self._model(params)
+    hid = ctx.hidden
+    b, w = hid.final.shape[:2]
+    # Block index j of the verify pass is f_{n'-1+j}; it pairs with x_{n'+j}, written at cache
+    # position n'-1+j = length + j. The kept pairs are j < n_new.
+    feat = model.real_feature(hid.final, _layers_btnd(hid))  # [B, W, D]
+    old_n = ctx.seq_len - ctx.n_new
+    idx = old_n[:, None] + jnp.arange(w)[None, :]
+    tok = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
+    start = state.cache.length
+    h, cache = heads_lib.eagle_block(model, params.target, state.cache, feat, tok)
+    live = ctx.n_new > 0
+    cache = dataclasses.replace(cache, length=jnp.where(live, start + ctx.n_new, start))
+    new_feat = _gather(h, jnp.maximum(ctx.n_new - 1, 0))  # the output at t = n - 2
+    return EagleState(cache=cache, feat=jnp.where(live[:, None], new_feat, state.feat))
+
+
+_DRAFTERS = {"medusa": MedusaDrafter, "mlp": MLPDrafter, "eagle": EagleDrafter}
+
+
+def make_drafter(kind: str, model: nnx.Module, target) -> HeadDrafter:
+  """The drafter of head `model` (of registry kind `kind`) for the target `Model`."""
+  dims = heads_lib._target_dims(target.cfg)
+  if model.target_dims != dims:
+    raise ValueError(
+        f"this {kind} head was built for a target with (hidden, vocab, layers) ="
+        f" {model.target_dims}, but the target has {dims}: use the target it was trained on")
+  layers = tuple(model.cfg.layers) if kind == "eagle" and model.cfg.version == 3 else ()
+  graphdef, state = nnx.split(model)
+  name = kind if kind != "eagle" else ("eagle3" if model.cfg.version == 3 else "eagle")
+  return _DRAFTERS[kind](graphdef=graphdef, target_cfg=target.cfg,
+                         weights=HeadParams(head=state,
+                                            target=frozen_target_arrays(target.params)),
+                         hidden_layers=layers, name=name)

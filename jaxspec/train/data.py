@@ -1,0 +1,654 @@
+"""Self-distillation data: the target writes the responses, and its hidden states are stored.
+
+Draft models and heads learn to predict what *the target* would say, so the training responses
+are the target's own generations for a set of prompts (greedy, and optionally sampled), not the
+prompt files' reference answers. `write_dataset` runs the target once: batched `generate` for the
+responses, then one `forward` over prompt + response per batch for the hidden states a head
+reads. Everything lands in a directory of `.npy` arrays that `Dataset` memory-maps, so training
+epochs never rerun the target:
+
+  meta.json            what was stored and how (target fingerprint, layers, files, settings);
+                       written last, so a directory without it is an interrupted run
+  tokens.npy           [N, T] int32    prompt then response, 0-padded
+  loss_mask.npy        [N, T] uint8    1 where tokens[i, t] is a response token (the stop
+                                       token included), 0 on the prompt and the padding
+  lengths.npy          [N] int32       prompt + response tokens per row
+  prompt_lengths.npy   [N] int32
+  prompt_index.npy     [N] int32       the prompt a row answers (one row per temperature)
+  hidden_final.npy     [N, T, D] float16      the target's final-normed hidden state after
+                                              reading tokens[i, :t + 1] (what its LM head reads)
+  hidden_layers.npy    [N, T, n, D] float16   outputs of the target decoder layers listed in
+                                              meta["hidden_layers"], in that order
+  responses.jsonl      prompt and response text per row, for reading (when there is a tokenizer)
+
+Hidden states of padding positions are zero. Axis letters: N rows, T stored width, D the
+target's model width, n stored layers, B a batch of rows.
+
+Prompt files are JSON lines; each line is one object holding a prompt in one of the fields
+`prompt_ids` (token ids, used as is), `turns` (Spec-Bench: the first turn), `question` (GSM8K),
+`instruction` (self-instruct, plus the first instance's input), `prompt` (plain, or HumanEval,
+wrapped in a request to complete the function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.model import Model
+
+FORMAT = "jaxspec-distill-data"
+VERSION = 1
+# A prompt is a user message (chat-templated before generation) or token ids (used as is).
+Prompt = Union[str, list[int]]
+
+
+class DataError(ValueError):
+  """A prompt file or a stored dataset that cannot be used; the message says how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt files.
+
+
+def _line_prompt(obj: Any, where: str) -> Prompt:
+  """The prompt of one parsed JSON line (see the module docstring for the fields)."""
+  if not isinstance(obj, dict):
+    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+  if "prompt_ids" in obj:
+    ids = obj["prompt_ids"]
+    if (not isinstance(ids, list) or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      raise DataError(f"{where}: 'prompt_ids' must be a non-empty list of token ids (ints >= 0)")
+    return list(ids)
+  if "turns" in obj:
+    turns = obj["turns"]
+    text = turns[0] if isinstance(turns, list) and turns else None
+    field = "turns[0]"
+  elif "question" in obj:
+    text, field = obj["question"], "question"
+  elif "instruction" in obj:
+    text, field = obj["instruction"], "instruction"
+    inst = obj.get("instances")
+    extra = inst[0].get("input") if isinstance(inst, list) and inst and isinstance(
+        inst[0], dict) else None
+    if isinstance(text, str) and isinstance(extra, str) and extra.strip():
+      text = f"{text}\n\n{extra}"
+  elif "prompt" in obj:
+    text, field = obj["prompt"], "prompt"
+    if isinstance(text, str) and "task_id" in obj and "entry_point" in obj:
+      # HumanEval: a bare function stub; a chat model is asked to complete it.
+      text = f"Complete the following Python function.\n\n```python\n{text}```"
+  else:
+    raise DataError(f"{where}: no prompt field: each line needs one of 'prompt', 'question',"
+                    f" 'instruction', 'turns' or 'prompt_ids' (keys found: {sorted(obj)[:6]})")
+  if not isinstance(text, str) or not text.strip():
+    raise DataError(f"{where}: field {field!r} must be a non-empty string")
+  return text
+
+
+def is_eval_file(path: str | os.PathLike) -> bool:
+  """Whether `path` is one of the evaluation prompt sets (Spec-Bench), never to be trained on."""
+  return "spec_bench" in Path(path).name.lower()
+
+
+def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
+  """All prompts of one JSON-lines file, in file order (blank lines are skipped).
+
+  Raises:
+    DataError: the file is missing, holds no prompts, or a line is not a JSON object with a
+      prompt field (the message names the file and line number).
+  """
+  path = Path(path)
+  if not path.is_file():
+    what = "is a directory" if path.is_dir() else "does not exist"
+    raise DataError(f"prompt file {path} {what}: pass JSON-lines files (training prompts are in"
+                    " ../shared/data/: gsm8k_train.jsonl, humaneval.jsonl,"
+                    " self_instruct_seed_tasks.jsonl)")
+  prompts = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): every line"
+                        " must be one JSON object") from None
+      prompts.append(_line_prompt(obj, where))
+  if not prompts:
+    raise DataError(f"prompt file {path} is empty: it needs one JSON object per line")
+  return prompts
+
+
+def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None = None,
+                 seed: int = 0, allow_eval: bool = False) -> tuple[list[Prompt], dict[str, int]]:
+  """Prompts of several files, interleaved so that `max_prompts` draws evenly from each.
+
+  Each file's prompts are shuffled (deterministically from `seed`) and the files are taken
+  round-robin, so a cap keeps the mix of tasks; a file that runs out leaves its share to the
+  others.
+
+  Args:
+    paths: JSON-lines prompt files.
+    max_prompts: keep at most this many (None: all).
+    seed: shuffling seed.
+    allow_eval: allow evaluation prompt sets (Spec-Bench); training on them makes every
+      benchmark number on them meaningless.
+  Returns:
+    (prompts, {file: prompts taken from it}).
+  """
+  if not paths:
+    raise DataError("no prompt files given: pass --prompts FILE... (e.g."
+                    " ../shared/data/gsm8k_train.jsonl)")
+  if max_prompts is not None and max_prompts < 1:
+    raise DataError(f"max_prompts must be >= 1, got {max_prompts}")
+  per_file = []
+  for i, p in enumerate(paths):
+    if is_eval_file(p):
+      if not allow_eval:
+        raise DataError(f"{p} is an evaluation prompt set: training on it would contaminate"
+                        " every benchmark on it. Use the training files (gsm8k_train,"
+                        " humaneval, self_instruct_seed_tasks), or force it with"
+                        " --allow-eval-prompts")
+      warnings.warn(f"TRAINING ON THE EVALUATION SET {p}: benchmark results on it are no longer"
+                    " a fair measure", stacklevel=2)
+    prompts = read_prompt_file(p)
+    order = np.random.default_rng([seed, i]).permutation(len(prompts))
+    per_file.append((str(p), [prompts[j] for j in order]))
+  out: list[Prompt] = []
+  counts = {name: 0 for name, _ in per_file}
+  limit = sum(len(ps) for _, ps in per_file) if max_prompts is None else max_prompts
+  pos = 0
+  while len(out) < limit and any(pos < len(ps) for _, ps in per_file):
+    for name, ps in per_file:
+      if pos < len(ps) and len(out) < limit:
+        out.append(ps[pos])
+        counts[name] += 1
+    pos += 1
+  return out, counts
+
+
+def encode_prompts(target: Model, prompts: Sequence[Prompt], *, chat: bool = True,
+                   ) -> list[list[int]]:
+  """Token ids of every prompt: strings through the target's chat template (or plain encoding
+  with chat=False), token-id lists as they are."""
+  out = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      if target.tokenizer is None:
+        raise DataError(f"prompt {i} is text but the target {target.name!r} has no tokenizer:"
+                        " load it with its tokenizer, or give prompts as 'prompt_ids'")
+      p = target.tokenizer.encode_chat(p) if chat else target.tokenizer.encode(p)
+    ids = [int(t) for t in p]
+    bad = [t for t in ids if not 0 <= t < target.cfg.vocab_size]
+    if bad:
+      raise DataError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary"
+                      f" [0, {target.cfg.vocab_size})")
+    out.append(ids)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing a dataset.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  """How `write_dataset` has the target write its responses and what it stores.
+
+  Attributes:
+    max_prompt_len: prompts longer than this many tokens (after the chat template) are skipped.
+    max_new_tokens: response tokens per prompt (a row stops earlier at a stop token).
+    temperatures: one response per prompt per entry; 0 is greedy. (0.0, 0.7) stores a greedy
+      and a sampled response for every prompt.
+    batch_size: rows per `generate` call (prompts are sorted by length into batches).
+    hidden_batch_size: rows per hidden-state forward.
+    store_hidden: store `hidden_final` (heads and draft-model KL need it).
+    hidden_layers: target decoder layers whose outputs to store as `hidden_layers`.
+    chat: apply the target's chat template to text prompts.
+    seed: sampling seed.
+  """
+
+  max_prompt_len: int = 256
+  max_new_tokens: int = 128
+  temperatures: tuple[float, ...] = (0.0,)
+  batch_size: int = 16
+  hidden_batch_size: int = 8
+  store_hidden: bool = True
+  hidden_layers: tuple[int, ...] = ()
+  chat: bool = True
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("max_prompt_len", "max_new_tokens", "batch_size", "hidden_batch_size"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise DataError(f"DataConfig.{name} must be an integer >= 1, got {v!r}")
+    if not self.temperatures or any(t < 0 for t in self.temperatures):
+      raise DataError(f"temperatures {self.temperatures} must be a non-empty tuple of values"
+                      " >= 0 (0 = greedy)")
+
+
+def target_fingerprint(target: Model) -> str:
+  """A short hash of the target's configuration and a few weights: data written by one target
+  must not train a head for another."""
+  h = hashlib.sha256(json.dumps(dataclasses.asdict(target.cfg), sort_keys=True,
+                                default=str).encode())
+  p = target.params
+  for a in (p.final_norm, p.embed[:4, :16], p.layers.wq[:, :2, :1, :4]):
+    h.update(np.ascontiguousarray(np.asarray(a, np.float32)).tobytes())
+  return h.hexdigest()[:16]
+
+
+def make_progress(enabled: bool = True):
+  """A rich progress display on stderr (a do-nothing stand-in when disabled)."""
+  if not enabled:
+    return _NoProgress()
+  from rich.console import Console
+  from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                             TimeElapsedColumn, TimeRemainingColumn)
+  return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                  TextColumn("{task.fields[info]}"), console=Console(stderr=True))
+
+
+class _NoProgress(contextlib.AbstractContextManager):
+  def __exit__(self, *exc):
+    return None
+
+  def add_task(self, *args, **kwargs):
+    return 0
+
+  def update(self, *args, **kwargs):
+    pass
+
+  def advance(self, *args, **kwargs):
+    pass
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _generate_responses(target: Model, prompt_ids: list[list[int]], cfg: DataConfig,
+                        progress) -> tuple[list[tuple[int, int, list[int]]], dict[str, Any]]:
+  """(prompt index, temperature index, response ids) for every prompt and temperature."""
+  from jaxspec.generate import generate
+  from jaxspec.sampling import Sampling
+
+  order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
+  batches = [order[s:s + cfg.batch_size] for s in range(0, len(order), cfg.batch_size)]
+  # One cache size for every batch: prompt-length buckets are then the only recompilations.
+  max_len = _round_up(cfg.max_prompt_len + cfg.max_new_tokens, 128)
+  out, tokens, t0 = [], 0, time.perf_counter()
+  task = progress.add_task("target writes responses", total=len(batches) * len(cfg.temperatures),
+                           info="")
+  for ti, temp in enumerate(cfg.temperatures):
+    for bi, rows in enumerate(batches):
+      # The last batch is padded with copies of its first row: one batch shape for all.
+      padded = rows + [rows[0]] * (cfg.batch_size - len(rows))
+      key = jax.random.fold_in(jax.random.key(cfg.seed), ti * 1_000_003 + bi)
+      res = generate(target, [prompt_ids[i] for i in padded], max_new_tokens=cfg.max_new_tokens,
+                     sampling=Sampling(temperature=float(temp)), key=key, max_len=max_len)
+      for j, i in enumerate(rows):
+        out.append((i, ti, res.row(j)))
+        tokens += int(res.lengths[j])
+      dt = time.perf_counter() - t0
+      progress.update(task, advance=1, info=f"{tokens / max(dt, 1e-9):.0f} tok/s")
+  return out, dict(response_tokens=tokens, generate_seconds=time.perf_counter() - t0)
+
+
+def _hidden_fn(cfg, layers: tuple[int, ...]):
+  from jaxspec.models.llama import forward, init_cache
+
+  @jax.jit
+  def run(params, tokens, lengths):
+    b, t = tokens.shape
+    cache = init_cache(cfg, b, t)
+    _, hidden, _ = forward(params, tokens, cache, cfg, hidden_layers=layers, logits=False,
+                           fresh=True)
+    valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+    final = jnp.where(valid, hidden.final, 0).astype(jnp.float16)  # [B, T, D]
+    per_layer = None
+    if layers:
+      per_layer = jnp.where(valid[:, :, None], jnp.transpose(hidden.layers, (1, 2, 0, 3)),
+                            0).astype(jnp.float16)  # [B, T, n, D]
+    return final, per_layer
+
+  return run
+
+
+def _store_hidden(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndarray,
+                  cfg: DataConfig, progress) -> float:
+  """Writes hidden_final.npy (and hidden_layers.npy) with one forward per batch of rows."""
+  n, t = tokens.shape
+  d = target.cfg.hidden_size
+  layers = tuple(cfg.hidden_layers)
+  final_mm = np.lib.format.open_memmap(out / "hidden_final.npy", "w+", np.float16, (n, t, d))
+  layers_mm = None
+  if layers:
+    layers_mm = np.lib.format.open_memmap(out / "hidden_layers.npy", "w+", np.float16,
+                                          (n, t, len(layers), d))
+  run = _hidden_fn(target.cfg, layers)
+  order = np.argsort(lengths, kind="stable")
+  bs = cfg.hidden_batch_size
+  t0, done_tokens = time.perf_counter(), 0
+  task = progress.add_task("target hidden states", total=-(-n // bs), info="")
+  for s in range(0, n, bs):
+    rows = order[s:s + bs]
+    # Widths in buckets of 64 (one compilation each); the batch is padded to full size.
+    width = min(_round_up(int(lengths[rows].max()), 64), _round_up(t, 64))
+    idx = np.concatenate([rows, np.full(bs - len(rows), rows[0])])
+    toks = np.zeros((bs, width), np.int32)
+    keep = min(width, t)
+    toks[:, :keep] = tokens[idx, :keep]
+    final, per_layer = run(target.params, jnp.asarray(toks), jnp.asarray(lengths[idx]))
+    final = np.asarray(final)[: len(rows)]
+    for j, r in enumerate(rows):
+      final_mm[r, :keep] = final[j, :keep]
+      final_mm[r, keep:] = 0
+      if layers_mm is not None:
+        layers_mm[r, :keep] = np.asarray(per_layer[j, :keep])
+        layers_mm[r, keep:] = 0
+    done_tokens += int(lengths[rows].sum())
+    progress.update(task, advance=1,
+                    info=f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+  final_mm.flush()
+  if layers_mm is not None:
+    layers_mm.flush()
+  del final_mm, layers_mm
+  return time.perf_counter() - t0
+
+
+def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
+                  cfg: DataConfig = DataConfig(), *, prompt_files: dict[str, int] | None = None,
+                  progress: bool = True) -> Path:
+  """Has the target answer `prompts` and stores tokens, loss masks and hidden states.
+
+  Args:
+    target: the model whose behaviour is distilled.
+    prompts: user messages (chat-templated when cfg.chat) or token-id lists.
+    out_dir: directory to create (must not already hold a dataset).
+    cfg: generation and storage settings.
+    prompt_files: {file: prompts taken from it}, recorded in meta.json.
+    progress: show rich progress bars on stderr.
+  Returns:
+    out_dir as a Path. Open it with `Dataset(out_dir)`.
+  Raises:
+    DataError: bad settings or prompts, raised before the target runs.
+  """
+  out = Path(out_dir)
+  if (out / "meta.json").exists():
+    raise DataError(f"{out} already holds a dataset: reuse it (--data-dir {out}) or choose"
+                    " another directory")
+  nl = target.cfg.num_layers
+  # Each layer is stored once (EAGLE-3's defaults repeat layers on shallow targets); batches
+  # select and repeat them (`Dataset(layers=...)`).
+  cfg = dataclasses.replace(cfg, hidden_layers=tuple(dict.fromkeys(cfg.hidden_layers)))
+  bad = [i for i in cfg.hidden_layers if not 0 <= i < nl]
+  if bad:
+    raise DataError(f"hidden layer {bad[0]} does not exist: the target has {nl} layers"
+                    f" (0..{nl - 1})")
+  if cfg.hidden_layers and not cfg.store_hidden:
+    raise DataError("hidden_layers need store_hidden=True")
+  all_ids = encode_prompts(target, prompts, chat=cfg.chat)
+  keep = [i for i, p in enumerate(all_ids) if len(p) <= cfg.max_prompt_len]
+  skipped = len(all_ids) - len(keep)
+  if not keep:
+    raise DataError(f"all {len(all_ids)} prompts are longer than max_prompt_len"
+                    f" {cfg.max_prompt_len} tokens: raise --max-prompt-len")
+  if skipped:
+    warnings.warn(f"skipped {skipped} of {len(all_ids)} prompts longer than"
+                  f" {cfg.max_prompt_len} tokens", stacklevel=2)
+  prompt_ids = [all_ids[i] for i in keep]
+  out.mkdir(parents=True, exist_ok=True)
+  for stale in ("meta.json", "hidden_final.npy", "hidden_layers.npy"):
+    (out / stale).unlink(missing_ok=True)
+
+  with make_progress(progress) as bar:
+    responses, gen_stats = _generate_responses(target, prompt_ids, cfg, bar)
+    responses.sort(key=lambda r: (r[0], r[1]))
+    n = len(responses)
+    lengths = np.array([len(prompt_ids[p]) + len(r) for p, _, r in responses], np.int32)
+    prompt_lengths = np.array([len(prompt_ids[p]) for p, _, _ in responses], np.int32)
+    width = int(lengths.max())
+    tokens = np.zeros((n, width), np.int32)
+    mask = np.zeros((n, width), np.uint8)
+    for row, (p, _, r) in enumerate(responses):
+      pl = len(prompt_ids[p])
+      tokens[row, :pl] = prompt_ids[p]
+      tokens[row, pl:pl + len(r)] = r
+      mask[row, pl:pl + len(r)] = 1
+    np.save(out / "tokens.npy", tokens)
+    np.save(out / "loss_mask.npy", mask)
+    np.save(out / "lengths.npy", lengths)
+    np.save(out / "prompt_lengths.npy", prompt_lengths)
+    np.save(out / "prompt_index.npy", np.array([p for p, _, _ in responses], np.int32))
+    hidden_s = 0.0
+    if cfg.store_hidden:
+      hidden_s = _store_hidden(target, out, tokens, lengths, cfg, bar)
+
+  stops = set(target.cfg.eos_token_ids) | set(getattr(target.tokenizer, "eos_token_ids", ()) or ())
+  stopped = sum(1 for _, _, r in responses if r and r[-1] in stops)
+  if target.tokenizer is not None:
+    with open(out / "responses.jsonl", "w", encoding="utf-8") as f:
+      for row, (p, ti, r) in enumerate(responses):
+        f.write(json.dumps({"row": row, "temperature": cfg.temperatures[ti],
+                            "prompt": target.tokenizer.decode(prompt_ids[p],
+                                                              skip_special_tokens=False),
+                            "response": target.tokenizer.decode(r)}, ensure_ascii=False) + "\n")
+  meta = {
+      "format": FORMAT, "version": VERSION,
+      "target": {"name": target.name, "fingerprint": target_fingerprint(target),
+                 "config": dataclasses.asdict(target.cfg)},
+      "num_examples": n, "num_prompts": len(prompt_ids), "skipped_long_prompts": skipped,
+      "seq_len": width, "hidden_size": target.cfg.hidden_size,
+      "hidden_final": cfg.store_hidden, "hidden_layers": list(cfg.hidden_layers),
+      "hidden_dtype": "float16", "prompt_files": dict(prompt_files or {}),
+      "generation": {"max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,
+                     "temperatures": list(cfg.temperatures), "batch_size": cfg.batch_size,
+                     "chat": cfg.chat, "seed": cfg.seed},
+      "response_tokens": int(gen_stats["response_tokens"]), "stopped_rows": stopped,
+      "seconds": {"generate": round(gen_stats["generate_seconds"], 2),
+                  "hidden": round(hidden_s, 2)},
+      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+  }
+  tmp = out / "meta.json.tmp"
+  tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+  os.replace(tmp, out / "meta.json")  # last, and atomic: its presence marks a complete dataset
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a dataset.
+
+
+class Dataset:
+  """A stored self-distillation dataset, memory-mapped, with a train / held-out split.
+
+  The split is by prompt (rows answering the same prompt at several temperatures stay on one
+  side), fixed by `split_seed`. Training batches are a pure function of (seed, step): epoch e
+  visits the training rows in the order `np.random.default_rng([seed, e]).permutation`, so a
+  run resumed at step s sees exactly the batches an uninterrupted run would.
+
+  Batches are dicts of numpy arrays:
+    tokens [B, T] int32, loss_mask [B, T] float32, hidden_final [B, T, D] float32 (when stored),
+    hidden_layers [B, T, n, D] float32 (when layers are stored).
+  """
+
+  def __init__(self, path: str | os.PathLike, *, layers: Sequence[int] | None = None,
+               eval_fraction: float = 0.05, max_eval_prompts: int = 64, split_seed: int = 0):
+    """Opens the dataset at `path`.
+
+    Args:
+      layers: the target layers batches hold in `hidden_layers`, in this order (repeats
+        allowed); None: every stored layer, in stored order.
+      eval_fraction: fraction of the prompts held out for evaluation (at least one prompt when
+        positive and there are several; at most `max_eval_prompts`).
+      split_seed: seed of the train / held-out split.
+    """
+    self.path = Path(path)
+    meta_file = self.path / "meta.json"
+    if not meta_file.is_file():
+      what = ("is an unfinished dataset (its writing was interrupted): delete it and write it"
+              " again" if (self.path / "tokens.npy").exists() else
+              "holds no dataset (no meta.json): write one with `jaxspec train ... --out` or"
+              " `write_dataset`")
+      raise DataError(f"{self.path} {what}")
+    try:
+      self.meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+      raise DataError(f"{meta_file} is not valid JSON ({e}): write the dataset again") from None
+    if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
+      raise DataError(f"{self.path} is not a {FORMAT} v{VERSION} dataset: write it again")
+
+    def load(name, required=True):
+      f = self.path / name
+      if not f.is_file():
+        if required:
+          raise DataError(f"{self.path} lacks {name}: the dataset is incomplete; write it again")
+        return None
+      return np.load(f, mmap_mode="r")
+
+    self.tokens = load("tokens.npy")  # [N, T]
+    self.loss_mask = load("loss_mask.npy")  # [N, T]
+    self.lengths = np.asarray(load("lengths.npy"))  # [N]
+    self.prompt_lengths = np.asarray(load("prompt_lengths.npy"))  # [N]
+    self.prompt_index = np.asarray(load("prompt_index.npy"))  # [N]
+    self.hidden_final = load("hidden_final.npy", self.meta["hidden_final"])  # [N, T, D]
+    self.hidden_layers_arr = load("hidden_layers.npy", bool(self.meta["hidden_layers"]))
+    n = self.tokens.shape[0]
+    if n != self.meta["num_examples"] or self.loss_mask.shape != self.tokens.shape:
+      raise DataError(f"{self.path}: array shapes disagree with meta.json: write it again")
+    if not 0 <= eval_fraction < 1:
+      raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    prompts = np.unique(self.prompt_index)
+    n_eval = min(int(round(eval_fraction * len(prompts))), max_eval_prompts)
+    if eval_fraction > 0 and len(prompts) > 1:
+      n_eval = max(n_eval, 1)
+    n_eval = min(n_eval, len(prompts) - 1)
+    held = np.random.default_rng(split_seed).permutation(prompts)[:n_eval]
+    is_eval = np.isin(self.prompt_index, held)
+    self.train_indices = np.flatnonzero(~is_eval)
+    self.eval_indices = np.flatnonzero(is_eval)
+    self.layers = None
+    if layers is not None:
+      self._check_layers(layers)
+      self.layers = tuple(int(i) for i in layers)
+
+  # -- properties -------------------------------------------------------------------------------
+
+  def __len__(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def seq_len(self) -> int:
+    return int(self.tokens.shape[1])
+
+  @property
+  def hidden_layers(self) -> tuple[int, ...]:
+    """Target layers stored in `hidden_layers`, in order."""
+    return tuple(self.meta["hidden_layers"])
+
+  @property
+  def max_new_tokens(self) -> int:
+    return int(self.meta["generation"]["max_new_tokens"])
+
+  def check_target(self, target: Model, layers: Sequence[int] = (), hidden: bool = True) -> None:
+    """Raises DataError unless this data was written by `target` and stores what is needed.
+
+    Args:
+      layers: target layers whose outputs must be stored.
+      hidden: whether hidden_final must be stored.
+    """
+    want = target_fingerprint(target)
+    got = self.meta["target"]["fingerprint"]
+    if got != want:
+      raise DataError(f"{self.path} was written by target {self.meta['target']['name']!r}"
+                      f" (fingerprint {got}), not by {target.name!r} ({want}): write new data"
+                      " for this target (drop --data-dir)")
+    if hidden and not self.meta["hidden_final"]:
+      raise DataError(f"{self.path} stores no hidden states: write it again with hidden states")
+    self._check_layers(layers)
+
+  def _check_layers(self, layers: Sequence[int]) -> None:
+    missing = [i for i in layers if i not in self.hidden_layers]
+    if missing:
+      raise DataError(f"{self.path} stores target layers {list(self.hidden_layers)} but layers"
+                      f" {missing} are needed: write new data with those layers (drop"
+                      " --data-dir)")
+
+  # -- batches ----------------------------------------------------------------------------------
+
+  def gather(self, idx: np.ndarray, layers: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    """The batch of rows `idx` (see the class docstring); `layers` (default the dataset's
+    `layers`) selects and orders the stored layers."""
+    layers = self.layers if layers is None else layers
+    idx = np.asarray(idx, np.int64)
+    # Memory-mapped fancy indexing reads rows in the order given; sorted reads are sequential.
+    order = np.argsort(idx, kind="stable")
+    inv = np.argsort(order, kind="stable")
+    sidx = idx[order]
+    batch = {"tokens": np.asarray(self.tokens[sidx], np.int32)[inv],
+             "loss_mask": np.asarray(self.loss_mask[sidx], np.float32)[inv]}
+    if self.hidden_final is not None:
+      batch["hidden_final"] = np.asarray(self.hidden_final[sidx], np.float32)[inv]
+    if self.hidden_layers_arr is not None and (layers is None or len(layers)):
+      arr = np.asarray(self.hidden_layers_arr[sidx])[inv]
+      if layers is not None:
+        arr = arr[:, :, [self.hidden_layers.index(i) for i in layers]]
+      batch["hidden_layers"] = arr.astype(np.float32)
+    return batch
+
+  def steps_per_epoch(self, batch_size: int) -> int:
+    n = len(self.train_indices)
+    if batch_size > n:
+      raise DataError(f"batch size {batch_size} exceeds the {n} training rows of {self.path}:"
+                      " lower --batch-size or write data for more prompts")
+    return n // batch_size
+
+  def epoch_order(self, epoch: int, seed: int) -> np.ndarray:
+    """Training rows in the order epoch `epoch` visits them."""
+    return np.random.default_rng([seed, epoch]).permutation(self.train_indices)
+
+  def batch_indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
+    """Rows of training batch `step` (0-based): a pure function of (step, batch_size, seed)."""
+    per = self.steps_per_epoch(batch_size)
+    epoch, pos = divmod(step, per)
+    return self.epoch_order(epoch, seed)[pos * batch_size:(pos + 1) * batch_size]
+
+  def train_batch(self, step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+    return self.gather(self.batch_indices(step, batch_size, seed))
+
+  def train_batches(self, batch_size: int, seed: int, start_step: int = 0,
+                    ) -> Iterator[dict[str, np.ndarray]]:
+    step = start_step
+    while True:
+      yield self.train_batch(step, batch_size, seed)
+      step += 1
+
+  def eval_batches(self, batch_size: int, max_batches: int | None = None,
+                   ) -> Iterator[dict[str, np.ndarray]]:
+    """Held-out batches in a fixed order; the last is filled up by wrapping around."""
+    idx = self.eval_indices
+    if len(idx) == 0:
+      return
+    n = -(-len(idx) // batch_size)
+    if max_batches is not None:
+      n = min(n, max_batches)
+    for b in range(n):
+      yield self.gather(np.resize(np.roll(idx, -b * batch_size), batch_size))

@@ -1,0 +1,182 @@
+"""A small draft model cut from the target and distilled on the target's own responses.
+
+The draft starts as the target's embedding, first `num_layers` decoder layers, final norm and LM
+head: it already shares the tokenizer and speaks the same hidden-state language, so a short
+fine-tune closes much of the gap. Training minimises KL(p_target || q_draft) at every position
+that predicts a response token, with the target's distribution recomputed from the stored
+`hidden_final` (`logits_from_hidden(target_params, hidden_final)`; no target forward pass).
+
+The result is saved with `save_hf` in Hugging Face layout, so `jaxspec.load(path)` gives a
+`Model` for `DraftModel`, and `transformers` can load it as an assistant model for assisted
+generation (same tokenizer files as the target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.models.config import LlamaConfig
+from jaxspec.models.llama import (LayerParams, Params, forward, init_cache,
+                                  logits_from_hidden)
+from jaxspec.models.model import Model
+from jaxspec.train.data import Dataset
+from jaxspec.train.trainer import TrainConfig, train
+
+_LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerParams)]
+
+
+def draft_from_target(target: Model, num_layers: int = 4) -> Model:
+  """The target's embedding, first `num_layers` layers, final norm and LM head as a model.
+
+  Raises:
+    ValueError: num_layers is not in [1, target layers).
+  """
+  n = target.cfg.num_layers
+  if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < n:
+    raise ValueError(f"a draft keeps 1 to {n - 1} of the target's {n} layers, got"
+                     f" {num_layers!r}: pass --num-layers in that range")
+  cfg = dataclasses.replace(target.cfg, num_layers=num_layers)
+  p = target.params
+  layers = jax.tree.map(lambda x: jnp.array(x[:num_layers]), p.layers)
+  params = Params(embed=jnp.array(p.embed), layers=layers, final_norm=jnp.array(p.final_norm),
+                  lm_head=None if p.lm_head is None else jnp.array(p.lm_head))
+  return Model(cfg, params, tokenizer=target.tokenizer,
+               name=f"{target.name}-draft-{num_layers}l")
+
+
+class DraftLM(nnx.Module):
+  """A Llama-family model's `Params` held as `nnx.Param`s, so the NNX trainer can fit it.
+
+  `params()` rebuilds the pure `Params` pytree, and every computation goes through the same
+  `jaxspec.models.llama.forward` that decoding uses.
+  """
+
+  def __init__(self, cfg: LlamaConfig, params: Params):
+    self.cfg = cfg
+    self.embed = nnx.Param(params.embed)  # [V, D]
+    self.final_norm = nnx.Param(params.final_norm)  # [D]
+    self.lm_head = None if params.lm_head is None else nnx.Param(params.lm_head)  # [D, V]
+    for name in _LAYER_FIELDS:
+      value = getattr(params.layers, name)  # [L, ...]
+      setattr(self, f"layer_{name}", None if value is None else nnx.Param(value))
+
+  def params(self) -> Params:
+    """The weights as a `Params` pytree."""
+    value = lambda v: None if v is None else v[...]
+    layers = LayerParams(**{n: value(getattr(self, f"layer_{n}")) for n in _LAYER_FIELDS})
+    return Params(embed=self.embed[...], layers=layers, final_norm=self.final_norm[...],
+                  lm_head=value(self.lm_head))
+
+
+def response_positions(loss_mask: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+  """Positions whose next token is a response token: r per row, from the last prompt token.
+
+  Args:
+    loss_mask: [B, T] 1 on response tokens.
+    r: positions per row (the longest response).
+  Returns:
+    (idx [B, r] int32 positions t, valid [B, r] float32: loss_mask[t + 1] == 1).
+  """
+  b, t = loss_mask.shape
+  first = jnp.argmax(loss_mask > 0, axis=1)  # [B] first response token
+  idx = first[:, None] - 1 + jnp.arange(r)[None, :]  # [B, r]
+  nxt = jnp.take_along_axis(loss_mask, jnp.clip(idx + 1, 0, t - 1), axis=1)
+  valid = (nxt > 0) & (idx + 1 < t) & (idx >= 0)
+  return jnp.clip(idx, 0, t - 1).astype(jnp.int32), valid.astype(jnp.float32)
+
+
+def distill_loss(model: DraftLM, batch: dict[str, jax.Array], frozen: Params, *,
+                 positions: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """KL(target || draft) over the next-token distributions at response positions.
+
+  Only `positions` positions per row (from the last prompt token on) go through the two LM
+  heads: the [B, r, V] logits dominate the cost, and prompt positions are not trained.
+
+  Args:
+    model: the draft.
+    batch: tokens [B, T], loss_mask [B, T], hidden_final [B, T, D] (the target's).
+    frozen: the target's `Params` (its LM head turns hidden_final into p).
+    positions: r, positions per row (the dataset's max_new_tokens).
+  Returns:
+    (mean KL, metrics: kl, top1 agreement with the target, accuracy on the stored tokens).
+  """
+  cfg = model.cfg
+  params = model.params()
+  tokens = batch["tokens"]
+  b, t = tokens.shape
+  r = min(positions, t)
+  _, hidden, _ = forward(params, tokens, init_cache(cfg, b, t), cfg, logits=False, fresh=True)
+  idx, valid = response_positions(batch["loss_mask"], r)
+  take = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
+  q_logits = logits_from_hidden(params, take(hidden.final))  # [B, r, V] float32
+  p_logits = logits_from_hidden(frozen, take(batch["hidden_final"]).astype(
+      frozen.final_norm.dtype))  # [B, r, V]
+  logp = jax.nn.log_softmax(p_logits, axis=-1)
+  logq = jax.nn.log_softmax(q_logits, axis=-1)
+  kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)  # [B, r]
+  n = jnp.maximum(valid.sum(), 1.0)
+  nxt = jnp.take_along_axis(tokens, jnp.clip(idx + 1, 0, t - 1), axis=1)
+  q_top = jnp.argmax(q_logits, -1)
+  agree = (q_top == jnp.argmax(p_logits, -1)).astype(jnp.float32)
+  acc = (q_top == nxt).astype(jnp.float32)
+  loss = jnp.sum(kl * valid) / n
+  return loss, {"kl": loss, "top1_agreement": jnp.sum(agree * valid) / n,
+                "token_accuracy": jnp.sum(acc * valid) / n}
+
+
+def distill(target: Model, data: Dataset, out_dir: str | os.PathLike, cfg: TrainConfig, *,
+            num_layers: int = 4, resume: bool = False, save_dtype: str | None = None,
+            progress: bool = True) -> tuple[Model, list[dict[str, Any]]]:
+  """Cuts a draft from `target`, distills it on `data`, saves it in Hugging Face layout.
+
+  Args:
+    target: the target model (it wrote `data`).
+    data: a dataset with hidden_final stored.
+    out_dir: the Hugging Face model directory to write (config.json, model.safetensors and the
+      tokenizer); training state goes to out_dir/training.
+    cfg: training settings.
+    num_layers: target layers the draft keeps.
+    resume: continue an interrupted run from out_dir/training.
+    save_dtype: storage dtype of the saved weights (default the target's).
+    progress: rich progress bars.
+  Returns:
+    (the distilled draft `Model`, training history).
+  """
+  data.check_target(target, hidden=True)
+  draft = draft_from_target(target, num_layers)
+  out = Path(out_dir)
+  module = DraftLM(draft.cfg, draft.params)
+  loss = functools.partial(distill_loss, positions=data.max_new_tokens)
+  module, history = train(module, loss, data, cfg, out / "training", frozen=target.params,
+                          resume=resume, progress=progress)
+  draft = dataclasses.replace(draft, params=module.params())
+  save_draft(draft, out, dtype=save_dtype, history=history, data=data)
+  return draft, history
+
+
+def save_draft(draft: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
+               history: list[dict[str, Any]] | None = None, data: Dataset | None = None) -> Path:
+  """`save_hf` plus a jaxspec_draft.json note of how the draft was made."""
+  from jaxspec.models.hf_loader import save_hf
+  out = save_hf(draft, out_dir, dtype=dtype)
+  note: dict[str, Any] = {"name": draft.name, "num_layers": draft.cfg.num_layers}
+  if history:
+    note["final"] = history[-1]
+  if data is not None:
+    note["data"] = {"path": str(data.path), "target": data.meta["target"]["name"],
+                    "num_examples": len(data)}
+  (out / "jaxspec_draft.json").write_text(json.dumps(note, indent=2) + "\n", encoding="utf-8")
+  return out
+
+
+__all__ = ["DraftLM", "distill", "distill_loss", "draft_from_target",
+           "response_positions", "save_draft"]

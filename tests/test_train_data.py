@@ -1,0 +1,216 @@
+"""The self-distillation data pipeline: prompt files, stored responses, masks and hidden states."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.generate import generate
+from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models.model import Model
+from jaxspec.train.data import (DataConfig, DataError, Dataset, read_prompt_file, read_prompts,
+                                target_fingerprint, write_dataset)
+
+from conftest import SHARED
+
+PROMPTS = [[5, 9, 11], [7, 3, 4, 8, 20, 30, 40], [60], [12, 13, 14, 15, 16], [100, 101],
+           [33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [70, 71, 72], [90, 91, 92, 93]]
+CFG = DataConfig(max_prompt_len=12, max_new_tokens=10, temperatures=(0.0, 0.7),
+                 batch_size=len(PROMPTS), hidden_batch_size=5, hidden_layers=(1, 0, 1), chat=False)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tiny_target, tmp_path_factory):
+  path = tmp_path_factory.mktemp("data")
+  prompts_file = path / "prompts.jsonl"
+  prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+  prompts, counts = read_prompts([prompts_file])
+  return write_dataset(tiny_target, prompts, path / "ds", CFG, prompt_files=counts,
+                       progress=False)
+
+
+def test_round_trip_ids_masks_and_meta(tiny_target, data_dir):
+  ds = Dataset(data_dir, eval_fraction=0.25)
+  # read_prompts shuffles; recover each row's prompt from its stored tokens.
+  assert len(ds) == 2 * len(PROMPTS)
+  assert ds.meta["target"]["fingerprint"] == target_fingerprint(tiny_target)
+  assert ds.meta["hidden_layers"] == [1, 0]  # each layer stored once
+  stored_prompts = {}
+  for row in range(len(ds)):
+    pl, n = int(ds.prompt_lengths[row]), int(ds.lengths[row])
+    prompt = ds.tokens[row, :pl].tolist()
+    assert prompt in PROMPTS
+    stored_prompts.setdefault(int(ds.prompt_index[row]), prompt)
+    assert stored_prompts[int(ds.prompt_index[row])] == prompt
+    mask = np.zeros(ds.seq_len, np.uint8)
+    mask[pl:n] = 1
+    np.testing.assert_array_equal(ds.loss_mask[row], mask)  # responses only
+    assert (ds.tokens[row, n:] == 0).all()
+  # The greedy rows are the target's greedy continuations (one batch, sorted by length, as the
+  # pipeline runs it, so the comparison is bit for bit).
+  by_prompt = [stored_prompts[i] for i in range(len(PROMPTS))]
+  order = sorted(range(len(by_prompt)), key=lambda i: (len(by_prompt[i]), i))
+  ref = generate(tiny_target, [by_prompt[i] for i in order], max_new_tokens=10, max_len=128)
+  greedy_rows = {int(ds.prompt_index[r]): r for r in range(len(ds)) if r % 2 == 0}
+  for j, i in enumerate(order):
+    row = greedy_rows[i]
+    pl, n = int(ds.prompt_lengths[row]), int(ds.lengths[row])
+    assert ds.tokens[row, pl:n].tolist() == ref.row(j)
+  sampled = [ds.tokens[r].tolist() for r in range(1, len(ds), 2)]
+  assert sampled != [ds.tokens[r].tolist() for r in range(0, len(ds), 2)]
+
+
+def test_hidden_states_equal_a_direct_forward(tiny_target, data_dir):
+  ds = Dataset(data_dir)
+  cfg = tiny_target.cfg
+  for row in (0, 3, 9):
+    n = int(ds.lengths[row])
+    toks = jnp.asarray(ds.tokens[row:row + 1, :n])
+    _, hidden, _ = forward(tiny_target.params, toks, init_cache(cfg, 1, n), cfg,
+                           hidden_layers=(1, 0))
+    np.testing.assert_allclose(ds.hidden_final[row, :n], np.asarray(hidden.final[0]),
+                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(ds.hidden_layers_arr[row, :n],
+                               np.transpose(np.asarray(hidden.layers[:, 0]), (1, 0, 2)),
+                               rtol=2e-3, atol=5e-3)
+    assert not ds.hidden_final[row, n:].any() and not ds.hidden_layers_arr[row, n:].any()
+  batch = ds.gather(np.array([3, 0]), layers=(0,))
+  assert batch["hidden_layers"].shape == (2, ds.seq_len, 1, cfg.hidden_size)
+  np.testing.assert_array_equal(batch["hidden_layers"][1, :, 0], ds.hidden_layers_arr[0, :, 1])
+  assert batch["hidden_final"].dtype == np.float32 and batch["loss_mask"].dtype == np.float32
+  assert batch["tokens"].dtype == np.int32
+  # A dataset opened for given layers serves exactly those, in that order, repeats included.
+  chosen = Dataset(data_dir, layers=(0, 0, 1)).gather(np.array([9]))["hidden_layers"]
+  np.testing.assert_array_equal(chosen[0], ds.hidden_layers_arr[9][:, [1, 1, 0]])
+  assert "hidden_layers" not in Dataset(data_dir, layers=()).gather(np.array([9]))
+  with pytest.raises(DataError, match=r"layers \[3\] are needed"):
+    Dataset(data_dir, layers=(0, 3))
+
+
+def test_batches_are_a_function_of_seed_and_step(data_dir):
+  ds = Dataset(data_dir, eval_fraction=0.25)
+  train, held = set(ds.train_indices), set(ds.eval_indices)
+  assert held and not train & held
+  # The split is by prompt: both temperatures of a prompt are on the same side.
+  assert not set(ds.prompt_index[list(train)]) & set(ds.prompt_index[list(held)])
+  per = ds.steps_per_epoch(4)
+  assert per == len(train) // 4
+  epoch0 = np.concatenate([ds.batch_indices(s, 4, seed=3) for s in range(per)])
+  assert len(set(epoch0)) == len(epoch0) and set(epoch0) <= train
+  np.testing.assert_array_equal(ds.batch_indices(per + 1, 4, 3),
+                                Dataset(data_dir, eval_fraction=0.25).batch_indices(per + 1, 4, 3))
+  assert not np.array_equal(ds.epoch_order(0, 3), ds.epoch_order(1, 3))
+  assert not np.array_equal(ds.epoch_order(0, 3), ds.epoch_order(0, 4))
+  b = ds.train_batch(2, 4, 3)
+  np.testing.assert_array_equal(b["tokens"], ds.tokens[ds.batch_indices(2, 4, 3)])
+  evals = list(ds.eval_batches(3))
+  assert len(evals) == -(-len(held) // 3) and all(e["tokens"].shape[0] == 3 for e in evals)
+  with pytest.raises(DataError, match="lower --batch-size"):
+    ds.steps_per_epoch(len(train) + 1)
+
+
+def test_dataset_checks_the_target_and_layers(tiny_target, data_dir):
+  ds = Dataset(data_dir)
+  ds.check_target(tiny_target, layers=(0, 1))
+  with pytest.raises(DataError, match=r"layers \[2\] are needed"):
+    ds.check_target(tiny_target, layers=(2,))
+  other_cfg = tiny_config()
+  other = Model(other_cfg, init_params(other_cfg, jax.random.key(1), scale=0.2), name="other")
+  with pytest.raises(DataError, match="not by 'other'"):
+    ds.check_target(other)
+
+
+def test_incomplete_or_missing_dataset(tmp_path):
+  with pytest.raises(DataError, match="no meta.json"):
+    Dataset(tmp_path)
+  np.save(tmp_path / "tokens.npy", np.zeros((2, 3), np.int32))
+  with pytest.raises(DataError, match="interrupted"):
+    Dataset(tmp_path)
+
+
+def test_write_refuses_bad_settings(tiny_target, tmp_path):
+  with pytest.raises(DataError, match="hidden layer 5 does not exist"):
+    write_dataset(tiny_target, PROMPTS, tmp_path, DataConfig(hidden_layers=(5,), chat=False),
+                  progress=False)
+  with pytest.raises(DataError, match="no tokenizer"):
+    write_dataset(tiny_target, ["hello"], tmp_path, DataConfig(), progress=False)
+  with pytest.raises(DataError, match="raise --max-prompt-len"):
+    write_dataset(tiny_target, [[5] * 20], tmp_path, DataConfig(max_prompt_len=4, chat=False),
+                  progress=False)
+  with pytest.raises(DataError, match="max_new_tokens"):
+    DataConfig(max_new_tokens=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt files.
+
+
+def _write(path, lines):
+  path.write_text("".join(lines), encoding="utf-8")
+  return path
+
+
+def test_prompt_formats(tmp_path):
+  f = _write(tmp_path / "mixed.jsonl", [
+      json.dumps({"question": "2+2?", "answer": "4"}) + "\n",
+      "\n",
+      json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f"}) + "\n",
+      json.dumps({"instruction": "Sort these.", "instances": [{"input": "b a", "output": ""}]})
+      + "\n",
+      json.dumps({"instruction": "Say hi.", "instances": [{"input": "", "output": "hi"}]}) + "\n",
+      json.dumps({"question_id": 1, "turns": ["first turn", "second"]}) + "\n",
+      json.dumps({"prompt": "plain"}) + "\n",
+      json.dumps({"prompt_ids": [1, 2, 3]}) + "\n"])
+  got = read_prompt_file(f)
+  assert got[0] == "2+2?"
+  assert got[1].startswith("Complete the following Python function") and "def f():" in got[1]
+  assert got[2] == "Sort these.\n\nb a" and got[3] == "Say hi."
+  assert got[4:] == ["first turn", "plain", [1, 2, 3]]
+
+
+@pytest.mark.parametrize("lines,match", [
+    ([], "is empty"),
+    (["\n", "  \n"], "is empty"),
+    (['{"question": "ok"}\n', '{"question": "ok"\n'], r"bad\.jsonl:2: not valid JSON"),
+    (['{"question": "ok"}\n', "\n", '{"answer": "4"}\n'], r"bad\.jsonl:3: no prompt field"),
+    (['{"question": ""}\n'], r"bad\.jsonl:1: field 'question' must be a non-empty string"),
+    (['["a"]\n'], r"bad\.jsonl:1: expected a JSON object"),
+    (['{"prompt_ids": [1, -2]}\n'], r"bad\.jsonl:1: 'prompt_ids' must be"),
+])
+def test_bad_prompt_files_name_file_and_line(tmp_path, lines, match):
+  f = _write(tmp_path / "bad.jsonl", lines)
+  with pytest.raises(DataError, match=match):
+    read_prompt_file(f)
+
+
+def test_missing_file_and_evaluation_set(tmp_path):
+  with pytest.raises(DataError, match=r"nope\.jsonl does not exist"):
+    read_prompts([tmp_path / "nope.jsonl"])
+  with pytest.raises(DataError, match="no prompt files"):
+    read_prompts([])
+  bench = _write(tmp_path / "spec_bench_dev.jsonl", [json.dumps({"turns": ["q"]}) + "\n"])
+  with pytest.raises(DataError, match="evaluation prompt set"):
+    read_prompts([bench])
+  with pytest.warns(UserWarning, match="EVALUATION SET"):
+    assert read_prompts([bench], allow_eval=True)[0] == ["q"]
+
+
+def test_read_prompts_interleaves_files(tmp_path):
+  a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(10)])
+  b = _write(tmp_path / "b.jsonl", [json.dumps({"prompt": f"b{i}"}) + "\n" for i in range(2)])
+  prompts, counts = read_prompts([a, b], max_prompts=6, seed=1)
+  assert counts == {str(a): 4, str(b): 2} and len(prompts) == 6
+  assert prompts == read_prompts([a, b], max_prompts=6, seed=1)[0]
+  everything, counts = read_prompts([a, b])
+  assert sorted(everything) == sorted([f"a{i}" for i in range(10)] + ["b0", "b1"])
+
+
+def test_shared_training_files_parse():
+  for name in ("gsm8k_train.jsonl", "humaneval.jsonl", "self_instruct_seed_tasks.jsonl"):
+    path = SHARED / "data" / name
+    if not path.exists():
+      pytest.skip(f"{path} is absent")
+    prompts = read_prompt_file(path)
+    assert len(prompts) > 100 and all(isinstance(p, str) and p.strip() for p in prompts)
