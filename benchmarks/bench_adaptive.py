@@ -136,7 +136,8 @@ def main():
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--batch-sizes", default="1,4,16,64")
   ap.add_argument("--sweep-new-tokens", type=int, default=64)
-  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=2, help="timed runs per method, batch 1 part")
+  ap.add_argument("--sweep-repeats", type=int, default=2)
   ap.add_argument("--skip", default="", help="comma list of parts to skip: 1,2")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adaptive.json"))
   args = ap.parse_args()
@@ -148,9 +149,14 @@ def main():
                     f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                     if k != "out" and v != ""))
   print(result["machine"], flush=True)
+  if "2" not in skip:
+    bs = [int(b) for b in args.batch_sizes.split(",")]
+    result["batch_sweep"] = part2(model, rows, bs, args.sweep_new_tokens, args.sweep_repeats)
+    plot(result["batch_sweep"], ROOT / "benchmarks" / "results" / "adaptive_batch_sweep.png")
+    write_json(Path(args.out), result)
   if "1" not in skip:
     methods = ["plain"] + args.ks.split(",") + ["auto", "masked"]
-    auto = {"masked": AutoK(buckets=(0, 8))}
+    auto = {"masked": AutoK(buckets=(0, 8))}  # one width: verify 8 drafts or none
     picked = [r for rows_c in by_category(rows, args.per_category).values() for r in rows_c]
     summary = part1(model, picked, methods, args.max_new_tokens, args.repeats, auto)
     result["batch1"] = summary
@@ -162,11 +168,7 @@ def main():
     print("overall:", {m: f"{s['tokens_per_second']:.1f} tok/s {s['speedup']:.2f}x"
                        for m, s in summary.items()})
     print(f"auto / best fixed k ({best_k}): {result['batch1_auto_vs_best_fixed']:.3f}")
-  if "2" not in skip:
-    bs = [int(b) for b in args.batch_sizes.split(",")]
-    result["batch_sweep"] = part2(model, rows, bs, args.sweep_new_tokens, args.repeats)
-    plot(result["batch_sweep"], ROOT / "benchmarks" / "results" / "adaptive_batch_sweep.png")
-  write_json(Path(args.out), result)
+    write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

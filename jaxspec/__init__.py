@@ -7,6 +7,7 @@
     print(out.texts[0], out.stats["tau"])
 """
 
+from jaxspec.adaptive import AutoK, CostModel
 from jaxspec.drafters import DraftContext, Drafter, DraftModel, NGram
 from jaxspec.generate import GenerateOutput, generate, generate_stream
 from jaxspec.models.loading import load
@@ -17,6 +18,6 @@ from jaxspec.speculative import (acceptance, draft, rejection_sample, speculativ
 
 __version__ = "0.1.0"
 
-__all__ = ["DraftContext", "DraftModel", "Drafter", "GenerateOutput", "Model", "NGram", "Sampling",
+__all__ = ["AutoK", "CostModel", "DraftContext", "DraftModel", "Drafter", "GenerateOutput", "Model", "NGram", "Sampling",
            "acceptance", "draft", "generate", "generate_stream", "load", "rejection_sample",
            "speculative_generate", "speculative_stream", "verify"]

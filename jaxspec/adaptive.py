@@ -93,6 +93,7 @@ class CostModel:
   seconds: tuple[float, ...]
   batch_size: int | None = None
   source: str = "given"
+  raw: tuple[float, ...] | None = None  # measurements before smoothing, when measured
 
   def __post_init__(self):
     if len(self.ks) != len(self.seconds) or not self.ks:
@@ -107,6 +108,16 @@ class CostModel:
     """k * draft_cost + verify_cost(k) for each k (verify_cost(0) is a decode step)."""
     return cls(tuple(int(k) for k in ks),
                tuple(float(k * draft_cost + verify_cost(k)) for k in ks), source="formula")
+
+  @classmethod
+  def from_measurements(cls, ks: Sequence[int], seconds: Sequence[float], **kw) -> CostModel:
+    """A cost model from noisy timings: the non-decreasing fit in k (pool adjacent violators).
+
+    A step that verifies more tokens never costs less; a timing that says otherwise is noise
+    (on a shared 2-core VM single timings vary by +-25%), and pooling neighbours averages it.
+    """
+    return cls(tuple(int(k) for k in ks), tuple(isotonic(seconds)), raw=tuple(map(float, seconds)),
+               **kw)
 
   def at(self, ks: Sequence[int]) -> np.ndarray:
     """Times for these k, linearly interpolated (and extrapolated) from the known ones."""
@@ -123,6 +134,21 @@ class CostModel:
     """Step time per k relative to a plain step (k = 0 when measured)."""
     base = self.at([0])[0]
     return {k: float(s / base) for k, s in zip(self.ks, self.seconds)}
+
+
+def isotonic(y: Sequence[float]) -> list[float]:
+  """The least-squares non-decreasing fit of y (pool adjacent violators)."""
+  blocks: list[list[float]] = []  # [mean, weight]
+  for v in y:
+    blocks.append([float(v), 1.0])
+    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+      m2, w2 = blocks.pop()
+      m1, w1 = blocks.pop()
+      blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+  out: list[float] = []
+  for m, w in blocks:
+    out += [m] * int(w)
+  return out
 
 
 # ----------------------------------------------------------------------------------------------

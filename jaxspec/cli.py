@@ -172,6 +172,9 @@ def _add_train_parser(sub) -> None:
                  help="held-out evaluation every this many steps (and at the end)")
   t.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
   t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--window", type=int, default=128,
+                 help="tokens per training row: each row is cropped to a window over its"
+                      " response, so the LM head runs on fewer positions (0 = whole rows)")
   t.add_argument("--max-prompts", type=int, default=320,
                  help="prompts the target answers, drawn evenly from the files")
   t.add_argument("--max-new-tokens", type=int, default=128, help="response tokens per prompt")
@@ -213,7 +216,7 @@ def _training_data(args, target, layers, progress):
   if args.data_dir or (data_dir / "meta.json").is_file():
     ds = Dataset(data_dir)
     ds.check_target(target, layers=layers)
-    ds = Dataset(data_dir, layers=layers)
+    ds = Dataset(data_dir, layers=layers, window=args.window or None)
     print(f"[jaxspec] reusing the {len(ds)} rows of {data_dir} (the data flags are ignored)",
           file=sys.stderr)
     return ds
@@ -223,7 +226,7 @@ def _training_data(args, target, layers, progress):
   prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
                                  allow_eval=args.allow_eval_prompts)
   write_dataset(target, prompts, data_dir, cfg, prompt_files=counts, progress=progress)
-  return Dataset(data_dir, layers=layers)
+  return Dataset(data_dir, layers=layers, window=args.window or None)
 
 
 def cmd_train(args) -> int:

@@ -32,7 +32,7 @@ from jaxspec.drafters import DraftContext, Drafter, Proposal
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
                               decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Hidden, KVCache, forward
+from jaxspec.models.llama import Hidden, KVCache, forward, write_cache
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, SamplingArrays
 
@@ -57,7 +57,7 @@ def draft(drafter: Drafter, params, state, ctx: DraftContext, k: int, sp: Sampli
 
 
 def verify(params, cache: KVCache, last: jax.Array, drafts: jax.Array, cfg: LlamaConfig,
-           sp: SamplingArrays, *, hidden_layers: tuple[int, ...] = ()):
+           sp: SamplingArrays, *, hidden_layers: tuple[int, ...] = (), write: bool = True):
   """One target pass over [last, d_1 .. d_k] for every row.
 
   Args:
@@ -70,10 +70,12 @@ def verify(params, cache: KVCache, last: jax.Array, drafts: jax.Array, cfg: Llam
   Returns:
     p [B, k+1, V] float32 target distributions (p[:, i] is the distribution of the token after
     drafts[:, :i]), the target's Hidden states [B, k+1, D], and the cache with length + k + 1
-    (the caller moves it back to what was accepted).
+    (the caller moves it back to what was accepted); with write=False the new block's keys and
+    values (k_new, v_new) [L, B, k+1, G, K] instead, for `write_cache`.
   """
   tokens = jnp.concatenate([last[:, None], drafts], axis=1)
-  logits, hidden, cache = forward(params, tokens, cache, cfg, hidden_layers=hidden_layers)
+  logits, hidden, cache = forward(params, tokens, cache, cfg, hidden_layers=hidden_layers,
+                                  write=write)
   return sampling_lib.probs(logits, sp), hidden, cache
 
 
@@ -251,6 +253,10 @@ def _pad_hidden(h: Hidden, width: int) -> Hidden:
   return Hidden(final=pad(h.final, 1), layers=None if h.layers is None else pad(h.layers, 2))
 
 
+def _pad_axis(x, axis, width):
+  return jnp.pad(x, [(0, width - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
+
+
 def _pad_to(x, width, value):
   """Pads axis 1 of x to `width`."""
   return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
@@ -292,12 +298,17 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   forced = force_idx >= 0
   idx = jnp.where(forced, force_idx, idx)
 
+  # Branches only read the target cache and return the new block's keys and values padded to
+  # k_max + 1; the one write after the switch keeps XLA from passing the whole cache through
+  # (and copying it in) every branch.
+  pad_kv = lambda kv_new: jax.tree.map(lambda x: _pad_axis(x, 2, kmax + 1), kv_new)
+
   def plain(cache, dstate):
-    p, hidden, cache = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
-                              hidden_layers=hidden_layers)
+    p, hidden, kv_new = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
+                               hidden_layers=hidden_layers, write=False)
     n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv)
-    return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1), cache, dstate,
-            jnp.zeros((b,), jnp.int32), jnp.int32(0))
+    return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
+            pad_kv(kv_new), dstate, jnp.zeros((b,), jnp.int32), jnp.int32(0))
 
   def branch(k):
     def run(cache):
@@ -314,11 +325,11 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
       n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
 
       def verify_drafts(cache):
-        p, hidden, cache = verify(tparams, cache, last, prop.tokens, cfg, sp,
-                                  hidden_layers=hidden_layers)
+        p, hidden, kv_new = verify(tparams, cache, last, prop.tokens, cfg, sp,
+                                   hidden_layers=hidden_layers, write=False)
         n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid)
         return (n_acc, _pad_to(emitted, kmax + 1, -1),
-                _pad_hidden(hidden, kmax + 1), cache, dstate, n_valid,
+                _pad_hidden(hidden, kmax + 1), pad_kv(kv_new), dstate, n_valid,
                 jnp.int32(k))
 
       # No live row has a real draft: a one-token pass costs less than verifying filler.
@@ -326,9 +337,10 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
                       lambda c: plain(c, dstate), cache)
     return run
 
-  n_acc, emitted, hidden, cache, dstate, n_valid, k_used = lax.switch(
+  n_acc, emitted, hidden, (k_new, v_new), dstate, n_valid, k_used = lax.switch(
       idx, [branch(k) for k in policy.buckets], s.cache)
   old_len = s.cache.length
+  cache = write_cache(s.cache, k_new, v_new, positions_start=old_len)
   n_emit = n_acc + 1
   # A stop token inside the accepted run ends the row there.
   i1 = jnp.arange(kmax + 1)[None, :]
@@ -452,28 +464,33 @@ _COSTS: dict[Any, CostModel] = {}
 
 
 def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Policy, *,
-                  steps: int = 4, repeats: int = 2, batch_size: int | None = None) -> CostModel:
+                  steps: int = 12, warmup: int = 2, batch_size: int | None = None) -> CostModel:
   """Times the compiled loop forced to each k in `policy.buckets`, from copies of `state`.
 
   The loop executable is the one that then generates, so this costs no compilation and times
-  exactly what will run (drafting, verify, acceptance, bookkeeping). Each k runs `steps` steps
-  from a copy of the post-prefill state, `repeats` times in alternating order; the fastest
-  per-step time counts.
+  exactly what will run (drafting, verify, acceptance, bookkeeping). Each k runs `warmup`
+  untimed steps from a copy of the post-prefill state (the first steps on freshly copied
+  buffers are slow), then `steps` timed ones; rows that finish early shorten the count.
   """
   n = len(policy.buckets)
   costs = jnp.ones((n,), jnp.float32)
-  best = [float("inf")] * n
-  for r in range(repeats):
-    for i in (range(n) if r % 2 == 0 else reversed(range(n))):
-      st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-      t0 = time.perf_counter()
-      st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs, jnp.int32(steps),
-                                          jnp.int32(i)))
-      dt = time.perf_counter() - t0
-      ran = max(int(st.stats.target_passes), 1)
-      best[i] = min(best[i], dt / ran)
-      del st
-  return CostModel(tuple(policy.buckets), tuple(best), batch_size=batch_size, source="measured")
+  secs = []
+  for i in range(n):
+    st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+    t0 = time.perf_counter()
+    st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs, jnp.int32(warmup),
+                                        jnp.int32(i)))
+    first = time.perf_counter() - t0
+    done0 = int(st.stats.target_passes)
+    t0 = time.perf_counter()
+    st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs,
+                                        jnp.int32(warmup + steps), jnp.int32(i)))
+    dt = time.perf_counter() - t0
+    ran = int(st.stats.target_passes) - done0
+    secs.append(dt / ran if ran > 0 else first / max(done0, 1))
+    del st
+  return CostModel.from_measurements(policy.buckets, secs, batch_size=batch_size,
+                                     source="measured")
 
 
 def _costs_array(policy: Policy, cost: CostModel | None) -> jax.Array:

@@ -214,3 +214,22 @@ def test_shared_training_files_parse():
       pytest.skip(f"{path} is absent")
     prompts = read_prompt_file(path)
     assert len(prompts) > 100 and all(isinstance(p, str) and p.strip() for p in prompts)
+
+
+def test_window_crops_rows_over_the_response(tmp_path):
+  """window=w: every batch row is a w-token slice of the stored row covering response tokens."""
+  t, w = 40, 12
+  tokens = np.arange(4 * t, dtype=np.int32).reshape(4, t)
+  mask = np.zeros((4, t), np.float32)
+  mask[:, 20:34] = 1.0
+  ds = Dataset.__new__(Dataset)
+  ds.window = w
+  batch = ds._crop({"tokens": tokens, "loss_mask": mask}, np.random.default_rng(0))
+  assert batch["tokens"].shape == (4, w)
+  for r in range(4):
+    start = int(batch["tokens"][r, 0]) - r * t
+    np.testing.assert_array_equal(batch["tokens"][r], tokens[r, start:start + w])
+    np.testing.assert_array_equal(batch["loss_mask"][r], mask[r, start:start + w])
+    assert batch["loss_mask"][r].sum() > 0 and 20 - w // 8 <= start <= 34 - w
+  with pytest.raises(DataError, match="window"):
+    Dataset(tmp_path, window=2)

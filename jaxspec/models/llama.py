@@ -246,7 +246,7 @@ def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
 def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig, *,
             positions: jax.Array | None = None, block_mask: jax.Array | None = None,
             hidden_layers: tuple[int, ...] = (), logits: bool = True, fresh: bool = False,
-            ) -> tuple[jax.Array | None, Hidden, KVCache]:
+            write: bool = True) -> tuple[jax.Array | None, Hidden, KVCache]:
   """One forward pass of T new tokens per row on top of each row's cached prefix.
 
   Row b's tokens are written to the cache at positions length[b] .. length[b]+T-1 and attend
@@ -266,8 +266,13 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     logits: when False, skip the LM head and return None for the logits.
     fresh: the cache is known to be empty (a prefill): skip attention over it. Besides the
       work, this keeps XLA from constant-folding attention over a cache of constant zeros.
+    write: when False, the cache is only read and the new block's keys and values come back
+      instead of a new cache, as `(k_new, v_new)` [L, B, T, G, K] for `write_cache`: a caller
+      inside a `lax.cond`/`lax.switch` then writes outside it, so the branch never has to pass
+      (and XLA never copies) the whole cache.
   Returns:
-    (logits [B, T, V] float32 or None, Hidden, new cache with length + T).
+    (logits [B, T, V] float32 or None, Hidden, new cache with length + T (or the new block's
+    keys and values with write=False)).
   """
   b, t = tokens.shape
   length = cache.length
@@ -303,6 +308,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   final = rms_norm(x, params.final_norm, eps)
   out_logits = logits_from_hidden(params, final) if logits else None
   layers_out = per_layer[jnp.array(want)] if want else None
+  if not write:
+    return out_logits, Hidden(final=final, layers=layers_out), (k_new, v_new)
   new_cache = write_cache(cache, k_new, v_new, positions_start=length)
   return out_logits, Hidden(final=final, layers=layers_out), new_cache
 

@@ -491,7 +491,8 @@ class Dataset:
   """
 
   def __init__(self, path: str | os.PathLike, *, layers: Sequence[int] | None = None,
-               eval_fraction: float = 0.05, max_eval_prompts: int = 64, split_seed: int = 0):
+               eval_fraction: float = 0.05, max_eval_prompts: int = 64, split_seed: int = 0,
+               window: int | None = None):
     """Opens the dataset at `path`.
 
     Args:
@@ -500,7 +501,15 @@ class Dataset:
       eval_fraction: fraction of the prompts held out for evaluation (at least one prompt when
         positive and there are several; at most `max_eval_prompts`).
       split_seed: seed of the train / held-out split.
+      window: when set, every batch row is cropped to this many tokens, a window placed over
+        the row's response (at a position drawn from (seed, step)): the LM head of a draft
+        head then runs on window positions instead of the padded row, the main cost of
+        training on a CPU. Heads attend only inside the window.
     """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 4):
+      raise DataError(f"window must be an integer >= 4 (tokens per cropped row), got {window!r}")
+    self.window = window
     self.path = Path(path)
     meta_file = self.path / "meta.json"
     if not meta_file.is_file():
@@ -632,7 +641,30 @@ class Dataset:
     return self.epoch_order(epoch, seed)[pos * batch_size:(pos + 1) * batch_size]
 
   def train_batch(self, step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
-    return self.gather(self.batch_indices(step, batch_size, seed))
+    batch = self.gather(self.batch_indices(step, batch_size, seed))
+    return self._crop(batch, np.random.default_rng([seed, step, 1]))
+
+  def _crop(self, batch: dict[str, np.ndarray], rng: np.random.Generator):
+    """Crops every row to `window` tokens over its response (no-op without a window)."""
+    w = self.window
+    t = batch["tokens"].shape[1]
+    if w is None or w >= t:
+      return batch
+    mask = batch["loss_mask"] > 0
+    starts = []
+    for row in mask:
+      resp = np.flatnonzero(row)
+      if len(resp) == 0:
+        starts.append(0)
+        continue
+      # Keep a little context before the response start; never run past the row's end.
+      lo = max(0, int(resp[0]) - w // 8)
+      hi = max(lo, min(int(resp[-1]) + 1, t) - w)
+      starts.append(int(rng.integers(lo, hi + 1)))
+    starts = np.minimum(np.asarray(starts), t - w)
+    idx = starts[:, None] + np.arange(w)[None, :]
+    rows = np.arange(len(starts))[:, None]
+    return {k: v[rows, idx] for k, v in batch.items()}
 
   def train_batches(self, batch_size: int, seed: int, start_step: int = 0,
                     ) -> Iterator[dict[str, np.ndarray]]:
@@ -651,4 +683,5 @@ class Dataset:
     if max_batches is not None:
       n = min(n, max_batches)
     for b in range(n):
-      yield self.gather(np.resize(np.roll(idx, -b * batch_size), batch_size))
+      batch = self.gather(np.resize(np.roll(idx, -b * batch_size), batch_size))
+      yield self._crop(batch, np.random.default_rng([b, 2]))
