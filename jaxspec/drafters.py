@@ -176,7 +176,7 @@ class DraftModel(Drafter):
 
     def pick(logits_i, key_i):
       q = sampling_lib.probs(logits_i, sp)
-      tok = sampling_lib.sample_from_probs(key_i, q)
+      tok = sampling_lib.sample_from_probs(key_i, q, sp.temperature == 0)
       conf = jnp.take_along_axis(jax.nn.softmax(logits_i.astype(jnp.float32), -1),
                                  tok[:, None], axis=1)[:, 0]
       return tok, q, conf >= self.p_min

@@ -123,24 +123,45 @@ def probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   greedy acceptance (accept while the draft equals the argmax, emit the argmax at the first
   mismatch).
   """
-  proc = process_logits(logits, sp)
-  soft = jax.nn.softmax(proc, axis=-1)
   hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   greedy = _expand(sp.temperature, logits.ndim) == 0
-  return jnp.where(greedy, hard, soft)
+
+  def mixed(logits):
+    return jnp.where(greedy, hard, jax.nn.softmax(process_logits(logits, sp), axis=-1))
+
+  # An all-greedy batch skips the softmax over the vocabulary (the common benchmark case).
+  return lax.cond(jnp.all(sp.temperature == 0), lambda l: hard, mixed, logits)
 
 
 def sample(keys: jax.Array, logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   """One token per row from logits [B, V] with per-row keys [B]; greedy rows take the argmax."""
-  proc = process_logits(logits, sp)
-  drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, proc)
-  return jnp.where(sp.temperature == 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draw(logits):
+    proc = process_logits(logits, sp)
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, proc)
+    return jnp.where(sp.temperature == 0, greedy, drawn).astype(jnp.int32)
+
+  # An all-greedy batch draws no random numbers over the vocabulary.
+  return lax.cond(jnp.all(sp.temperature == 0), lambda l: greedy, draw, logits)
 
 
-def sample_from_probs(keys: jax.Array, p: jax.Array) -> jax.Array:
-  """One token per row from unnormalised probabilities p [B, V] (zeros allowed) with keys [B]."""
-  logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
-  return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, logp).astype(jnp.int32)
+def sample_from_probs(keys: jax.Array, p: jax.Array, one_hot: jax.Array | None = None,
+                      ) -> jax.Array:
+  """One token per row from unnormalised probabilities p [B, V] (zeros allowed) with keys [B].
+
+  one_hot: [B] bool rows known to hold a one-hot p (greedy decoding): they take the argmax,
+  and when every row does no random numbers are drawn.
+  """
+  def draw(p):
+    logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
+    return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, logp).astype(jnp.int32)
+
+  if one_hot is None:
+    return draw(p)
+  top = jnp.argmax(p, axis=-1).astype(jnp.int32)
+  return lax.cond(jnp.all(one_hot), lambda p: top,
+                  lambda p: jnp.where(one_hot, top, draw(p)), p)
 
 
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:

@@ -125,7 +125,7 @@ def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Arra
 
 
 def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array,
-                     n_valid: jax.Array | None = None):
+                     n_valid: jax.Array | None = None, greedy: jax.Array | None = None):
   """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per row.
 
   Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
@@ -139,6 +139,8 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
     drafts: [B, k] int32.
     keys: [B] per-row PRNG keys for this step.
     n_valid: [B] real drafts per row (None: all k); later drafts are never accepted.
+    greedy: [B] bool rows decoded greedily (one-hot p): their token is the argmax of the
+      one-hot residual, and an all-greedy batch draws no random numbers over the vocabulary.
   Returns:
     n_accepted [B] int32 in 0..k, and emitted [B, k+1] int32: the accepted drafts followed by
     the correction or bonus token at index n_accepted (entries after it are -1).
@@ -147,7 +149,7 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
   ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (k1 - 1,), jnp.float32))(ku)  # [B, k]
   n_acc, resid = acceptance(p, q, drafts, u, n_valid)
-  final = sampling_lib.sample_from_probs(ks, resid)
+  final = sampling_lib.sample_from_probs(ks, resid, greedy)
   idx = jnp.arange(k1)[None, :]
   d_pad = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
   emitted = jnp.where(idx < n_acc[:, None], d_pad,
@@ -280,6 +282,7 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   full = jnp.full((b,), kmax, jnp.int32)
+  greedy = sp.temperature == 0
 
   # A drafter whose proposals cost next to nothing (n-gram lookup) proposes k_max up front, so
   # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
@@ -306,7 +309,8 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   def plain(cache, dstate):
     p, hidden, kv_new = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
                                hidden_layers=hidden_layers, write=False)
-    n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv)
+    n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv,
+                                      greedy=greedy)
     return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
             pad_kv(kv_new), dstate, jnp.zeros((b,), jnp.int32), jnp.int32(0))
 
@@ -327,7 +331,7 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
       def verify_drafts(cache):
         p, hidden, kv_new = verify(tparams, cache, last, prop.tokens, cfg, sp,
                                    hidden_layers=hidden_layers, write=False)
-        n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid)
+        n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid, greedy)
         return (n_acc, _pad_to(emitted, kmax + 1, -1),
                 _pad_hidden(hidden, kmax + 1), pad_kv(kv_new), dstate, n_valid,
                 jnp.int32(k))
