@@ -23,6 +23,8 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_speculative.py
+	$(PY) benchmarks/bench_adaptive.py --ks 2,4 --repeats 1 --sweep-repeats 3
+	$(PY) benchmarks/bench_heads.py --methods plain,eagle,medusa,mlp,ngram
 
 clean-venv:
 	rm -rf $(VENV)

@@ -24,13 +24,16 @@ import numpy as np
 from common import ROOT, by_category, chat_prompts, load_spec_bench, machine, write_json
 from jaxspec import NGram, generate, load, speculative_generate
 from jaxspec.adaptive import AutoK
+from jaxspec.drafters import resolve_drafter
+
+DRAFTER = NGram()  # --drafter
 
 
 def _run(model, method, prompts, n, auto):
   if method == "plain":
     return generate(model, prompts, max_new_tokens=n)
   k = "auto" if method in ("auto", "masked") else int(method)
-  return speculative_generate(model, NGram(), prompts, max_new_tokens=n, num_draft_tokens=k,
+  return speculative_generate(model, DRAFTER, prompts, max_new_tokens=n, num_draft_tokens=k,
                               auto=auto.get(method))
 
 
@@ -88,7 +91,7 @@ def part2(model, rows, batch_sizes, n, repeats, max_prompt_tokens=256):
   for b in batch_sizes:
     prompts = [prompts_all[order[i % len(order)]] for i in range(b)]
     runs = {"plain": lambda: generate(model, prompts, max_new_tokens=n),
-            "auto": lambda: speculative_generate(model, NGram(), prompts, max_new_tokens=n)}
+            "auto": lambda: speculative_generate(model, DRAFTER, prompts, max_new_tokens=n)}
     for f in runs.values():
       f()  # compile + cost measurement
     best = {m: float("inf") for m in runs}
@@ -118,7 +121,7 @@ def plot(sweep, path: Path):
   fig, ax = plt.subplots(figsize=(5, 3.2))
   for m in ("plain", "auto"):
     ax.plot(bs, [sweep[b][m]["tokens_per_second"] for b in bs], marker="o",
-            label="generate" if m == "plain" else 'speculative, k="auto" (n-gram)')
+            label="generate" if m == "plain" else f'speculative, k="auto" ({DRAFTER.name})')
   ax.set_xscale("log", base=2)
   ax.set_xticks(bs, [str(b) for b in bs])
   ax.set_xlabel("batch size")
@@ -139,12 +142,18 @@ def main():
   ap.add_argument("--repeats", type=int, default=2, help="timed runs per method, batch 1 part")
   ap.add_argument("--sweep-repeats", type=int, default=2)
   ap.add_argument("--skip", default="", help="comma list of parts to skip: 1,2")
+  ap.add_argument("--drafter", default="ngram",
+                  help="ngram, a bundled head (eagle, medusa, mlp) or a head/draft-model path")
+  ap.add_argument("--categories", default="",
+                  help="comma list of Spec-Bench categories for part 1 (default: all)")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adaptive.json"))
   args = ap.parse_args()
+  global DRAFTER
   model = load()
+  DRAFTER = resolve_drafter(model, args.drafter)
   rows = load_spec_bench()
   skip = set(args.skip.split(",")) - {""}
-  result = dict(machine=machine(), max_new_tokens=args.max_new_tokens, drafter="ngram",
+  result = dict(machine=machine(), max_new_tokens=args.max_new_tokens, drafter=args.drafter,
                 command="benchmarks/bench_adaptive.py " + " ".join(
                     f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                     if k != "out" and v != ""))
@@ -157,7 +166,9 @@ def main():
   if "1" not in skip:
     methods = ["plain"] + args.ks.split(",") + ["auto", "masked"]
     auto = {"masked": AutoK(buckets=(0, 8))}  # one width: verify 8 drafts or none
-    picked = [r for rows_c in by_category(rows, args.per_category).values() for r in rows_c]
+    cats = tuple(c for c in args.categories.split(",") if c) or None
+    picked = [r for rows_c in by_category(rows, args.per_category, cats).values()
+              for r in rows_c]
     summary = part1(model, picked, methods, args.max_new_tokens, args.repeats, auto)
     result["batch1"] = summary
     fixed = {m: s for m, s in summary.items() if m not in ("plain", "auto", "masked")}

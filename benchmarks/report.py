@@ -50,6 +50,75 @@ def main():
       print(f"| {b} | {r['decode_step_seconds'] * 1e3:.1f} ms | "
             + " | ".join(f"{r['verify_over_decode'][k]:.2f}" for k in ks) + " |")
 
+  for name in ("adaptive.json", "adaptive_sweep.json", "adaptive_eagle.json"):
+    if (RES / name).exists():
+      adaptive(json.loads((RES / name).read_text()))
+  if (RES / "heads.json").exists():
+    heads(json.loads((RES / "heads.json").read_text()))
+
+
+def adaptive(a):
+  """Tables of benchmarks/bench_adaptive.py."""
+  m = a["machine"]
+  where = f"commit {m['git_commit']}, {m['date']}"
+  if "batch_sweep" in a:
+    print(f"\n**Batch sweep, `auto` vs plain `generate`** (`{a['command']}`; drafter"
+          f" {a['drafter']}; mixed categories, prompts ≤ 256 tokens, greedy; {where})\n")
+    print("| batch | plain tok/s | auto tok/s | auto / plain | mean k | τ |\n|---|---|---|---|---|---|")
+    for b, r in a["batch_sweep"].items():
+      print(f"| {b} | {r['plain']['tokens_per_second']:.1f} | {r['auto']['tokens_per_second']:.1f}"
+            f" | {r['ratio']:.2f}× | {r['auto']['mean_k']:.2f} | {r['auto']['tau']:.2f} |")
+  if "batch1" in a:
+    b1 = a["batch1"]
+    methods = list(b1)
+    print(f"\n**Batch 1, every fixed k vs `auto`** (`{a['command']}`; drafter {a['drafter']};"
+          f" speedup over plain `generate` in the same run; {where})\n")
+    names = {"plain": "plain", "auto": "auto", "masked": "auto, one masked width"}
+    print("| category | " + " | ".join(names.get(x, f"k={x}") for x in methods[1:]) + " |")
+    print("|---|" + "---|" * (len(methods) - 1))
+    for cat in b1["plain"]["per_category"]:
+      print(f"| {cat} | " + " | ".join(
+          f"{b1[x]['per_category'][cat]['speedup']:.2f}×" for x in methods[1:]) + " |")
+    print("| **all** | " + " | ".join(f"**{b1[x]['speedup']:.2f}×**" for x in methods[1:])
+          + " |")
+    print(f"\nauto / best fixed k (k={a['batch1_best_fixed_k']}):"
+          f" {a['batch1_auto_vs_best_fixed']:.3f}")
+
+
+def heads(h):
+  """Tables of benchmarks/bench_heads.py."""
+  m = h["machine"]
+  methods = [x for x in h["mt_bench"] if x != "plain"]
+  print(f"\n**Draft heads** (`{h['command']}`; batch 1, greedy, EOS-stopping, k ="
+        f" {h['num_draft_tokens']} chain; commit {m['git_commit']}, {m['date']})\n")
+  print("| | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
+  mt, al = h["mt_bench"], h["all_categories"]
+  print("| τ, MT-bench categories | " + " | ".join(f"**{mt[x]['tau']:.2f}**" for x in methods)
+        + " |")
+  print("| speedup, MT-bench categories | "
+        + " | ".join(f"**{mt[x]['speedup']:.2f}×**" for x in methods) + " |")
+  print("| acceptance by position (MT-bench) | " + " | ".join(
+      " ".join(f"{v:.2f}" for v in mt[x].get("acceptance_per_position", [])) for x in methods)
+        + " |")
+  print("| τ, all categories | " + " | ".join(f"{al[x]['tau']:.2f}" for x in methods) + " |")
+  print("| speedup, all categories | " + " | ".join(f"{al[x]['speedup']:.2f}×" for x in methods)
+        + " |")
+  for cat in h["per_category"]["plain"]:
+    print(f"| {cat} | " + " | ".join(
+        f"τ {h['per_category'][x][cat]['tau']:.2f}, {h['per_category'][x][cat]['speedup']:.2f}×"
+        for x in methods) + " |")
+  info = h.get("heads") or {}
+  if info:
+    print("\n| head | training steps | training time | data (rows, response tokens) |"
+          " data time | offline τ (held out) |\n|---|---|---|---|---|---|")
+    for name, d in info.items():
+      if d:
+        tau = d.get("offline_tau")
+        print(f"| {name} | {d.get('steps')} | {(d.get('train_seconds') or 0) / 60:.0f} min |"
+              f" {d.get('train_rows')}, {d.get('train_tokens')} |"
+              f" {(d.get('data_seconds') or 0) / 60:.0f} min |"
+              f" {'' if tau is None else f'{tau:.2f}'} |")
+
 
 if __name__ == "__main__":
   main()

@@ -214,8 +214,17 @@ def expected_tokens(alpha: jax.Array, ks: Sequence[int], n_real: jax.Array | Non
 
 
 def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int],
-           n_real: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """The controller: index into ks maximising the batch's expected tokens per second.
+           n_real: jax.Array | None = None, remaining: jax.Array | None = None,
+           ) -> tuple[jax.Array, jax.Array]:
+  """The controller: index into ks maximising the batch's expected progress per second.
+
+  A batch is done when its slowest row is, so with `remaining` the progress of a step is how
+  much it is expected to shorten the largest remaining count: max_r R_r - max_r (R_r - E_r(k)),
+  over live rows, with E_r(k) the row's expected tokens. A row far ahead gains nothing from
+  drafting and a row without a draft holds the batch back, so at a large batch the controller
+  only speculates when the rows that decide the finish accept. At batch 1 this is the row's
+  expected tokens per second. Without `remaining` the progress is the sum of E_r(k) (every
+  row's tokens count, as when finished rows are replaced by new requests).
 
   Args:
     alpha: [B, K] acceptance estimate per row and position.
@@ -223,11 +232,19 @@ def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int
     costs: [len(ks)] seconds per step for each k.
     ks: the candidate draft counts.
     n_real: [B] drafts the drafter has for each row, when known before choosing.
+    remaining: [B] tokens each row may still emit.
   Returns:
-    (index into ks, predicted tokens per second for every k [len(ks)]).
+    (index into ks, predicted progress per second for every k [len(ks)]).
   """
   e = expected_tokens(alpha, ks, n_real)  # [B, nk]
-  rate = jnp.sum(jnp.where(live[:, None], e, 0.0), axis=0) / costs
+  if remaining is None:
+    progress = jnp.sum(jnp.where(live[:, None], e, 0.0), axis=0)
+  else:
+    r = jnp.where(live, remaining.astype(jnp.float32), -jnp.inf)[:, None]  # [B, 1]
+    worst = jnp.max(r, axis=0)
+    after = jnp.max(jnp.where(live[:, None], r - e, -jnp.inf), axis=0)
+    progress = jnp.where(jnp.any(live), worst - after, 0.0)
+  rate = progress / costs
   return jnp.argmax(rate).astype(jnp.int32), rate
 
 

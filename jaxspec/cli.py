@@ -38,8 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                       " (default: the bundled SmolLM2-135M-Instruct)")
   g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   g.add_argument("--max-new-tokens", type=int, default=128)
-  g.add_argument("--draft", default="ngram",
-                 help="none | ngram | PATH of a draft model (.gguf or HF directory)")
+  g.add_argument("--draft", default="default",
+                 help="default | none | ngram | eagle | medusa | mlp | a head directory | PATH of"
+                      " a draft model (.gguf or HF directory); default: the bundled EAGLE head"
+                      " when the model is the bundled SmolLM2, else ngram")
   g.add_argument("--num-draft-tokens", type=_draft_count, default="auto",
                  help="k, drafts per step, or 'auto' (default: chosen every step from measured"
                       " acceptance and cost, 0 = a plain step)")
@@ -52,16 +54,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _make_drafter(spec: str, target, dtype: str):
-  from jaxspec.drafters import DraftModel, NGram
-  from jaxspec.models.loading import load
+  from jaxspec.drafters import resolve_drafter
   if spec == "none":
     return None
-  if spec == "ngram":
-    return NGram()
-  if os.path.exists(spec):
-    return DraftModel(load(spec, dtype=dtype))
-  raise SystemExit(f"error: --draft {spec!r} is not 'none', 'ngram' or an existing path of a"
-                   " draft model (.gguf file or Hugging Face directory)")
+  if spec == "default":  # the bundled EAGLE head when it fits the target, else prompt lookup
+    from jaxspec.heads import bundled_head_for
+    spec = bundled_head_for(target) or "ngram"
+  try:
+    return resolve_drafter(target, spec, dtype)
+  except ValueError as e:
+    raise SystemExit(f"error: --draft: {e}")
+  except Exception as e:  # CheckpointError: a head for another target, corrupted files
+    raise SystemExit(f"error: --draft {spec!r}: {e}")
 
 
 def cmd_generate(args) -> int:
@@ -104,7 +108,7 @@ def cmd_generate(args) -> int:
   line = (f"[jaxspec] {n} new tokens, {n / secs if secs else 0:.1f} tokens/s,"
           f" compile {info.get('compile_seconds', 0.0) + info.get('profile_seconds', 0.0):.1f} s,"
           f" load {load_s:.1f} s,"
-          f" model {model.name}, draft {args.draft}")
+          f" model {model.name}, draft {drafter.name if drafter is not None else 'none'}")
   st = info.get("stats")
   if st:
     k = (f"auto (mean {st['mean_k']:.1f}, {st['plain_steps']} plain steps)"
@@ -120,16 +124,33 @@ def cmd_generate(args) -> int:
 
 
 TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model")
-# Defaults sized for the bundled SmolLM2-135M on a 2-core CPU, where writing the data (320
-# prompts, 128 response tokens) takes about 12 minutes and a training step of a batch of 8 about
-# 5-10 s (draft-model, eagle) or 20-40 s (medusa, mlp: their losses run the 49k-token LM head
-# for every head at every position); together about an hour.
+# Defaults sized for the bundled SmolLM2-135M on a 2-core CPU, the recipe of the bundled heads:
+# writing the data (320 prompts, greedy and T=0.7 responses of up to 128 tokens, hidden states)
+# takes about 18 minutes, then a step of a batch of 8 rows cropped to 128-token windows about 2 s
+# (eagle, draft-model) or 6-8 s (medusa, mlp: their losses run the 49k-token LM head for every
+# head at every position).
 TRAIN_DEFAULTS = {
     "draft-model": dict(steps=200, lr=5e-4, batch_size=8),
-    "eagle": dict(steps=200, lr=5e-4, batch_size=8),
-    "medusa": dict(steps=100, lr=1e-3, batch_size=8),
-    "mlp": dict(steps=80, lr=1e-3, batch_size=8),
+    "eagle": dict(steps=600, lr=8e-4, batch_size=8),
+    "medusa": dict(steps=120, lr=1e-3, batch_size=8),
+    "mlp": dict(steps=120, lr=2e-3, batch_size=8),
 }
+# Head options unless --option says otherwise: EAGLE-3 with training-time test, and an MLP
+# speculator tied to the target's embedding and LM head (its own [V, D] tables would be 56 MB a
+# stage for SmolLM2).
+HEAD_DEFAULTS = {"eagle": dict(version=3, ttt_steps=3), "mlp": dict(tie_to_target=True)}
+# EAGLE-3's reduced draft vocabulary for targets with a large one (the LM head is a large share
+# of a small draft's cost): the most frequent response tokens.
+EAGLE_DRAFT_VOCAB = 4096
+
+
+def head_options(kind: str, given: dict, vocab_size: int) -> dict:
+  """The options a head is created with: HEAD_DEFAULTS overridden by --option."""
+  out = dict(HEAD_DEFAULTS.get(kind, {}))
+  if kind == "eagle" and given.get("version", 3) == 3 and vocab_size >= 4 * EAGLE_DRAFT_VOCAB:
+    out["draft_vocab_size"] = EAGLE_DRAFT_VOCAB
+  out.update(given)
+  return out
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -180,16 +201,18 @@ def _add_train_parser(sub) -> None:
   t.add_argument("--max-new-tokens", type=int, default=128, help="response tokens per prompt")
   t.add_argument("--max-prompt-len", type=int, default=256,
                  help="longer prompts (after the chat template) are skipped")
-  t.add_argument("--temperature", type=float, nargs="+", default=[0.0],
-                 help="one response per prompt per value (0 = greedy; e.g. 0 0.7)")
-  t.add_argument("--gen-batch-size", type=int, default=16, help="rows per generate call")
+  t.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7],
+                 help="one response per prompt per value (0 = greedy)")
+  t.add_argument("--gen-batch-size", type=int, default=32, help="rows per generate call")
   t.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   t.add_argument("--allow-eval-prompts", action="store_true",
                  help="allow training on an evaluation set (spec_bench): contaminates it")
   t.add_argument("--num-layers", type=int, default=4,
                  help="draft-model: target layers the draft keeps")
   t.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                 help="head option (JSON value), e.g. --option num_heads=3 --option version=3")
+                 help="head option (JSON value), e.g. --option num_heads=3; defaults: eagle"
+                      " version=3 ttt_steps=3 draft_vocab_size=4096 (large vocabularies), mlp"
+                      " tie_to_target=true")
   t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
   t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -258,6 +281,7 @@ def cmd_train(args) -> int:
     else:
       from jaxspec.heads import HEADS
       spec = HEADS[args.kind]
+      options = head_options(args.kind, options, target.cfg.vocab_size)
       layers = tuple(spec.required_layers(target.cfg, options))
     ds = _training_data(args, target, layers, progress)
     out = Path(args.out)
@@ -291,6 +315,7 @@ def cmd_train(args) -> int:
 def _train_head(args, spec, options, target, ds, cfg, out, progress):
   """Creates, trains and saves a head; returns (history, offline tau on held-out batches)."""
   import jax.numpy as jnp
+  import numpy as np
   from flax import nnx
 
   from jaxspec.heads import save_head
@@ -301,16 +326,31 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
     options = dict(options, token_counts=token_counts(ds.tokens[rows], ds.loss_mask[rows],
                                                       target.cfg.vocab_size))
   model = spec.create(target.cfg, rngs=nnx.Rngs(args.seed), **options)
+  t0 = time.perf_counter()
   model, history = train(model, spec.loss, ds, cfg, out / "training", frozen=target.params,
                          resume=args.resume, progress=progress)
+  train_s = time.perf_counter() - t0
   k = spec.num_steps(model)
   taus = [spec.offline_chain_tau(model, {n: jnp.asarray(v) for n, v in b.items()},
                                  target.params, k)
           for b in ds.eval_batches(cfg.batch_size, cfg.eval_batches)]
   tau = sum(taus) / len(taus) if taus else None
-  meta = {"data": str(ds.path), "steps": cfg.steps, "final": history[-1] if history else None,
-          "offline_tau": tau, "offline_tau_k": k, "options": {
-              key: v for key, v in options.items() if key != "token_counts"}}
+  rows = ds.train_indices
+  data_s = ds.meta.get("seconds", {})
+  meta = {"data": str(ds.path), "steps": cfg.steps, "batch_size": cfg.batch_size,
+          "window": args.window, "final": history[-1] if history else None,
+          "offline_tau": tau, "offline_tau_k": k,
+          "options": {key: v for key, v in options.items() if key != "token_counts"},
+          # What it cost: the training run (this process; a resumed run counts its last part)
+          # and writing the data (the target's responses and hidden states).
+          "train_seconds": round(train_s, 1),
+          "data_seconds": round(sum(data_s.values()), 1) if data_s else None,
+          "train_rows": int(len(rows)),
+          "train_tokens": int(np.asarray(ds.loss_mask[rows]).sum()),
+          "data_prompt_files": ds.meta.get("prompt_files"),
+          "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),
+          "recipe": "jaxspec train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"]
+                    else None}
   save_head(out, args.kind, model, target.cfg, meta=meta, dtype=args.save_dtype,
             target_params=target.params)
   return history, tau

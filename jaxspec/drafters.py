@@ -64,6 +64,8 @@ class Drafter:
   """Base class; see the module docstring for the protocol."""
 
   name: str = "drafter"
+  # The most drafts one step can propose (a head with K heads or stages), None: no limit.
+  max_draft_tokens: int | None = None
   # Whether the drafter reads the target's hidden states: then `init` gets the prefill's and
   # `commit` each verify pass's `Hidden` (final normed states plus `hidden_layers`); otherwise
   # the target skips collecting them.
@@ -289,3 +291,59 @@ class NGram(Drafter):
     drafts = jnp.take_along_axis(seq, idx, axis=1)
     n_valid = jnp.where(found, jnp.clip(n - start, 0, k), 0).astype(jnp.int32)
     return Proposal(tokens=drafts.astype(jnp.int32), n_valid=n_valid), state
+
+
+# Drafters built from a name, by target: loading a head or a draft model once per target.
+_NAMED: dict[tuple[str, int, str | None], tuple[Model, Drafter]] = {}
+
+
+def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter:
+  """A `Drafter`, or one named by a string.
+
+  Names: "ngram" (`NGram()`); "eagle", "medusa", "mlp" (the head bundled for the default
+  SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
+  or `jaxspec train`; or the path of a draft model (.gguf file or Hugging Face directory),
+  loaded as a `DraftModel` in `dtype` (default the target's). A named drafter is loaded once
+  per target and reused by later calls.
+  """
+  if isinstance(drafter, Drafter):
+    return drafter
+  if not isinstance(drafter, str):
+    raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), ...) or a"
+                     f" name (\"ngram\", \"eagle\", \"medusa\", \"mlp\", or a path), got"
+                     f" {type(drafter).__name__}")
+  if drafter == "ngram":
+    return NGram()
+  key = (drafter, id(target), dtype)
+  hit = _NAMED.get(key)
+  if hit is not None and hit[0] is target:
+    return hit[1]
+  import os
+  from pathlib import Path
+
+  from jaxspec import heads as heads_lib
+  path = Path(drafter)
+  if drafter in heads_lib.HEADS or (path / "config.json").is_file() and _is_head_dir(path):
+    made = heads_lib.load_head(drafter, target)
+  elif os.path.exists(drafter):
+    from jaxspec.models.loading import load
+    if dtype is None:
+      dtype = "bfloat16" if target.params.embed.dtype == jnp.bfloat16 else "float32"
+    made = DraftModel(load(drafter, dtype=dtype))
+  else:
+    raise ValueError(f"drafter {drafter!r} is not 'ngram', a bundled head"
+                     f" ({', '.join(sorted(heads_lib.HEADS))}), a head directory or the path of"
+                     " a draft model (.gguf file or Hugging Face directory)")
+  if len(_NAMED) >= 8:
+    _NAMED.clear()
+  _NAMED[key] = (target, made)
+  return made
+
+
+def _is_head_dir(path) -> bool:
+  import json
+  try:
+    return json.loads((path / "config.json").read_text(encoding="utf-8")).get(
+        "format") == "jaxspec-head"
+  except (OSError, ValueError, AttributeError):
+    return False

@@ -141,6 +141,10 @@ class MedusaDrafter(_FeatureDrafter):
 
   name: str = "medusa"
 
+  @property
+  def max_draft_tokens(self) -> int:
+    return self.module(self.weights).cfg.num_heads
+
   def propose(self, params, state: FeatureState, ctx, k, sp, keys):
     model = self.module(params)
     if k > model.cfg.num_heads:
@@ -156,6 +160,10 @@ class MLPDrafter(_FeatureDrafter):
   """The MLP speculator: stage j reads the token drafted by stage j - 1 (x_{n-1} for stage 0)."""
 
   name: str = "mlp"
+
+  @property
+  def max_draft_tokens(self) -> int:
+    return self.module(self.weights).cfg.n_predict
 
   def propose(self, params, state: FeatureState, ctx, k, sp, keys):
     model = self.module(params)

@@ -43,7 +43,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,9 @@ def _layer_norm(x, scale=None, bias=None, eps=1e-6):
 class MLPSpeculator(nnx.Module):
   """Stage j: `s = GELU(LN_j(s @ P_j + c * E_j[x_{t+1+j}]))`, logits `s @ H_j`, from s = f_t.
 
+  With tie_to_target the logits are the target's LM head applied to LN_j(...) before the GELU
+  (the target's head needs a state of either sign).
+
   c = emb_weight / state_weight with fms's constants: state_weight = 0.5**(0.5 / n) and
   emb_weight = sqrt((1 - state_weight**2) * I / 2), which keep the state's scale steady.
   """
@@ -212,11 +215,24 @@ class MLPSpeculator(nnx.Module):
     self.target_dims = _target_dims(target_cfg)
     ns = 1 if cfg.tie_stages else n
     std = 1 / math.sqrt(i)
-    self.proj0 = nnx.Param(_normal(rngs, (d, i), std))  # [D, I]
-    # [ns', I, I] state projections of stages 1..n-1 (one shared when tie_stages).
-    self.proj = nnx.Param(_normal(rngs, (min(ns, n - 1), i, i), std)) if n > 1 else None
+    if cfg.tie_to_target:
+      # Tied to the target's LM head, start from the identity: stage 0 then begins as the
+      # target's own prediction from f_t (as a zero-initialised Medusa head does) instead of
+      # learning to read the target's hidden space from a random projection.
+      eye = jnp.eye(d, dtype=F32)
+      self.proj0 = nnx.Param(eye + _normal(rngs, (d, i), 0.01 * std))
+      self.proj = (nnx.Param(jnp.broadcast_to(eye, (min(ns, n - 1), i, i))
+                             + _normal(rngs, (min(ns, n - 1), i, i), 0.01 * std))
+                   if n > 1 else None)
+    else:
+      self.proj0 = nnx.Param(_normal(rngs, (d, i), std))  # [D, I]
+      # [ns', I, I] state projections of stages 1..n-1 (one shared when tie_stages).
+      self.proj = nnx.Param(_normal(rngs, (min(ns, n - 1), i, i), std)) if n > 1 else None
     self.emb = None if cfg.tie_to_target else nnx.Param(_normal(rngs, (ns, v, i), std))  # [ns,V,I]
     self.head = None if cfg.tie_to_target else nnx.Param(_normal(rngs, (ns, i, v), std))  # [ns,I,V]
+    # Tied: a learnt gain on the token term, started small, so the target's embedding of x_{t+1}
+    # does not swamp f_t at first (through the tied LM head it would predict x_{t+1} again).
+    self.emb_gain = nnx.Param(jnp.full((ns,), 0.1, F32)) if cfg.tie_to_target else None
     self.ln_scale = nnx.Param(jnp.ones((ns, i), F32))  # [ns, I]
     self.ln_bias = nnx.Param(jnp.zeros((ns, i), F32))  # [ns, I]
     self.state_weight = 0.5 ** (0.5 / n)
@@ -233,12 +249,15 @@ class MLPSpeculator(nnx.Module):
     w = self.proj0[...] if j == 0 else self.proj[0 if tied else j - 1]
     c = 0 if tied else j
     if self.emb is None:
-      e = jnp.take(frozen.embed, tok, axis=0).astype(F32)
+      e = jnp.take(frozen.embed, tok, axis=0).astype(F32) * self.emb_gain[c]
     else:
       e = jnp.take(self.emb[c], tok, axis=0)
-    s = s @ w + e * (self.emb_weight / self.state_weight)
-    s = jax.nn.gelu(_layer_norm(s, self.ln_scale[c], self.ln_bias[c]), approximate=False)
-    logits = logits_from_hidden(frozen, s) if self.head is None else s @ self.head[c]
+    z = _layer_norm(s @ w + e * (self.emb_weight / self.state_weight), self.ln_scale[c],
+                    self.ln_bias[c])
+    s = jax.nn.gelu(z, approximate=False)
+    # Tied to the target, the logits read the normalised pre-activation: the target's LM head
+    # expects a hidden state of either sign, which a GELU output (>= -0.17) cannot express.
+    logits = logits_from_hidden(frozen, z) if self.head is None else s @ self.head[c]
     return s, logits
 
 
@@ -861,6 +880,21 @@ def resolve_head_path(dir_or_name: str | os.PathLike) -> Path:
         " ...), then pass that directory")
   raise CheckpointError(f"head directory {p} does not exist (pass a directory written by"
                         f" jaxspec.heads.save_head, or one of {sorted(HEADS)})")
+
+
+def bundled_head_for(target, kinds: Sequence[str] = ("eagle", "medusa", "mlp")) -> str | None:
+  """The first of `kinds` bundled under jaxspec/assets/heads/ that was trained for `target`
+  (same shapes and fingerprint), or None."""
+  for kind in kinds:
+    path = ASSETS / kind
+    if not (path / "config.json").is_file():
+      continue
+    try:
+      check_target(_read_config(path), target, str(path))
+    except CheckpointError:
+      continue
+    return kind
+  return None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from jax import lax
 from jaxspec import sampling as sampling_lib
 from jaxspec import adaptive
 from jaxspec.adaptive import AutoK, CostModel
-from jaxspec.drafters import DraftContext, Drafter, Proposal
+from jaxspec.drafters import DraftContext, Drafter, Proposal, resolve_drafter
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
                               decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
 from jaxspec.models.config import LlamaConfig
@@ -295,7 +295,8 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
     nv_all, known = full, None
   if policy.auto:
     alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
-    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known)
+    remaining = max_new_tokens - (s.seq_len - s.prompt_len)
+    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, remaining)
   else:
     idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
   forced = force_idx >= 0
@@ -439,13 +440,24 @@ def _devices(tree) -> set:
   return out
 
 
-def resolve_policy(num_draft_tokens, auto: AutoK | None = None) -> Policy:
-  """`num_draft_tokens` (an integer k >= 1 or "auto") as the loop's static policy."""
+def resolve_policy(num_draft_tokens, auto: AutoK | None = None, drafter=None) -> Policy:
+  """`num_draft_tokens` (an integer k >= 1 or "auto") as the loop's static policy.
+
+  A drafter with a limit (`max_draft_tokens`: a Medusa head with K heads, an MLP speculator
+  with K stages) caps the default AutoK's k_max and refuses a larger k.
+  """
+  limit = getattr(drafter, "max_draft_tokens", None)
+  what = f"this {getattr(drafter, 'name', 'drafter')} drafter proposes at most {limit} tokens"
   if isinstance(num_draft_tokens, str):
     if num_draft_tokens != "auto":
       raise ValueError(f"num_draft_tokens must be \"auto\" or an integer >= 1, got"
                        f" {num_draft_tokens!r}")
-    return Policy.from_auto(auto or AutoK())
+    if auto is None:
+      auto = AutoK() if limit is None else AutoK(k_max=min(AutoK().k_max, limit))
+    elif limit is not None and auto.k_max > limit:
+      raise ValueError(f"{what} a step, but AutoK(k_max={auto.k_max}): use"
+                       f" AutoK(k_max={limit}) or less")
+    return Policy.from_auto(auto)
   if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
       or num_draft_tokens < 1:
     raise ValueError(f"num_draft_tokens must be \"auto\" or an integer >= 1, got"
@@ -453,6 +465,9 @@ def resolve_policy(num_draft_tokens, auto: AutoK | None = None) -> Policy:
   if auto is not None:
     raise ValueError(f"auto= configures num_draft_tokens=\"auto\" but num_draft_tokens is"
                      f" {num_draft_tokens}: pass num_draft_tokens=\"auto\" or drop auto=")
+  if limit is not None and num_draft_tokens > limit:
+    raise ValueError(f"{what} a step: num_draft_tokens must be <= {limit}, got"
+                     f" {num_draft_tokens}")
   return Policy.fixed(int(num_draft_tokens))
 
 
@@ -509,8 +524,8 @@ def _prepare(target, drafter, prompts, max_new_tokens, sampling, num_draft_token
   if temperature is not None:
     sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
   sp_user = _resolve_sampling(sampling)
-  policy = resolve_policy(num_draft_tokens, auto)
   check_drafter(target, drafter)
+  policy = resolve_policy(num_draft_tokens, auto, drafter)
   if cost is not None and not isinstance(cost, CostModel):
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
   try:
@@ -537,7 +552,9 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
 
   Args:
     target: the target `Model`.
-    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, ...).
+    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, `load_head(dir, target)`), or
+      a name: "ngram", "eagle" / "medusa" / "mlp" (the heads bundled for SmolLM2), a head
+      directory or a draft model's path (see `jaxspec.drafters.resolve_drafter`).
     prompts: a string, list of strings, or list of token-id lists.
     max_new_tokens: tokens to generate per row.
     sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy.
@@ -555,6 +572,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
     the bonus token) and the k chosen at every step.
   """
+  drafter = resolve_drafter(target, drafter)
   sp_user, policy, prep = _prepare(target, drafter, prompts, max_new_tokens, sampling,
                                    num_draft_tokens, auto, cost, max_len, temperature)
   run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
@@ -639,6 +657,7 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
   text as it is produced; `info["stats"]` holds the statistics once the row is done.
   """
+  drafter = resolve_drafter(target, drafter)
   sp_user, policy, prep = _prepare(target, drafter, prompt, max_new_tokens, sampling,
                                    num_draft_tokens, auto, cost, None, None)
   run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),

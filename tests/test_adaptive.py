@@ -68,6 +68,34 @@ def test_controller_settles_on_the_formula_k_and_moves_when_alpha_drops():
   assert np.bincount(np.asarray(ks3)[40:]).argmax() == best_low
 
 
+def test_controller_weighs_the_rows_that_decide_the_finish():
+  ks = (0, 1, 2, 4)
+  costs = jnp.asarray([1.0, 1.2, 1.35, 1.6])
+  good = jnp.full((4,), 0.9)  # a row whose drafts are accepted 90% of the time
+  alpha = jnp.stack([good, good])
+  live = jnp.array([True, True])
+  # Both rows with drafts and equal remaining work: speculating pays for the whole batch.
+  idx, _ = adaptive.choose(alpha, live, costs, ks, jnp.array([4, 4]), jnp.array([50, 50]))
+  assert ks[int(idx)] > 0
+  # Row 1 has no draft this step and as much left to do: the batch finishes no sooner, so no
+  # draft is verified (the sum over rows would still speculate for row 0's sake).
+  idx, _ = adaptive.choose(alpha, live, costs, ks, jnp.array([4, 0]), jnp.array([50, 50]))
+  assert ks[int(idx)] == 0
+  idx_sum, _ = adaptive.choose(alpha, live, costs, ks, jnp.array([4, 0]))
+  assert ks[int(idx_sum)] > 0
+  # Row 1 is far ahead: only row 0 decides the finish, and it has a good draft.
+  idx, _ = adaptive.choose(alpha, live, costs, ks, jnp.array([4, 0]), jnp.array([50, 10]))
+  assert ks[int(idx)] > 0
+  # A finished row does not count.
+  idx, _ = adaptive.choose(alpha, jnp.array([True, False]), costs, ks, jnp.array([4, 0]),
+                           jnp.array([50, 50]))
+  assert ks[int(idx)] > 0
+  # At batch 1 the objective is the row's expected tokens per second, as without `remaining`.
+  _, r1 = adaptive.choose(alpha[:1], live[:1], costs, ks, None, jnp.array([50]))
+  _, r0 = adaptive.choose(alpha[:1], live[:1], costs, ks)
+  np.testing.assert_allclose(np.asarray(r1), np.asarray(r0), rtol=1e-6)
+
+
 def test_estimate_and_expected_tokens():
   counts = adaptive.init_counts(2, 4)
   # Row 0: drafts always accepted; row 1: always rejected at the first position.

@@ -121,7 +121,7 @@ def test_cli_train_draft_model(target_dir, tmp_path):
   args = ["train", "draft-model", "--model", str(target), "--prompts", str(prompts), "--out",
           str(out), "--steps", "4", "--batch-size", "4", "--num-layers", "1",
           "--max-new-tokens", "12", "--max-prompt-len", "8", "--gen-batch-size", "32",
-          "--save-every", "2", "--save-dtype", "float32", "--no-progress"]
+          "--temperature", "0", "--save-every", "2", "--save-dtype", "float32", "--no-progress"]
   assert main(args) == 0
   summary = json.loads((out / "summary.json").read_text())
   assert summary["final"]["step"] == 4 and summary["train_rows"] + summary["eval_rows"] == 16

@@ -28,6 +28,7 @@ N_NEW = 16
 VARIANTS = {
     "medusa": ("medusa", dict(num_heads=3)),
     "mlp": ("mlp", dict(n_predict=3)),
+    "mlp_tied": ("mlp", dict(n_predict=3, tie_to_target=True)),  # the bundled head's layout
     "eagle": ("eagle", dict(ttt_steps=2)),
     "eagle3": ("eagle", dict(version=3, draft_vocab_size=96, ttt_steps=2)),
 }
@@ -202,7 +203,7 @@ def _online(drafter, target, prompts, k, accept=2, correction=7):
 
 # Medusa shares the MLP speculator's state handling (f_{n-2} after init and commit) and has no
 # chain to misalign, so the MLP case covers it.
-@pytest.mark.parametrize("name", ["mlp", "eagle", "eagle3"])
+@pytest.mark.parametrize("name", ["mlp", "mlp_tied", "eagle", "eagle3"])
 def test_online_proposals_match_training_forward(tiny_target, trained, name):
   kind = VARIANTS[name][0]
   model = trained[name]["model"]
@@ -283,6 +284,18 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
   drafter = heads.load_head(path, tiny_target)
   ref = heads.HEADS["eagle"].drafter(model, tiny_target)
   assert drafter == ref  # same static structure: reuses the compiled loop
+  # The directory as a drafter name (the compiled loop of test_greedy_equals_generate is reused).
+  by_name = speculative_generate(tiny_target, str(path), PROMPTS, max_new_tokens=N_NEW,
+                                 num_draft_tokens=3, stop_ids=())
+  np.testing.assert_array_equal(by_name.tokens,
+                                generate(tiny_target, PROMPTS, max_new_tokens=N_NEW,
+                                         stop_ids=()).tokens)
+  from jaxspec.drafters import resolve_drafter
+  assert resolve_drafter(tiny_target, str(path)) is resolve_drafter(tiny_target, str(path))
+  with pytest.raises(ValueError, match="not 'ngram', a bundled head"):
+    speculative_generate(tiny_target, str(tmp_path / "no-such-draft"), PROMPTS)
+  with pytest.raises(ValueError, match="or a name"):
+    speculative_generate(tiny_target, 3, PROMPTS)
   for a, b in zip(jax.tree.leaves(drafter.params.head), jax.tree.leaves(ref.params.head)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -329,7 +342,21 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
 
 
 def test_bundled_head_names(tiny_target):
-  if (heads.ASSETS / "eagle" / "config.json").exists():
-    pytest.skip("a bundled eagle head is installed")
-  with pytest.raises(CheckpointError, match="train one"):
-    heads.load_head("eagle", tiny_target)
+  # No bundled head fits the tiny target: a clear error (what to train, or which target).
+  for kind in ("eagle", "medusa", "mlp"):
+    installed = (heads.ASSETS / kind / "config.json").exists()
+    with pytest.raises(CheckpointError, match="trained for a target" if installed else "train one"):
+      heads.load_head(kind, tiny_target)
+  assert heads.bundled_head_for(tiny_target) is None
+
+
+def test_heads_with_few_drafts_cap_k_before_compiling(tiny_target, trained):
+  from jaxspec.adaptive import AutoK
+  from jaxspec.speculative import resolve_policy
+  medusa = heads.HEADS["medusa"].drafter(trained["medusa"]["model"], tiny_target)  # 3 heads
+  assert medusa.max_draft_tokens == 3
+  assert resolve_policy("auto", None, medusa).k_max == 3  # the default AutoK is capped
+  with pytest.raises(ValueError, match="at most 3 tokens.*num_draft_tokens must be <= 3"):
+    speculative_generate(tiny_target, medusa, PROMPTS, num_draft_tokens=4)
+  with pytest.raises(ValueError, match=r"AutoK\(k_max=3\)"):
+    speculative_generate(tiny_target, medusa, PROMPTS, auto=AutoK(k_max=5))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import REFERENCE, shared_or_skip
-from jaxspec.drafters import NGram
+from jaxspec.drafters import NGram, resolve_drafter
 from jaxspec.generate import generate
 from jaxspec.speculative import speculative_generate
 
@@ -59,3 +59,23 @@ def test_ngram_speculation_is_exact_on_smollm2(smollm2, greedy):
   for j, i in enumerate(pick):
     assert out.row(j) == ours[i], f"prompt {i}"
   assert out.stats["tau"] > 1.0
+
+
+# Medusa and MLP run with -m slow (their exactness is in test_heads on the tiny target; the
+# bundled EAGLE head, the CLI's default, runs always).
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("medusa", marks=pytest.mark.slow),
+                                  pytest.param("mlp", marks=pytest.mark.slow)])
+def test_bundled_heads_are_exact_and_accepted_on_smollm2(smollm2, greedy, kind):
+  from jaxspec.heads import bundled_head_for
+  assert bundled_head_for(smollm2) == "eagle"  # shipped in the package, and the CLI's default
+  prompts, ours = greedy
+  pick = [10, 0]  # a summarization-style and a coding-style prompt
+  drafter = resolve_drafter(smollm2, kind)
+  k = min(4, drafter.max_draft_tokens or 4)  # the MLP speculator has 3 stages
+  out = speculative_generate(smollm2, kind, [prompts[i] for i in pick], max_new_tokens=N,
+                             num_draft_tokens=k, stop_ids=[2])
+  for j, i in enumerate(pick):
+    assert out.row(j) == ours[i], f"{kind}, prompt {i}"
+  # The heads were trained: their drafts get accepted (an untrained Medusa head, the target's
+  # own next-token head one position late, gives about 1.0).
+  assert out.stats["tau"] > (1.25 if kind == "eagle" else 1.05), out.stats["tau"]

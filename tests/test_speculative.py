@@ -199,7 +199,7 @@ def test_bad_drafter_and_k(tiny_target):
     speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=40, num_draft_tokens=16,
                          max_len=64)
   with pytest.raises(ValueError, match="Drafter"):
-    speculative_generate(tiny_target, "ngram", PROMPTS, max_new_tokens=4)
+    speculative_generate(tiny_target, object(), PROMPTS, max_new_tokens=4)
 
 
 def test_drafter_on_other_devices_needs_a_placement(tiny_target):
