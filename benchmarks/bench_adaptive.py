@@ -16,7 +16,6 @@ Part 3: bucketed widths (the default) vs one masked width (`AutoK(buckets=(0, k_
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -45,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--num-draft-tokens", type=_draft_count, default="auto",
                  help="k, drafts per step, or 'auto' (default: chosen every step from measured"
                       " acceptance and cost, 0 = a plain step)")
-  g.add_argument("--k-max", type=int, default=8, help="the most drafts per step with 'auto'")
+  g.add_argument("--k-max", type=int, default=None,
+                 help="the most drafts per step with 'auto' (default 8, or fewer when the"
+                      " drafter proposes fewer: a Medusa head drafts at most its head count)")
   g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   g.add_argument("--chunk", type=int, default=8, help="decode steps between printed chunks")
   _add_sampling(g)
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _make_drafter(spec: str, target, dtype: str):
   from jaxspec.drafters import resolve_drafter
+  from jaxspec.models.errors import CheckpointError
   if spec == "none":
     return None
   if spec == "default":  # the bundled EAGLE head when it fits the target, else prompt lookup
@@ -64,7 +66,7 @@ def _make_drafter(spec: str, target, dtype: str):
     return resolve_drafter(target, spec, dtype)
   except ValueError as e:
     raise SystemExit(f"error: --draft: {e}")
-  except Exception as e:  # CheckpointError: a head for another target, corrupted files
+  except CheckpointError as e:  # a head for another target, corrupted files
     raise SystemExit(f"error: --draft {spec!r}: {e}")
 
 
@@ -91,7 +93,8 @@ def cmd_generate(args) -> int:
       stream = generate_stream(model, [ids], chunk=args.chunk, **common)
     else:
       from jaxspec.adaptive import AutoK
-      auto = AutoK(k_max=args.k_max) if args.num_draft_tokens == "auto" else None
+      auto = (AutoK(k_max=args.k_max)
+              if args.num_draft_tokens == "auto" and args.k_max is not None else None)
       stream = speculative_stream(model, drafter, [ids], num_draft_tokens=args.num_draft_tokens,
                                   auto=auto, chunk=max(1, args.chunk // 2), **common)
     from jaxspec.models.tokenizer import StreamDecoder

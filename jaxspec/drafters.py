@@ -319,11 +319,9 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
   if hit is not None and hit[0] is target:
     return hit[1]
   import os
-  from pathlib import Path
 
   from jaxspec import heads as heads_lib
-  path = Path(drafter)
-  if drafter in heads_lib.HEADS or (path / "config.json").is_file() and _is_head_dir(path):
+  if drafter in heads_lib.HEADS or heads_lib.is_head_dir(drafter):
     made = heads_lib.load_head(drafter, target)
   elif os.path.exists(drafter):
     from jaxspec.models.loading import load
@@ -339,11 +337,3 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
   _NAMED[key] = (target, made)
   return made
 
-
-def _is_head_dir(path) -> bool:
-  import json
-  try:
-    return json.loads((path / "config.json").read_text(encoding="utf-8")).get(
-        "format") == "jaxspec-head"
-  except (OSError, ValueError, AttributeError):
-    return False

@@ -124,6 +124,22 @@ class HeadDrafter(Drafter):
 class _FeatureDrafter(HeadDrafter):
   """Medusa and the MLP speculator: the state is f_{n-2}."""
 
+  steps_field = ""  # the head config field that bounds k: num_heads (Medusa), n_predict (MLP)
+
+  @property
+  def max_draft_tokens(self) -> int:
+    return getattr(self.module(self.weights).cfg, self.steps_field)
+
+  def checked_module(self, params: HeadParams, k: int):
+    """The head module, after checking that it can draft k tokens a step (`speculative_generate`
+    checks that before compiling; this guards direct calls of `draft`)."""
+    model = self.module(params)
+    limit = getattr(model.cfg, self.steps_field)
+    if k > limit:
+      raise ValueError(f"this {self.name} drafter proposes at most {limit} tokens a step:"
+                       f" num_draft_tokens must be <= {limit}, got {k}")
+    return model
+
   def init(self, params, prompt, prompt_len, max_len, hidden=None) -> FeatureState:
     if hidden is None:
       raise ValueError(f"{self.name} drafts from the target's hidden states: the loop must pass"
@@ -140,16 +156,10 @@ class MedusaDrafter(_FeatureDrafter):
   """Medusa: draft j from head j on f_{n-2} (heads are independent, so q_j is too)."""
 
   name: str = "medusa"
-
-  @property
-  def max_draft_tokens(self) -> int:
-    return self.module(self.weights).cfg.num_heads
+  steps_field = "num_heads"
 
   def propose(self, params, state: FeatureState, ctx, k, sp, keys):
-    model = self.module(params)
-    if k > model.cfg.num_heads:
-      raise ValueError(f"this Medusa head has {model.cfg.num_heads} heads: num_draft_tokens"
-                       f" must be <= {model.cfg.num_heads}, got {k}")
+    model = self.checked_module(params, k)
     logits = model.logits(params.target, state.feat)[:, :k]  # [B, k, V]
     toks, q = _sample_steps(logits, sp, keys)
     return Proposal(tokens=toks, q=q), state
@@ -160,16 +170,10 @@ class MLPDrafter(_FeatureDrafter):
   """The MLP speculator: stage j reads the token drafted by stage j - 1 (x_{n-1} for stage 0)."""
 
   name: str = "mlp"
-
-  @property
-  def max_draft_tokens(self) -> int:
-    return self.module(self.weights).cfg.n_predict
+  steps_field = "n_predict"
 
   def propose(self, params, state: FeatureState, ctx, k, sp, keys):
-    model = self.module(params)
-    if k > model.cfg.n_predict:
-      raise ValueError(f"this MLP speculator has {model.cfg.n_predict} stages: num_draft_tokens"
-                       f" must be <= {model.cfg.n_predict}, got {k}")
+    model = self.checked_module(params, k)
     tok = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]  # x_{n-1}
     s = model.start(state.feat)
     step_keys = _row_keys(keys, k)

@@ -882,6 +882,15 @@ def resolve_head_path(dir_or_name: str | os.PathLike) -> Path:
                         f" jaxspec.heads.save_head, or one of {sorted(HEADS)})")
 
 
+def is_head_dir(path: str | os.PathLike) -> bool:
+  """Whether `path` holds a config.json written by `save_head` (by its "format" field)."""
+  try:
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return False
+  return isinstance(config, dict) and config.get("format") == _FORMAT
+
+
 def bundled_head_for(target, kinds: Sequence[str] = ("eagle", "medusa", "mlp")) -> str | None:
   """The first of `kinds` bundled under jaxspec/assets/heads/ that was trained for `target`
   (same shapes and fingerprint), or None."""

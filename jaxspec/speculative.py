@@ -248,15 +248,15 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
                    counts=adaptive.init_counts(b, k), stats=stats)
 
 
+def _pad_axis(x, axis, width):
+  """Zero-pads `axis` of x to `width`."""
+  return jnp.pad(x, [(0, width - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
+
+
 def _pad_hidden(h: Hidden, width: int) -> Hidden:
   """Pads the token axis of a verify pass's Hidden (final [B, T, D]; layers [n, B, T, D])."""
-  def pad(x, ax):
-    return jnp.pad(x, [(0, width - x.shape[ax]) if i == ax else (0, 0) for i in range(x.ndim)])
-  return Hidden(final=pad(h.final, 1), layers=None if h.layers is None else pad(h.layers, 2))
-
-
-def _pad_axis(x, axis, width):
-  return jnp.pad(x, [(0, width - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
+  return Hidden(final=_pad_axis(h.final, 1, width),
+                layers=None if h.layers is None else _pad_axis(h.layers, 2, width))
 
 
 def _pad_to(x, width, value):
@@ -283,6 +283,7 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   full = jnp.full((b,), kmax, jnp.int32)
   greedy = sp.temperature == 0
+  room = max_new_tokens - (s.seq_len - s.prompt_len)  # tokens each row may still emit
 
   # A drafter whose proposals cost next to nothing (n-gram lookup) proposes k_max up front, so
   # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
@@ -295,8 +296,7 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
     nv_all, known = full, None
   if policy.auto:
     alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
-    remaining = max_new_tokens - (s.seq_len - s.prompt_len)
-    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, remaining)
+    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, room)
   else:
     idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
   forced = force_idx >= 0
@@ -353,7 +353,6 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   first_stop = jnp.argmax(stop_hit, axis=1)
   has_stop = stop_hit.any(axis=1)
   n_emit = jnp.where(has_stop, first_stop + 1, n_emit)
-  room = max_new_tokens - (s.seq_len - s.prompt_len)
   n_emit = jnp.where(live, jnp.minimum(n_emit, room), 0)
   seq = _write_tokens(s.seq, s.seq_len, emitted, n_emit)
   seq_len = s.seq_len + n_emit
@@ -520,7 +519,8 @@ def _costs_array(policy: Policy, cost: CostModel | None) -> jax.Array:
 
 def _prepare(target, drafter, prompts, max_new_tokens, sampling, num_draft_tokens, auto, cost,
              max_len, temperature):
-  """Everything `speculative_generate` checks before compiling."""
+  """Everything `speculative_generate` checks before compiling; the drafter resolved by name."""
+  drafter = resolve_drafter(target, drafter)
   if temperature is not None:
     sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
   sp_user = _resolve_sampling(sampling)
@@ -536,7 +536,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, sampling, num_draft_token
       raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="
                        f" {policy.k_max} drafts: lower AutoK(k_max=...))") from None
     raise
-  return sp_user, policy, prep
+  return drafter, sp_user, policy, prep
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
@@ -572,9 +572,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
     the bonus token) and the k chosen at every step.
   """
-  drafter = resolve_drafter(target, drafter)
-  sp_user, policy, prep = _prepare(target, drafter, prompts, max_new_tokens, sampling,
-                                   num_draft_tokens, auto, cost, max_len, temperature)
+  drafter, sp_user, policy, prep = _prepare(target, drafter, prompts, max_new_tokens, sampling,
+                                            num_draft_tokens, auto, cost, max_len, temperature)
   run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
              int(max_new_tokens), key, cost)
   t0 = time.perf_counter()
@@ -657,9 +656,8 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
   text as it is produced; `info["stats"]` holds the statistics once the row is done.
   """
-  drafter = resolve_drafter(target, drafter)
-  sp_user, policy, prep = _prepare(target, drafter, prompt, max_new_tokens, sampling,
-                                   num_draft_tokens, auto, cost, None, None)
+  drafter, sp_user, policy, prep = _prepare(target, drafter, prompt, max_new_tokens, sampling,
+                                            num_draft_tokens, auto, cost, None, None)
   run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
              int(max_new_tokens), key, cost)
   t0 = time.perf_counter()

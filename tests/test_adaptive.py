@@ -14,7 +14,7 @@ from jaxspec.drafters import DraftModel, NGram
 from jaxspec.generate import generate
 from jaxspec.sampling import Sampling
 from jaxspec.speculative import speculative_generate
-from test_speculative import _chi2_critical, _exact_joint, small_vocab  # noqa: F401
+from test_speculative import _exact_joint, assert_first_two_tokens_follow, small_vocab  # noqa: F401
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
@@ -166,16 +166,7 @@ def test_auto_sampling_distribution(small_vocab):  # noqa: F811
                              sampling=sp, num_draft_tokens="auto", auto=AutoK(k_max=2),
                              cost=FLAT, key=99)
   assert out.stats["k_per_step"][0] == 2  # free drafts: it verified two at first
-  joint = _exact_joint(target, prompt, sp).reshape(-1)
-  obs = np.bincount(out.tokens[:, 0] * 8 + out.tokens[:, 1], minlength=64)
-  assert obs[joint == 0].sum() == 0
-  keep = joint * n >= 5
-  o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
-  exp = np.append(joint[keep] * n, joint[~keep].sum() * n)
-  if exp[-1] < 5:
-    o, exp = o[:-1], exp[:-1]
-  chi2 = float(((o - exp) ** 2 / exp).sum())
-  assert chi2 < _chi2_critical(len(exp) - 1), (chi2, len(exp))
+  assert_first_two_tokens_follow(out.tokens[:, :2], _exact_joint(target, prompt, sp))
 
 
 def test_draft_confidence_early_stop(tiny_target, poor_draft, reference):

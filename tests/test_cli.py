@@ -20,7 +20,10 @@ def test_generate_prints_text_and_stats(smollm2, capsys, draft):
 
 @pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "temperature"),
                                          (["--top-p", "0"], "top_p"),
-                                         (["--draft", "no/such/model"], "--draft")])
+                                         (["--draft", "no/such/model"], "--draft"),
+                                         # the bundled Medusa head has 4 heads
+                                         (["--draft", "medusa", "--k-max", "5"],
+                                          r"AutoK\(k_max=4\)")])
 def test_bad_flags_exit_with_a_message(smollm2, flags, match):
   with pytest.raises(SystemExit, match=match):
     main(["generate", "hi", "--max-new-tokens", "4"] + flags)

@@ -130,6 +130,23 @@ def sampling_arrays_row(arr, n):
   return jax.tree.map(lambda x: x[:n], arr)
 
 
+def assert_first_two_tokens_follow(tokens, joint, what="top-k/top-p"):
+  """Chi-square of the rows' (t1, t2) [n, 2] against the exact joint [V, V] at the 1e-4 tail;
+  cells with expectations under 5 are pooled into one, and tokens of zero probability fail."""
+  v = joint.shape[0]
+  joint = joint.reshape(-1)
+  n = tokens.shape[0]
+  obs = np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v)
+  assert obs[joint == 0].sum() == 0, f"a token outside {what} was emitted"
+  keep = joint * n >= 5
+  o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
+  exp = np.append(joint[keep] * n, joint[~keep].sum() * n)
+  if exp[-1] < 5:
+    o, exp = o[:-1], exp[:-1]
+  chi2 = float(((o - exp) ** 2 / exp).sum())
+  assert chi2 < _chi2_critical(len(exp) - 1), (chi2, len(exp))
+
+
 @pytest.mark.parametrize("same", [False, True])
 def test_monte_carlo_joint_of_first_two_tokens(small_vocab, same):
   """Chi-square of 20000 rows' (t1, t2) against the target's exact joint; the test's false
@@ -141,19 +158,7 @@ def test_monte_carlo_joint_of_first_two_tokens(small_vocab, same):
   n = 20000
   out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=2, sampling=sp,
                              num_draft_tokens=2, key=1234)
-  joint = _exact_joint(target, prompt, sp).reshape(-1)
-  obs = np.bincount(out.tokens[:, 0] * 8 + out.tokens[:, 1], minlength=64)
-  assert obs[joint == 0].sum() == 0, "a token outside top-k/top-p was emitted"
-  keep = joint * n >= 5
-  exp = joint[keep] * n
-  o = obs[keep].astype(np.float64)
-  # Cells with tiny expectations are pooled into one.
-  o = np.append(o, obs[~keep].sum())
-  exp = np.append(exp, joint[~keep].sum() * n)
-  if exp[-1] < 5:
-    o, exp = o[:-1], exp[:-1]
-  chi2 = float(((o - exp) ** 2 / exp).sum())
-  assert chi2 < _chi2_critical(len(exp) - 1), (chi2, len(exp))
+  assert_first_two_tokens_follow(out.tokens[:, :2], _exact_joint(target, prompt, sp))
   if same:
     assert out.stats["acceptance_rate"] > 0.999
   else:
