@@ -6,8 +6,7 @@ Three pieces, each a pure function over arrays so they run inside the jitted loo
   how often draft i was tried (drafts 1..i-1 accepted) and accepted, giving the conditional
   acceptance probability a[b, i], shrunk towards the row's rate over all positions (so a
   position never tried yet is estimated from the others). Counts decay every step, observed or
-  not, so a row that stopped drafting drifts back to the prior and is probed again later
-  (where a probe is cheap enough for the prior's 25% acceptance to pay).
+  not, so a row that stopped drafting drifts back to the prior and is probed again later.
 * **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
   every compiled width k (k = 0 is a plain one-token decode step): measured at start-up on the
   actual batch, cache size and drafter (`measure`), or given (`CostModel`).
@@ -37,7 +36,6 @@ import numpy as np
 from jaxspec.models.llama import pytree_dataclass as _pytree
 
 _DEFAULT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
-DEFAULT_PRIOR = (0.25, 0.75)  # Beta(accepted, rejected) pseudo-counts: 25%, weight of one step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,18 +47,13 @@ class AutoK:
     buckets: the compiled draft counts the controller chooses from (0 = a plain decode step);
       default 0, 1, 2, 3, 4, 6, 8, ... up to k_max (k_max included).
     decay: per-step forgetting factor of the acceptance counts (0.95: about the last 20 steps).
-    prior: Beta pseudo-counts (accepted, rejected) of every position's acceptance estimate
-      before (and, as the counts decay, long after) a row's drafts were verified. The default,
-      (0.25, 0.75), expects 25% acceptance with the weight of one observation: an untried
-      drafter is probed where a draft step costs little more than a plain step (batch 1 on a
-      CPU: k = 1 at 1.1x), not where it costs 1.3x or more (large batches), so "auto" does
-      not pay for guesses where plain decoding wins.
+    prior: Beta pseudo-counts (accepted, rejected) of every position's acceptance estimate.
   """
 
   k_max: int = 8
   buckets: tuple[int, ...] | None = None
   decay: float = 0.95
-  prior: tuple[float, float] = DEFAULT_PRIOR
+  prior: tuple[float, float] = (0.5, 0.5)
 
   def __post_init__(self):
     if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, np.integer)) \

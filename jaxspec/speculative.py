@@ -173,7 +173,7 @@ class Policy:
   buckets: tuple[int, ...]
   auto: bool = False
   decay: float = 0.95
-  prior: tuple[float, float] = adaptive.DEFAULT_PRIOR
+  prior: tuple[float, float] = (0.5, 0.5)
 
   @property
   def k_max(self) -> int:
