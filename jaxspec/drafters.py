@@ -134,12 +134,19 @@ class DraftModel(Drafter):
     if not 0.0 <= self.p_min < 1.0:
       raise ValueError(f"p_min must be in [0, 1) (0 = never stop early), got {self.p_min}")
 
+  def _key(self):
+    # The weights' structure and dtypes belong to the identity: an int8 copy of a model keeps
+    # its cfg but is a different drafter (another compiled program, another cost model).
+    params = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.model.params)
+    return (DraftModel, self.model.cfg, self.p_min,
+            tuple(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, tuple))),
+            str(jax.tree.structure(self.model.params)))
+
   def __hash__(self):
-    return hash((DraftModel, self.model.cfg, self.p_min))
+    return hash(self._key())
 
   def __eq__(self, other):
-    return (isinstance(other, DraftModel) and other.model.cfg == self.model.cfg
-            and other.p_min == self.p_min)
+    return isinstance(other, DraftModel) and other._key() == self._key()
 
   @property
   def cfg(self) -> LlamaConfig:

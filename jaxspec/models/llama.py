@@ -15,12 +15,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.models.config import LlamaConfig
+
+if TYPE_CHECKING:
+  from jaxspec.models.quant import QArray
 
 
 def pytree_dataclass(cls):
@@ -35,17 +39,18 @@ _pytree = pytree_dataclass
 @_pytree
 @dataclasses.dataclass
 class LayerParams:
-  """Decoder layer weights, stacked on a leading layer axis L."""
+  """Decoder layer weights, stacked on a leading layer axis L. The matmul weights may be int8
+  `QArray`s (`jaxspec.models.quant`); norms and biases are always float."""
 
   attn_norm: jax.Array  # [L, D]
-  wq: jax.Array  # [L, D, H, K]
-  wk: jax.Array  # [L, D, G, K]
-  wv: jax.Array  # [L, D, G, K]
-  wo: jax.Array  # [L, H, K, D]
+  wq: jax.Array | QArray  # [L, D, H, K]
+  wk: jax.Array | QArray  # [L, D, G, K]
+  wv: jax.Array | QArray  # [L, D, G, K]
+  wo: jax.Array | QArray  # [L, H, K, D]
   mlp_norm: jax.Array  # [L, D]
-  w_gate: jax.Array  # [L, D, F]
-  w_up: jax.Array  # [L, D, F]
-  w_down: jax.Array  # [L, F, D]
+  w_gate: jax.Array | QArray  # [L, D, F]
+  w_up: jax.Array | QArray  # [L, D, F]
+  w_down: jax.Array | QArray  # [L, F, D]
   bq: jax.Array | None = None  # [L, H, K] (Qwen2)
   bk: jax.Array | None = None  # [L, G, K]
   bv: jax.Array | None = None  # [L, G, K]
@@ -56,10 +61,10 @@ class LayerParams:
 class Params:
   """All weights of a Llama-family model."""
 
-  embed: jax.Array  # [V, D]
+  embed: jax.Array | QArray  # [V, D]
   layers: LayerParams
   final_norm: jax.Array  # [D]
-  lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`.
+  lm_head: jax.Array | QArray | None = None  # [D, V]; None when tied to `embed`.
 
 
 @_pytree
@@ -231,16 +236,39 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
   return out.reshape(b, t, h, kd).astype(q.dtype)
 
 
+def _is_quantized(w) -> bool:
+  from jaxspec.models.quant import QArray  # quant imports this module
+  return isinstance(w, QArray)
+
+
+def _weight(w, dtype) -> jax.Array:
+  """A weight as read by a matmul: an int8 `QArray` is dequantized here, inside the jitted
+  pass, so only int8 is stored; a plain array is returned as is (no cast)."""
+  return w.dequantize(dtype) if _is_quantized(w) else w
+
+
+def _embed(embed, tokens: jax.Array, dtype) -> jax.Array:
+  """Embedding rows [B, T, D] of tokens [B, T]: an int8 table gathers int8 rows and scales
+  only those, never dequantizing the whole [V, D] table."""
+  return embed.take_rows(tokens, dtype) if _is_quantized(embed) else jnp.take(embed, tokens,
+                                                                               axis=0)
+
+
 def lm_head_weight(params: Params) -> jax.Array:
-  """The [D, V] output projection (the transposed embedding when tied)."""
-  return params.embed.T if params.lm_head is None else params.lm_head
+  """The [D, V] output projection (the transposed embedding when tied); int8 weights come
+  back dequantized to float32."""
+  if params.lm_head is None:
+    return _weight(params.embed, jnp.float32).T
+  return _weight(params.lm_head, jnp.float32)
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
   """float32 logits [..., V] from final hidden states [..., D]."""
   if params.lm_head is None:
-    return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-  return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", hidden, _weight(params.embed, hidden.dtype),
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,dv->...v", hidden, _weight(params.lm_head, hidden.dtype),
+                    preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig, *,
@@ -281,27 +309,28 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   if block_mask is None:
     block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   inv_freq = rope_inv_freq(cfg)
-  x = jnp.take(params.embed, tokens, axis=0)  # [B, T, D]
+  x = _embed(params.embed, tokens, cfg.jnp_dtype)  # [B, T, D]
   eps = cfg.rms_norm_eps
   want = tuple(hidden_layers)
 
   def layer(x, xs):
     lp, k_cache, v_cache = xs
     h = rms_norm(x, lp.attn_norm, eps)
-    q = jnp.einsum("btd,dhk->bthk", h, lp.wq)
-    k = jnp.einsum("btd,dgk->btgk", h, lp.wk)
-    v = jnp.einsum("btd,dgk->btgk", h, lp.wv)
+    dt = h.dtype
+    q = jnp.einsum("btd,dhk->bthk", h, _weight(lp.wq, dt))
+    k = jnp.einsum("btd,dgk->btgk", h, _weight(lp.wk, dt))
+    v = jnp.einsum("btd,dgk->btgk", h, _weight(lp.wv, dt))
     if lp.bq is not None:
       q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
                       positions, block_mask, cfg)
-    x = x + jnp.einsum("bthk,hkd->btd", attn, lp.wo)
+    x = x + jnp.einsum("bthk,hkd->btd", attn, _weight(lp.wo, dt))
     h = rms_norm(x, lp.mlp_norm, eps)
-    gate = jnp.einsum("btd,df->btf", h, lp.w_gate)
-    up = jnp.einsum("btd,df->btf", h, lp.w_up)
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down)
+    gate = jnp.einsum("btd,df->btf", h, _weight(lp.w_gate, dt))
+    up = jnp.einsum("btd,df->btf", h, _weight(lp.w_up, dt))
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, _weight(lp.w_down, dt))
     return x, (k, v, x if want else None)
 
   x, (k_new, v_new, per_layer) = lax.scan(layer, x, (params.layers, cache.k, cache.v))
