@@ -207,11 +207,14 @@ def _decode_loop(params, s: DecodeState, sp, until, cfg, max_new_tokens, stop_id
       lambda s: _decode_step(params, s, sp, cfg, max_new_tokens, stop_ids), s)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "max_new_tokens", "stop_ids"))
-def _generate_jit(params, prompt, lengths, sp, key, *, cfg, max_len, max_new_tokens, stop_ids):
+def _generate_fn(params, prompt, lengths, sp, key, *, cfg, max_len, max_new_tokens, stop_ids):
   s = _init_state(params, prompt, lengths, sp, key, cfg, max_len, max_new_tokens, stop_ids)
   s = _decode_loop(params, s, sp, jnp.int32(max_new_tokens), cfg, max_new_tokens, stop_ids)
   return s.tokens, s.n_out, s.steps
+
+
+_generate_jit = jax.jit(_generate_fn,
+                        static_argnames=("cfg", "max_len", "max_new_tokens", "stop_ids"))
 
 
 _prefill_jit = jax.jit(_init_state, static_argnums=(5, 6, 7, 8))
@@ -224,10 +227,17 @@ _decode_jit = jax.jit(_decode_loop, static_argnums=(4, 5, 6), donate_argnums=(1,
 _COMPILED: dict[Any, Any] = {}
 
 
-def compiled(fn, key_extra, *args, **static):
-  """AOT-compiles `fn` for these argument shapes once; returns (executable, compile seconds)."""
-  sig = (fn, key_extra, jax.tree.map(lambda a: (a.shape, str(a.dtype)) if hasattr(a, "shape")
-                                     else a, args), tuple(sorted(static.items())))
+def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
+  """AOT-compiles `fn` for these argument shapes once; returns (executable, compile seconds).
+
+  With `jit_kwargs` (in_shardings, out_shardings, donate_argnums for a sharded model), `fn` is
+  the plain function and is jitted with them; `key_extra` must then name the layout (the
+  `ModelSharding`), which is part of the cache key.
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  sig = (fn, key_extra, treedef,
+         tuple((a.shape, str(a.dtype)) if hasattr(a, "shape") else a for a in leaves),
+         tuple(sorted(static.items())))
   try:
     hash(sig)
   except TypeError:
@@ -235,7 +245,10 @@ def compiled(fn, key_extra, *args, **static):
   if sig in _COMPILED:
     return _COMPILED[sig], 0.0
   t0 = time.perf_counter()
-  exe = fn.lower(*args, **static).compile()
+  if jit_kwargs is not None:  # jit with shardings takes no keyword arguments: bind them
+    exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile()
+  else:
+    exe = fn.lower(*args, **static).compile()
   dt = time.perf_counter() - t0
   _COMPILED[sig] = exe
   return exe, dt
@@ -286,18 +299,68 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 128,
   key = _as_key(key)
   args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
           sp_user.arrays(b), key)
-  exe, compile_s = compiled(_generate_jit, None, *args, cfg=model.cfg, max_len=prep.max_len,
-                            max_new_tokens=int(max_new_tokens), stop_ids=stops)
+  static = dict(cfg=model.cfg, max_len=prep.max_len, max_new_tokens=int(max_new_tokens),
+                stop_ids=stops)
+  sh = model.sharding
+  if sh is None:
+    exe, compile_s = compiled(_generate_jit, None, *args, **static)
+  else:  # the weights' mesh: batch rows data-parallel, outputs batch-sharded
+    sh.check_batch(b)
+    in_sh = in_shardings_for(sh, args)
+    jit_kwargs = dict(in_shardings=in_sh,
+                      out_shardings=(sh.batch(2), sh.batch(1), sh.replicated()))
+    exe, compile_s = compiled(_generate_fn, sh, *args, jit_kwargs=jit_kwargs, **static)
+    # Global arrays on the mesh (on several hosts every process passes the same prompts).
+    args = put_global(args, in_sh)
   t0 = time.perf_counter()
   tokens, n_out, steps = jax.block_until_ready(exe(*args))
   dt = time.perf_counter() - t0
-  tokens, n_out = np.asarray(tokens), np.asarray(n_out)
+  tokens, n_out = to_host((tokens, n_out))
   new = int(n_out.sum())
   stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
                tokens_per_second=new / dt if dt > 0 else float("inf"),
                target_passes=int(steps) + 1, batch_size=b)
   return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths,
                         texts=decode_texts(model, tokens, n_out), stats=stats)
+
+
+def to_host(tree):
+  """numpy copies of a pytree's arrays; an array spread over several processes' devices (a
+  multi-host mesh) is gathered from all of them first."""
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      from jax.experimental import multihost_utils
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+  return jax.tree.map(one, tree)
+
+
+def put_global(tree, shardings):
+  """`tree` placed by `shardings` (a matching pytree), as global arrays: on a multi-host mesh
+  every process passes the same host values (prompts, sampling values, the PRNG key), which
+  go through numpy so that each process contributes its own devices' shards."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def one(x, sh):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return x  # already global
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = jax.device_put(np.asarray(jax.random.key_data(x)), sh)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), sh)
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def in_shardings_for(sh, args):
+  """in_shardings for (params, *batch arrays, key, ...) on a sharded model's mesh: the params
+  keep their layout; every other array is batch-sharded when its first dimension is the batch,
+  replicated otherwise (PRNG keys, scalars)."""
+  params, rest = args[0], args[1:]
+  b = args[1].shape[0]
+  return (jax.tree.map(lambda x: x.sharding, params),
+          *(sh.state(jax.eval_shape(lambda t: t, r), b) for r in rest))
 
 
 def _as_key(key) -> jax.Array:

