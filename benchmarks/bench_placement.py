@@ -88,7 +88,6 @@ def main():
   write_json(args.out, dict(machine=machine(), max_new_tokens=args.max_new_tokens,
                             categories=args.categories, results=results,
                             when=time.strftime("%Y-%m-%d %H:%M")))
-  print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

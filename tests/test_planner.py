@@ -274,3 +274,21 @@ def test_plan_becomes_a_placement():
   assert [d.id for d in placement.drafter.devices.flat] == [devs[2].id]
   with pytest.raises(ValueError, match="no devices given for group 'cpu'"):
     p.placement({"npu0": devs[:2]})
+
+
+def test_a_head_across_groups_pays_for_the_hidden_states():
+  profiles = {"target": {"npu0": given(NPU, TARGET_PARAMS)},
+              "head": {"npu0": ModelProfile.per_token(3e-3), "cpu": ModelProfile.per_token(1e-4)}}
+  fused_only = plan("target", DrafterSpec(name="head", kind="head", vocab_size=V), DEVICES,
+                    profiles, 0.7, links=link_profiles(LINKS))
+  assert all(c.drafter_group in (None, "npu0") for c in fused_only.candidates)
+  spec = DrafterSpec(name="head", kind="head", vocab_size=V, hidden_size=1024, feature_layers=4)
+  p = plan("target", spec, DEVICES, profiles, 0.7, links=link_profiles(LINKS))
+  lat, bw = LINKS[("npu0", "cpu")]
+  for c in p.candidates:
+    if c.drafter_group == "cpu":
+      k = c.k
+      sent = k * 4 + k * V * 4
+      back = (k + 1) * 4 + (k + 1) * 1024 * 4 * 4
+      assert c.transfer_s == pytest.approx(2 * lat + (sent + back) / bw, rel=1e-9)
+  assert any(c.drafter_group == "cpu" for c in p.candidates)

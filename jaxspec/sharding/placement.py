@@ -362,7 +362,10 @@ class HostRun:
         _host_draft, ("host-draft", d_sh), *draft_args,
         jit_kwargs=dict(in_shardings=(_shardings_of(self.dparams), d_sh.state(dstate0, b),
                                       ctx_sh, d_sh.batch(1), d_sh.batch(1), d_sh.replicated(),
-                                      d_sh.state(self.sp_d, b))),
+                                      d_sh.state(self.sp_d, b)),
+                        # The drafter's cache is written in place (after a failure it is
+                        # not needed again).
+                        donate_argnums=(1,)),
         drafter=drafter, policy=policy)
     prop0 = _shapes(self.draft_exe.out_info[0])
     self.prop_sh_t = self.tsh.state(prop0, b)

@@ -22,6 +22,7 @@ tokens and costs draft(k) + verify(k) + transfer(k) seconds, where, for a batch 
                   (+ their distribution q [B, k, V] float32 when the drafter samples)
                 + link(target -> drafter)(B (k+1) 4 bytes)           the accepted tokens
                                                                      [B, k+1] int32 (padded)
+                  (+ B (k+1) D 4 n bytes for a head: the target's hidden states of n layers)
 
 and throughput(k) = B E(k) / (draft(k) + verify(k) + transfer(k)) tokens per second.
 
@@ -60,17 +61,23 @@ class DrafterSpec:
     name: the drafter's key in `profiles`.
     kind: "model" (a draft model: a two-token catch-up pass, then k - 1 single-token passes),
       "head" (a Medusa/EAGLE-style head: k single-token passes; it reads the target's hidden
-      states, so it only runs fused, on the target's group) or "ngram" (k lookups, each costing
-      its profile's T = 1 time; see `ModelProfile.per_token`).
+      states) or "ngram" (k lookups, each costing its profile's T = 1 time; see
+      `ModelProfile.per_token`).
     probs: whether the drafts travel with their distribution q [B, k, V] float32 (a sampling
       drafter); default True for "model" and "head", False for "ngram" (one-hot q).
     vocab_size: V for the size of q; default the drafter's profile's, else the target's.
+    hidden_size, feature_layers: a head on another group than the target receives the target's
+      hidden states of every verified position, [B, k+1, D] float32 per feature layer (1 for
+      Medusa / MLP / EAGLE, 4 for EAGLE-3: three fused layers plus the final one); without
+      hidden_size a head is only planned fused, on the target's group.
   """
 
   name: str
   kind: str = "model"
   probs: bool | None = None
   vocab_size: int | None = None
+  hidden_size: int | None = None
+  feature_layers: int = 1
 
   def __post_init__(self):
     if self.kind not in _KINDS:
@@ -288,7 +295,8 @@ def plan(target: str, drafter: str | DrafterSpec | None, devices: Mapping[str, A
   Candidates: the target on every group where it has a profile; for each, plain decoding
   (k = 0) and, for k = 1..k_max, the drafter on the same group (fused, nothing transferred) or
   on any other group where it has a profile (host-orchestrated: the drafts and the accepted
-  tokens cross a link every step). A head drafter only runs fused. See the module docstring for
+  tokens cross a link every step; a head also receives the target's hidden states, and is only
+  planned on another group when its `DrafterSpec.hidden_size` is given). See the module docstring for
   the cost of a step; draft, transfer and verify serialise in the chain algorithm, on one
   group or two.
 
@@ -358,7 +366,7 @@ def plan(target: str, drafter: str | DrafterSpec | None, devices: Mapping[str, A
                        " decoding")
     for gt in t_groups:
       for gd in groups:
-        if gd not in d_prof or (spec.kind == "head" and gd != gt):
+        if gd not in d_prof or (spec.kind == "head" and gd != gt and spec.hidden_size is None):
           continue
         if gd != gt and _link(links, gd, gt) is None:
           raise ValueError(
@@ -392,6 +400,8 @@ def plan(target: str, drafter: str | DrafterSpec | None, devices: Mapping[str, A
       if gd != gt:
         sent = b * k * 4 + (b * k * vocab * 4 if spec.probs else 0)  # drafts (+ q)
         back = b * (k + 1) * 4  # accepted tokens
+        if spec.kind == "head":  # and the target's features of the verified positions
+          back += b * (k + 1) * spec.hidden_size * 4 * spec.feature_layers
         transfer_s = _link(links, gd, gt).seconds(sent) + _link(links, gt, gd).seconds(back)
       e = expected_tokens_per_step(alpha, k)
       step = draft_s + verify_s + transfer_s
