@@ -54,7 +54,7 @@ from flax import nnx
 
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.llama import (Params, _attention, apply_rope, lm_head_weight,
+from jaxspec.models.llama import (Params, _attention, _embed, apply_rope, lm_head_weight,
                                   logits_from_hidden, rms_norm, rope_inv_freq, write_cache)
 
 F32 = jnp.float32
@@ -249,7 +249,7 @@ class MLPSpeculator(nnx.Module):
     w = self.proj0[...] if j == 0 else self.proj[0 if tied else j - 1]
     c = 0 if tied else j
     if self.emb is None:
-      e = jnp.take(frozen.embed, tok, axis=0).astype(F32) * self.emb_gain[c]
+      e = _embed(frozen.embed, tok, F32).astype(F32) * self.emb_gain[c]
     else:
       e = jnp.take(self.emb[c], tok, axis=0)
     z = _layer_norm(s @ w + e * (self.emb_weight / self.state_weight), self.ln_scale[c],
@@ -425,7 +425,7 @@ class EagleHead(nnx.Module):
 
   def layer_input(self, frozen: Params, feat: jax.Array, tok: jax.Array):
     """(attention input [..., D or 2D], residual [..., D]) of the pair (feature, token)."""
-    e = jnp.take(frozen.embed, tok, axis=0).astype(F32)
+    e = _embed(frozen.embed, tok, F32).astype(F32)
     if self.cfg.version == 1:
       x = jnp.concatenate([e, feat], axis=-1) @ self.fc[...] + self.fc_bias[...]
       return x, x

@@ -167,3 +167,18 @@ def test_int8_self_drafter_sampled_distribution():
   # This target's random weights (std 0.6) amplify the int8 rounding, so the copy's q differs
   # from p enough that rejections, and residual sampling, really happen (measured 0.57).
   assert 0.3 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]
+
+
+def test_heads_draft_for_an_int8_target(target):
+  """An EAGLE and an MLP head read the int8 target's embedding (gathered in int8 rows) and its
+  LM head: decoding stays exact."""
+  from flax import nnx
+
+  from jaxspec import heads
+  q = quantize(target, "int8")
+  ref = generate(q, PROMPTS[:1], max_new_tokens=8, stop_ids=())
+  for kind, opts in (("eagle", {}), ("mlp", dict(n_predict=2))):
+    head = heads.HEADS[kind].create(q.cfg, rngs=nnx.Rngs(0), **opts)
+    out = speculative_generate(q, heads.HEADS[kind].drafter(head, q), PROMPTS[:1],
+                               max_new_tokens=8, num_draft_tokens=2, stop_ids=())
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=kind)
