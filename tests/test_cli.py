@@ -7,14 +7,26 @@ import pytest
 from jaxspec.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _bundled_model_loaded_once(smollm2, monkeypatch):
+  """The CLI's load of the bundled model returns the session's copy (loading the GGUF takes
+  about 5 s a time; the smollm2 fixture is that same load)."""
+  from jaxspec.models import loading
+  real = loading.load
+  monkeypatch.setattr(loading, "load", lambda name_or_path=None, dtype="float32": (
+      smollm2 if name_or_path is None and dtype == "float32" else real(name_or_path, dtype)))
+
+
 @pytest.mark.parametrize("draft", ["ngram", "none"])
 def test_generate_prints_text_and_stats(smollm2, capsys, draft):
-  assert main(["generate", "What is 2+2?", "--max-new-tokens", "8", "--draft", draft]) == 0
+  # --k-max 2: "auto" (the default) compiles and times 3 draft widths, not 7 (none: no drafts).
+  assert main(["generate", "What is 2+2?", "--max-new-tokens", "8", "--draft", draft,
+               "--k-max", "2"]) == 0
   out = capsys.readouterr().out.strip().splitlines()
   last = out[-1]
   assert re.match(r"\[jaxspec\] \d+ new tokens, [\d.]+ tokens/s, compile [\d.]+ s", last), last
   if draft == "ngram":
-    assert "tau" in last and "acceptance" in last
+    assert "k=auto" in last and "tau" in last and "acceptance" in last
   assert len("".join(out[:-1]).strip()) > 0  # some text was streamed before the stats line
 
 

@@ -250,7 +250,7 @@ def test_sampling_distribution_with_eagle():
   prompt = [1, 2, 3, 4]
   n = 3000
   out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=2, sampling=sp,
-                             num_draft_tokens=2, key=99)
+                             num_draft_tokens=2, key=99, max_len=16)
   assert_first_two_tokens_follow(out.tokens[:, :2], _exact_joint(target, prompt, sp), "top-k")
   assert 0.05 < out.stats["acceptance_rate"] < 0.95  # both accepts and rejections happened
 
