@@ -111,7 +111,9 @@ def small_vocab():
   t_cfg = tiny_config(vocab_size=8, eos_token_ids=())
   target = Model(t_cfg, init_params(t_cfg, jax.random.key(11), scale=0.6), name="v8-target")
   d_cfg = tiny_config(vocab_size=8, num_layers=1, eos_token_ids=())
-  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(12), scale=0.6), name="v8-draft")
+  # Seed 17: the draft accepts about a third of its first drafts (seed 12 never did, so the
+  # tests exercised the rejection path only).
+  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(17), scale=0.6), name="v8-draft")
   return target, draft
 
 
@@ -163,8 +165,8 @@ def test_monte_carlo_joint_of_first_two_tokens(small_vocab, same):
   assert_first_two_tokens_follow(out.tokens[:, :2], _exact_joint(target, prompt, sp))
   if same:
     assert out.stats["acceptance_rate"] > 0.999
-  else:
-    assert out.stats["acceptance_rate"] < 0.9
+  else:  # both paths of the rejection rule ran
+    assert 0.05 < out.stats["acceptance_rate"] < 0.9, out.stats["acceptance_rate"]
 
 
 def test_ngram_drafts_copy_the_most_recent_match():
