@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a number is prime, then explain it.
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test notebooks bench clean-venv
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +20,16 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q tests
 
+# The three notebooks executed in their SMALL setting (CI runs this after the tests).
+notebooks: $(VENV)/.installed
+	$(PY) tests/notebooks_run.py
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_adaptive.py --ks 2,4 --repeats 1 --sweep-repeats 3
 	$(PY) benchmarks/bench_heads.py --methods plain,eagle,medusa,mlp,ngram
+	$(PY) benchmarks/bench_placement.py
 
 clean-venv:
 	rm -rf $(VENV)

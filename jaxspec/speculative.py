@@ -693,7 +693,9 @@ def _make_run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key
   target.sharding.check_batch(prep.tokens.shape[0])
   drafter = placement_lib.drafter_in_precision(drafter, placement.drafter_precision)
   if placement.fused:
-    return _Run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost)
+    run = _Run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost)
+    run.placement = placement
+    return run
   return placement_lib.HostRun(target, drafter, placement, prep, sp_user, policy, stops,
                                max_new_tokens, key, cost)
 
@@ -704,6 +706,8 @@ class _Run:
   For a target sharded with `jaxspec.sharding.shard_model`, both are compiled with
   in_shardings/out_shardings on its mesh: rows over the batch axis, caches by the rules.
   """
+
+  placement = None  # the Placement that chose this fused run, when one did
 
   def __init__(self, target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost):
     self.target, self.drafter, self.prep, self.policy = target, drafter, prep, policy
@@ -779,6 +783,8 @@ class _Run:
                k_max=self.policy.k_max, drafter=self.drafter.name)
     if self.policy.auto:
       out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
+    if self.placement is not None:
+      out.update(placement=self.placement.describe(), failover=None)
     return out
 
 

@@ -122,7 +122,8 @@ def test_drafter_on_its_own_submesh_equals_fused(target, placement, reference):
         assert host.stats[key] == fused.stats[key], key
       assert 0 < host.stats["acceptance_rate"] < 1
   # The same mesh for both: the fused loop (tested sharded above) runs there.
-  assert Placement(target=placement.target, drafter=placement.target).fused
+  same = Placement(target=placement.target, drafter=placement.target)
+  assert same.fused
   assert Placement(target=placement.target).fused
 
 
