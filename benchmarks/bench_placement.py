@@ -4,7 +4,7 @@ SmolLM2-135M target, float32, greedy, EOS-stopping, batch 1. Both runs use the s
 speed (on CPU the simulated devices share the same cores), so the difference is the
 orchestration alone: three jitted programs and two transfers per step, and the host's wait for
 the proposal. Drafters: n-gram (drafting costs nothing, so the overhead shows most) and an int8
-copy of the target (self-speculation). The planner's prediction for both placements, from
+copy of the target and the float target itself (self-speculation). The planner's prediction for both placements, from
 profiles measured in the same run and the measured acceptance, is printed beside them. With
 `--target-backend gpu` the target runs on the GPU and the drafter on it or on the host CPU. Every (prompt, drafter) is run fused then host, after a
 warm-up of both, `--repeats` times, interleaved; each keeps its fastest run.
@@ -40,7 +40,7 @@ def main():
   ap.add_argument("--max-new-tokens", type=int, default=64)
   ap.add_argument("--k", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--drafters", default="ngram,int8-self")
+  ap.add_argument("--drafters", default="ngram,self,int8-self")
   ap.add_argument("--target-backend", default="cpu",
                   help="cpu (two simulated host devices) or gpu / tpu: the target on the"
                        " accelerator, the drafter on it (fused) or on the host CPU (host)")
@@ -62,7 +62,7 @@ def main():
   fused = Placement(target=[t_dev], drafter=[d_devs["same"]])
   host = Placement(target=[t_dev], drafter=[d_devs["other"]])
   int8 = quantize(model, "int8")
-  drafters = {"ngram": NGram(), "int8-self": DraftModel(int8)}
+  drafters = {"ngram": NGram(), "int8-self": DraftModel(int8), "self": DraftModel(model)}
   # Profiles measured in this run, for the planner's prediction beside each measurement.
   mesh_t, mesh_d = fused.target, host.drafter
   t0 = time.perf_counter()
@@ -106,6 +106,9 @@ def main():
     if name == "ngram":
       spec = DrafterSpec(name="draft", kind="ngram")
       d_prof = {g: ModelProfile.per_token(0.0) for g in ("same", "other")}
+    elif name == "self":
+      spec = DrafterSpec(name="draft", kind="model", vocab_size=model.cfg.vocab_size)
+      d_prof = {"same": prof_t, "other": prof_t}  # the same float model on either device
     else:
       spec = DrafterSpec(name="draft", kind="model", vocab_size=model.cfg.vocab_size)
       d_prof = prof_d

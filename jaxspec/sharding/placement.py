@@ -178,36 +178,18 @@ class HostState:
     return self.t.stats
 
 
-def _host_draft(dparams, dstate, ctx: DraftContext, done, keys, idx, sp, *, drafter, policy):
-  """Drafter mesh: propose for bucket `idx`, padded to k_max (zeros and n_valid 0 for k = 0 or
-  when every row is done)."""
+def _host_draft(dparams, dstate, ctx: DraftContext, keys, sp, *, drafter, k, kmax):
+  """Drafter mesh: propose k drafts (k static: one program per draft count, so the drafter's
+  cache is updated in place rather than carried through a switch), padded to k_max."""
   from jaxspec.speculative import draft
   b = ctx.seq.shape[0]
-  kmax = policy.k_max
   step_keys = jax.vmap(jax.random.fold_in)(keys, ctx.seq_len)
   kd = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(step_keys)[0]
-  with_q = _proposes_q(drafter, dparams, dstate, ctx, sp, kd, kmax)
-
-  def empty(dstate):
-    q = jnp.zeros((b, kmax, with_q), jnp.float32) if with_q else None
-    return Proposal(tokens=jnp.zeros((b, kmax), jnp.int32), q=q,
-                    n_valid=jnp.zeros((b,), jnp.int32)), dstate
-
-  def branch(k):
-    def run(dstate):
-      if k == 0:
-        return empty(dstate)
-      prop, new = draft(drafter, dparams, dstate, ctx, k, sp, kd)
-      n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
-      pad = lambda x: jnp.pad(x, [(0, 0), (0, kmax - k)] + [(0, 0)] * (x.ndim - 2))
-      return Proposal(tokens=pad(prop.tokens), q=None if prop.q is None else pad(prop.q),
-                      n_valid=n_valid), new
-    return run
-
-  def live(dstate):
-    return lax.switch(idx, [branch(k) for k in policy.buckets], dstate)
-
-  return lax.cond(jnp.any(~done), live, empty, dstate)
+  prop, new = draft(drafter, dparams, dstate, ctx, k, sp, kd)
+  n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, kmax - k)] + [(0, 0)] * (x.ndim - 2))
+  return Proposal(tokens=pad(prop.tokens), q=None if prop.q is None else pad(prop.q),
+                  n_valid=n_valid), new
 
 
 def _proposes_q(drafter, dparams, dstate, ctx, sp, kd, kmax) -> int:
@@ -356,17 +338,20 @@ class HostRun:
     ctx0 = DraftContext(seq=tstate0.seq, seq_len=tstate0.seq_len, prompt_len=tstate0.prompt_len)
     d_sh = self.dsh
     ctx_sh = d_sh.state(ctx0, b)
-    draft_args = (self.dparams, dstate0, ctx0, tstate0.done, tstate0.keys, jnp.int32(0),
-                  self.sp_d)
-    self.draft_exe, c3 = compiled(
-        _host_draft, ("host-draft", d_sh), *draft_args,
-        jit_kwargs=dict(in_shardings=(_shardings_of(self.dparams), d_sh.state(dstate0, b),
-                                      ctx_sh, d_sh.batch(1), d_sh.batch(1), d_sh.replicated(),
-                                      d_sh.state(self.sp_d, b)),
-                        # The drafter's cache is written in place (after a failure it is
-                        # not needed again).
-                        donate_argnums=(1,)),
-        drafter=drafter, policy=policy)
+    self.draft_exes = {}
+    for k in policy.buckets:
+      if k == 0:
+        continue
+      draft_args = (self.dparams, dstate0, ctx0, tstate0.keys, self.sp_d)
+      self.draft_exes[k], _ = compiled(
+          _host_draft, ("host-draft", d_sh), *draft_args,
+          jit_kwargs=dict(in_shardings=(_shardings_of(self.dparams), d_sh.state(dstate0, b),
+                                        ctx_sh, d_sh.batch(1), d_sh.state(self.sp_d, b)),
+                          # The drafter's cache is written in place (after a failure it is
+                          # not needed again).
+                          donate_argnums=(1,)),
+          drafter=drafter, k=k, kmax=kmax)
+    self.draft_exe = self.draft_exes[policy.k_max]
     prop0 = _shapes(self.draft_exe.out_info[0])
     self.prop_sh_t = self.tsh.state(prop0, b)
     verify_args = (self.tparams, tstate0, prop0, jnp.int32(0), self.sp_t, self.costs,
@@ -436,13 +421,19 @@ class HostRun:
       if self.failover is not None and may_fail_over:
         state = self._plain_step(state, costs)
       else:
-        idx_t = state.idx if force_idx < 0 else jnp.int32(force_idx)
-        idx_d = jax.device_put(idx_t, self.d_rep)
+        # The bucket is read on the host (the verify that chose it has finished: the drafter's
+        # state depends on it), so each draft count runs its own program.
+        i = int(state.idx) if force_idx < 0 else force_idx
+        k = self.policy.buckets[i]
+        idx_t = jnp.int32(i)
         try:
           # The one wait of a step: the verify needs the proposal anyway, and a drafter that
           # failed fails here, before the target has consumed anything.
-          prop, dstate = jax.block_until_ready(self.draft_exe(
-              self.dparams, state.d, state.ctx, state.done, state.keys, idx_d, self.sp_d))
+          if k == 0:
+            prop, dstate = self.prop_zero, state.d
+          else:
+            prop, dstate = jax.block_until_ready(self.draft_exes[k](
+                self.dparams, state.d, state.ctx, state.keys, self.sp_d))
         except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
           if not may_fail_over:
             raise
