@@ -266,11 +266,18 @@ def _pad_to(x, width, value):
                  constant_values=value)
 
 
+def step_keys(keys: jax.Array, seq_len: jax.Array):
+  """The step's per-row draft and verify keys [B] each, from the row keys and lengths (a
+  drafter on another mesh derives the same draft keys from its copies)."""
+  folded = jax.vmap(jax.random.fold_in)(keys, seq_len)
+  kd, kv = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(folded)
+  return kd, kv
+
+
 def _step_inputs(s: SpecState):
-  """What every step derives from the state: live rows, the step's draft and verify keys, the
-  last accepted token and how many tokens each row may still emit."""
-  step_keys = jax.vmap(jax.random.fold_in)(s.keys, s.seq_len)
-  kd, kv = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(step_keys)
+  """What every step derives from the state: live rows, the step's draft and verify keys and
+  the last accepted token."""
+  kd, kv = step_keys(s.keys, s.seq_len)
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
   return ~s.done, kd, kv, last
 
@@ -644,12 +651,8 @@ _PLACED: dict[Any, Any] = {}
 
 
 def place_drafter_params(target: Model, drafter: Drafter):
-  """The drafter's weights on the target's mesh, for the fused loop of a sharded target.
-
-  Arrays the drafter shares with the target (a head's frozen embedding and LM head) keep the
-  target's layout; a draft model is sharded by the same rules where the mesh divides it;
-  anything else is replicated. Copied once per (drafter weights, mesh) and reused.
-  """
+  """The drafter's weights on the target's mesh, for the fused loop of a sharded target
+  (`jaxspec.sharding.rules.place_drafter`), copied once per (drafter weights, mesh) and reused."""
   dparams, sh = drafter.params, target.sharding
   if dparams is None or sh is None:
     return dparams
@@ -657,19 +660,8 @@ def place_drafter_params(target: Model, drafter: Drafter):
   hit = _PLACED.get(key)
   if hit is not None and hit[0] is dparams:
     return hit[1]
-  from jaxspec.sharding import rules as rules_lib
-  shared = {id(x): x for x in jax.tree.leaves(target.params)}
-  on_mesh = lambda x: (isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
-                       and x.sharding.mesh == sh.mesh)
-  draft_model = getattr(drafter, "model", None)
-  if isinstance(draft_model, Model) and not all(on_mesh(x) for x in jax.tree.leaves(dparams)):
-    try:
-      placed = rules_lib.shard_params(dparams, draft_model.cfg, sh.mesh, sh.rules)
-    except ValueError:  # the mesh does not divide the draft model: replicate it
-      placed = jax.device_put(dparams, sh.replicated())
-  else:
-    placed = jax.tree.map(lambda x: x if id(x) in shared or on_mesh(x)
-                          else jax.device_put(x, sh.replicated()), dparams)
+  from jaxspec.sharding.rules import place_drafter
+  placed = place_drafter(drafter, sh)
   if len(_PLACED) >= 8:
     _PLACED.clear()
   _PLACED[key] = (dparams, placed)
@@ -707,7 +699,8 @@ class _Run:
   in_shardings/out_shardings on its mesh: rows over the batch axis, caches by the rules.
   """
 
-  placement = None  # the Placement that chose this fused run, when one did
+  placement = None  # the Placement that chose this run, when one did
+  failover = None  # what went wrong, when a host-orchestrated run fell back to plain steps
 
   def __init__(self, target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost):
     self.target, self.drafter, self.prep, self.policy = target, drafter, prep, policy
@@ -756,17 +749,23 @@ class _Run:
     """Prefill; with "auto" and no cost model, times every k from the prefilled state once
     (cached per shapes), excluded from the generation time."""
     state = self.init_exe(*self.init_args)
-    if self.policy.auto and self.cost is None:
-      self.cost = _COSTS.get(self.cost_key)
-      if self.cost is None:
-        state = jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        self.cost = measure_costs(self.loop_exe, self.tparams, self.dparams, state,
-                                  self.sp, self.policy, batch_size=self.prep.tokens.shape[0])
-        _COSTS[self.cost_key] = self.cost
-        self.profile_seconds = time.perf_counter() - t0
-      self.costs = _costs_array(self.policy, self.cost)
+    self._ensure_costs(state, self.loop_exe, self.sp)
     return state
+
+  def _ensure_costs(self, state, loop, sp) -> None:
+    """With "auto" and no cost model given: the cached one for these shapes, or `loop` (the
+    `measure_costs` signature) timed from `state` once; `self.costs` is then its array."""
+    if not self.policy.auto or self.cost is not None:
+      return
+    self.cost = _COSTS.get(self.cost_key)
+    if self.cost is None:
+      state = jax.block_until_ready(state)
+      t0 = time.perf_counter()
+      self.cost = measure_costs(loop, self.tparams, self.dparams, state, sp, self.policy,
+                                batch_size=self.prep.tokens.shape[0])
+      _COSTS[self.cost_key] = self.cost
+      self.profile_seconds = time.perf_counter() - t0
+    self.costs = _costs_array(self.policy, self.cost)
 
   def target_state(self, state: SpecState) -> SpecState:
     return state
@@ -784,7 +783,8 @@ class _Run:
     if self.policy.auto:
       out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
     if self.placement is not None:
-      out.update(placement=self.placement.describe(), failover=None)
+      out.update(placement=self.placement.describe(),
+                 failover=None if self.failover is None else dataclasses.asdict(self.failover))
     return out
 
 

@@ -17,18 +17,16 @@ from jaxspec import AutoK, DraftModel, NGram, Sampling, generate, speculative_ge
 from jaxspec.generate import _COMPILED
 from jaxspec.models import init_params, quantize, tiny_config
 from jaxspec.models.model import Model
-from jaxspec.sharding import Placement, make_mesh, shard_model, submesh
+from jaxspec.sharding import Placement, make_mesh, multihost, shard_model, submesh
 from test_speculative import _exact_joint, assert_first_two_tokens_follow
 
-PROMPTS = [[1, 5, 9, 13, 5, 9, 13, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [7], [9, 9, 2, 9]]
+PROMPTS = multihost.DEMO_PROMPTS
 N_NEW = 16
 
 
 @pytest.fixture(scope="module")
 def target():
-  # 8 query / 4 key-value heads: a 4-way "model" axis divides both.
-  cfg = tiny_config(num_heads=8, num_kv_heads=4, head_dim=8, vocab_size=256)
-  return Model(cfg, init_params(cfg, jax.random.key(0), scale=0.2), name="tp-target")
+  return multihost.tiny_demo_model()  # 8 query / 4 key-value heads: "model" = 4 divides both
 
 
 @pytest.fixture(scope="module")

@@ -308,6 +308,30 @@ def shard_params(params: Params, cfg: LlamaConfig, mesh: Mesh,
   return jax.device_put(params, param_shardings(params, mesh, rules))
 
 
+def place_drafter(drafter, sharding: ModelSharding):
+  """The drafter's weights on `sharding.mesh`: a draft model sharded by the rules where the
+  mesh divides it (replicated otherwise); for other drafters, arrays already on the mesh (a
+  head's frozen embedding and LM head, shared with a target sharded there) keep their layout
+  and the rest are replicated."""
+  from jaxspec.models.model import Model
+  dparams = drafter.params
+  if dparams is None:
+    return None
+  mesh = sharding.mesh
+  on_mesh = lambda x: (isinstance(getattr(x, "sharding", None), NamedSharding)
+                       and x.sharding.mesh == mesh)
+  rep = NamedSharding(mesh, P())
+  draft_model = getattr(drafter, "model", None)
+  if isinstance(draft_model, Model):
+    if all(on_mesh(x) for x in jax.tree.leaves(dparams)):
+      return dparams
+    try:
+      return shard_params(dparams, draft_model.cfg, mesh, sharding.rules)
+    except ValueError:  # the mesh does not divide the draft model: replicate it
+      return jax.device_put(dparams, rep)
+  return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), dparams)
+
+
 def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
   """A copy of `model` whose weights are laid out on `mesh` by `rules`.
 
