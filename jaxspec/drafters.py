@@ -76,6 +76,9 @@ class Drafter:
   # Proposing costs next to nothing (no model pass): the loop then proposes k_max tokens before
   # choosing k, so the adaptive controller knows which rows have real drafts.
   free_proposals: bool = False
+  # A `jaxspec.tree.Tree` / `DynamicTree` when the drafter drafts a tree each step
+  # (`propose_tree(params, state, ctx, sp, keys) -> (TreeProposal, state)`), else None.
+  tree: Any = None
 
   @property
   def params(self) -> Any:

@@ -33,11 +33,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from jaxspec import heads as heads_lib
 from jaxspec import sampling as sampling_lib
+from jaxspec import tree as tree_lib
 from jaxspec.drafters import DraftContext, Drafter, Proposal
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import KVCache, Params, init_cache
@@ -105,9 +107,31 @@ class HeadDrafter(Drafter):
   weights: HeadParams = dataclasses.field(compare=False, repr=False)
   hidden_layers: tuple[int, ...] = ()
   name: str = "head"
+  tree: Any = None  # a jaxspec.tree.Tree / DynamicTree: tree drafting (`with_tree`)
 
   uses_target_hidden = True
   free_proposals = False
+  tree_kinds = ()  # the tree shapes this head drafts (a class attribute, not a field)
+
+  def with_tree(self, tree) -> HeadDrafter:
+    """This drafter drafting a tree each step (None: back to chains). Medusa takes a static
+    `Tree` (paths of ranks, at most its head count deep); EAGLE a `DynamicTree` (EAGLE-2) or a
+    static `Tree`."""
+    base = self.name.removesuffix("-tree")
+    if tree is None:
+      return dataclasses.replace(self, tree=None, name=base)
+    if not self.tree_kinds:
+      raise ValueError(f"the {base} drafter drafts chains only: tree drafting needs a Medusa or"
+                       " an EAGLE head")
+    tree = tree_lib.as_tree(tree, max_depth=self.max_draft_tokens)
+    if not isinstance(tree, self.tree_kinds):
+      names = " or ".join(k.__name__ for k in self.tree_kinds)
+      raise ValueError(f"the {base} drafter drafts a {names}, not a {type(tree).__name__}")
+    return dataclasses.replace(self, tree=tree, name=f"{base}-tree")
+
+  @property
+  def tree_depth(self) -> int:
+    return self.tree.depth
 
   @property
   def params(self) -> HeadParams:
@@ -157,6 +181,15 @@ class MedusaDrafter(_FeatureDrafter):
 
   name: str = "medusa"
   steps_field = "num_heads"
+  tree_kinds = (tree_lib.Tree,)
+
+  def propose_tree(self, params, state: FeatureState, ctx, sp, keys):
+    """The static tree's candidates: head j's top-k tokens at depth j + 1 (Medusa's cartesian
+    tree; candidates are the heads' top-k, never sampled, so the tree rule is exact)."""
+    model = self.module(params)
+    logits = model.logits(params.target, state.feat)[:, :self.tree.depth]  # [B, D, V]
+    _, cand = lax.top_k(logits, self.tree.topk)
+    return tree_lib.static_proposal(self.tree, cand), state
 
   def propose(self, params, state: FeatureState, ctx, k, sp, keys):
     model = self.checked_module(params, k)
@@ -196,9 +229,112 @@ class EagleDrafter(HeadDrafter):
   """
 
   name: str = "eagle"
+  tree_kinds = (tree_lib.DynamicTree, tree_lib.Tree)
 
   def _model(self, params):
     return self.module(params)
+
+  def _top(self, model, frozen, h, k):
+    """h [B, T, D] -> (log-probabilities [B, T, k], target token ids [B, T, k]) of the k best
+    draft tokens (over the reduced draft vocabulary when the head has one)."""
+    lp = jax.nn.log_softmax(model.logits(frozen, h), axis=-1)
+    vals, idx = lax.top_k(lp, k)
+    ids = heads_lib._draft_ids(model)
+    return vals, (idx if ids is None else ids[idx]).astype(jnp.int32)
+
+  def propose_tree(self, params, state: EagleState, ctx, sp, keys):
+    """EAGLE-2's dynamic tree, or a static tree grown from the head's top-k at every node.
+
+    The candidates are the draft layer's top-k tokens (deterministic, so the tree rule is
+    exact). Every expansion runs the layer over all the nodes expanded so far (with an
+    ancestor-only mask on top of the draft cache, read and never written: `commit` then writes
+    the accepted pairs as after a chain) and reads the logits of the newest ones.
+    """
+    model = self._model(params)
+    frozen = params.target
+    tree = self.tree
+    b = state.feat.shape[0]
+    if isinstance(tree, tree_lib.Tree):
+      return self._static_tree(model, frozen, state, tree), state
+    k, depth = tree.topk, tree.depth
+    vals, toks = self._top(model, frozen, state.feat[:, None], k)  # [B, 1, K]
+    score, tok = [vals[:, 0]], [toks[:, 0]]
+    parent = [jnp.full((b, k), -1, jnp.int32)]
+    cdepth = [jnp.ones((b, k), jnp.int32)]
+    front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate indices
+    front_score = vals[:, 0]
+    front_feat = jnp.broadcast_to(state.feat[:, None], (b, k, state.feat.shape[-1]))
+    front_par = jnp.full((b, k), -1, jnp.int32)  # parent's index among the expanded nodes
+    x_tok = x_feat = x_off = x_par = None
+    count = k
+    for s in range(1, depth):
+      tok_all = jnp.concatenate(tok, axis=1)
+      ft = jnp.take_along_axis(tok_all, front, axis=1)
+      cat = lambda a, n: n if a is None else jnp.concatenate([a, n], axis=1)
+      x_tok, x_feat = cat(x_tok, ft), cat(x_feat, front_feat)
+      x_off = cat(x_off, jnp.full((b, k), s - 1, jnp.int32))
+      x_par = cat(x_par, front_par)
+      mask = tree_lib.ancestor_mask(x_par, s)
+      h, _ = heads_lib.eagle_block(model, frozen, state.cache, x_feat, x_tok, offsets=x_off,
+                                   mask=mask, write=False)
+      h_new = h[:, (s - 1) * k:]  # [B, K, D] the newest nodes' outputs
+      vals, toks = self._top(model, frozen, h_new, k)  # [B, K, K]
+      child_score = (front_score[:, :, None] + vals).reshape(b, k * k)
+      score.append(child_score)
+      tok.append(toks.reshape(b, k * k))
+      parent.append(jnp.repeat(front, k, axis=1))
+      cdepth.append(jnp.full((b, k * k), s + 1, jnp.int32))
+      if s < depth - 1:
+        front_score, j = lax.top_k(child_score, k)
+        front = (count + j).astype(jnp.int32)
+        slot = j // k
+        front_feat = jnp.take_along_axis(h_new, slot[:, :, None], axis=1)
+        front_par = ((s - 1) * k + slot).astype(jnp.int32)
+      count += k * k
+    score, tok = jnp.concatenate(score, 1), jnp.concatenate(tok, 1)
+    parent, cdepth = jnp.concatenate(parent, 1), jnp.concatenate(cdepth, 1)
+    # The best total_tokens by cumulative log-probability, in creation order (a child never
+    # scores above its parent and ties go to the lower index, so the set is a tree).
+    _, sel = lax.top_k(score, tree.total_tokens)
+    sel = jnp.sort(sel, axis=1)
+    pc = jnp.take_along_axis(parent, sel, axis=1)
+    pos = jnp.argmax(sel[:, None, :] == pc[:, :, None], axis=2)
+    node_parent = jnp.where(pc < 0, 0, pos + 1).astype(jnp.int32)
+    z = jnp.zeros((b, 1), jnp.int32)
+    return tree_lib.TreeProposal(
+        tokens=jnp.concatenate([z, jnp.take_along_axis(tok, sel, axis=1)], axis=1),
+        parents=jnp.concatenate([z - 1, node_parent], axis=1),
+        depth=jnp.concatenate([z, jnp.take_along_axis(cdepth, sel, axis=1)], axis=1)), state
+
+  def _static_tree(self, model, frozen, state: EagleState, tree) -> tree_lib.TreeProposal:
+    """A static tree: the children of every node are that node's top-k draft tokens at the
+    ranks its paths name; depth d's nodes are expanded in one layer pass over depths < d."""
+    parents, depths, ranks = tree.arrays()
+    b, n = state.feat.shape[0], tree.num_nodes
+    kk = tree.topk
+    _, toks = self._top(model, frozen, state.feat[:, None], kk)
+    tokens = jnp.zeros((b, n), jnp.int32)
+    d1 = np.nonzero(depths == 1)[0]
+    tokens = tokens.at[:, d1].set(toks[:, 0, ranks[d1]])
+    h_prev, prev_local = None, {}
+    for d in range(1, tree.depth):
+      upto = np.nonzero((depths >= 1) & (depths <= d))[0]  # nodes expanded so far
+      local = {int(g): i for i, g in enumerate(upto)}
+      par_local = np.array([local.get(int(parents[g]), -1) for g in upto], np.int32)
+      # A node's input feature is its parent's output from the previous pass (the root's: feat).
+      feat_in = jnp.stack([state.feat if parents[g] == 0
+                           else h_prev[:, prev_local[int(parents[g])]] for g in upto], 1)
+      mask = tree_lib.ancestor_mask(jnp.broadcast_to(jnp.asarray(par_local), (b, len(upto))), d)
+      off = jnp.broadcast_to(jnp.asarray(depths[upto] - 1), (b, len(upto)))
+      h, _ = heads_lib.eagle_block(model, frozen, state.cache, feat_in, tokens[:, upto],
+                                   offsets=off, mask=mask, write=False)
+      h_prev, prev_local = h, local
+      nxt = np.nonzero(depths == d + 1)[0]
+      src = np.array([local[int(parents[g])] for g in nxt])
+      _, toks = self._top(model, frozen, h[:, src], kk)  # [B, len(nxt), kk]
+      tokens = tokens.at[:, nxt].set(toks[:, np.arange(len(nxt)), ranks[nxt]])
+    bcast = lambda a: jnp.broadcast_to(jnp.asarray(a), (b, n))
+    return tree_lib.TreeProposal(tokens=tokens, parents=bcast(parents), depth=bcast(depths))
 
   def init(self, params, prompt, prompt_len, max_len, hidden=None) -> EagleState:
     if hidden is None:

@@ -515,20 +515,30 @@ def _eagle_predict(model: EagleHead, batch, frozen, steps):
 
 
 def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: jax.Array, *,
-                fresh: bool = False):
+                fresh: bool = False, offsets: jax.Array | None = None,
+                mask: jax.Array | None = None, write: bool = True):
   """Decoding: T pairs (feat [B, T, D], tok [B, T]) on top of the draft cache.
 
   Pair t of a row goes to cache position length + t with rotary position length + t + 1 (as in
   `_eagle_rollout`). Returns (h [B, T, D], cache with length + T).
+
+  A draft tree passes `offsets` [B, T] (cache position length + offset: a node's depth - 1) and
+  `mask` [B, T, T] (ancestors only) with write=False: the cache is only read and comes back
+  unchanged.
   """
   b, t = tok.shape
   x, resid = model.layer_input(frozen, feat, tok)
-  pos = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  if offsets is None:
+    offsets = jnp.arange(t, dtype=jnp.int32)[None]
+  pos = cache.length[:, None] + offsets
   q, k, v = model.qkv(x, pos + 1)
-  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  if mask is None:
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   attn = _attention(q, k, v, None if fresh else cache.k[0], None if fresh else cache.v[0],
                     cache.length, pos, mask, model.layer_cfg)
   h = model.finish(resid, attn.astype(F32))
+  if not write:
+    return h, cache
   return h, write_cache(cache, k[None], v[None], positions_start=cache.length)
 
 

@@ -379,6 +379,29 @@ def _finish_step(s: SpecState, out, *, policy, max_new_tokens, stop_ids):
   return new, ctx
 
 
+def _tree_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, policy, max_new_tokens,
+               stop_ids):
+  """One tree step: the drafter's tree, one target pass over all its nodes, the tree rule,
+  and the accepted path committed as a chain of the same length would be."""
+  from jaxspec import tree as tree_lib
+  live, kd, kv, last = _step_inputs(s)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
+  prop, dstate = drafter.propose_tree(dparams, s.draft_state, ctx, sp, kd)
+  tokens = prop.tokens.at[:, 0].set(last)
+  depth = policy.k_max
+  hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
+  p, hidden, kv_new = tree_lib.verify_tree(tparams, s.cache, tokens, prop.parents, prop.depth,
+                                           cfg, sp, max_depth=depth, hidden_layers=hidden_layers)
+  n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, kv, depth,
+                                              greedy=sp.temperature == 0)
+  hidden, kv_path = tree_lib.gather_path(path, hidden, kv_new)
+  b = last.shape[0]
+  out = (n_acc, emitted, hidden, kv_path, jnp.full((b,), depth, jnp.int32), jnp.int32(depth))
+  new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
+                          stop_ids=stop_ids)
+  return dataclasses.replace(new, draft_state=drafter.commit(dparams, dstate, ctx))
+
+
 def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, drafter, policy,
                max_new_tokens, stop_ids):
   """One draft -> verify -> accept -> roll back step.
@@ -387,6 +410,9 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   with its own static width. force_idx >= 0 (a traced int) takes that bucket and verifies even
   filler: the cost model times the real loop that way, with no extra compilation.
   """
+  if drafter.tree is not None:
+    return _tree_step(tparams, dparams, s, sp, cfg=cfg, drafter=drafter, policy=policy,
+                      max_new_tokens=max_new_tokens, stop_ids=stop_ids)
   b = s.seq.shape[0]
   kmax = policy.k_max
   live, kd, kv, last = _step_inputs(s)
@@ -494,6 +520,14 @@ def resolve_policy(num_draft_tokens, auto: AutoK | None = None, drafter=None) ->
   A drafter with a limit (`max_draft_tokens`: a Medusa head with K heads, an MLP speculator
   with K stages) caps the default AutoK's k_max and refuses a larger k.
   """
+  tree = getattr(drafter, "tree", None)
+  if tree is not None:  # the tree fixes the draft's shape; the depth sizes the buffers
+    if num_draft_tokens != "auto" or auto is not None:
+      raise ValueError(f"the {drafter.name} drafter drafts a {tree.describe()}, which sets how"
+                       f" far it drafts: leave num_draft_tokens at \"auto\" (got"
+                       f" {num_draft_tokens!r}{', auto=' + repr(auto) if auto else ''}), or use"
+                       " drafter.with_tree(None) for chains")
+    return Policy.fixed(tree.depth)
   limit = getattr(drafter, "max_draft_tokens", None)
   what = f"this {getattr(drafter, 'name', 'drafter')} drafter proposes at most {limit} tokens"
   if isinstance(num_draft_tokens, str):
@@ -681,6 +715,10 @@ def _make_run(target, drafter, prep, sp_user, policy, stops, max_new_tokens, key
   if not isinstance(placement, placement_lib.Placement):
     raise ValueError(f"placement must be a jaxspec.sharding.Placement, got"
                      f" {type(placement).__name__}")
+  if drafter.tree is not None and not placement.fused:
+    raise ValueError(f"the {drafter.name} drafter drafts a tree, which runs in the fused loop"
+                     " only: place the drafter on the target's mesh (Placement(target=mesh,"
+                     " drafter=mesh)) or use drafter.with_tree(None) for chains")
   target = placement_lib.place_target(target, placement)
   target.sharding.check_batch(prep.tokens.shape[0])
   drafter = placement_lib.drafter_in_precision(drafter, placement.drafter_precision)
@@ -780,6 +818,9 @@ class _Run:
                batch_size=self.prep.tokens.shape[0],
                num_draft_tokens="auto" if self.policy.auto else self.policy.k_max,
                k_max=self.policy.k_max, drafter=self.drafter.name)
+    if self.drafter.tree is not None:
+      out["tree"] = self.drafter.tree.describe()
+      out["tree_nodes"] = self.drafter.tree.num_nodes - 1
     if self.policy.auto:
       out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
     if self.placement is not None:
