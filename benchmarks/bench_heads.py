@@ -11,7 +11,12 @@ prompt before timing starts.
         [--k 4] [--max-new-tokens 256] [--per-category 2] [--others-per-category 1]
 
 A method is "plain", "ngram", a bundled head's name, or NAME=PATH (a head directory or a draft
-model). The training time and data size of every head come from its config.json.
+model), optionally with :tree=SPEC (a tree of SPEC nodes, or dynamic:DEPTH,TOPK,TOTAL; separate
+the methods with ";" when a SPEC has commas). Chains vs trees (the tree issue's benchmark):
+
+    .venv/bin/python benchmarks/bench_heads.py --others-per-category 0 --per-category 1 \
+        --max-new-tokens 128 --out benchmarks/results/tree.json --methods \
+        plain,eagle,eagle:tree=8,eagle:tree=16,eagle:tree=32,eagle:tree=64,medusa,medusa:tree=8,... The training time and data size of every head come from its config.json.
 """
 
 from __future__ import annotations
@@ -28,10 +33,22 @@ from jaxspec.drafters import resolve_drafter
 
 
 def _methods(spec: str, target):
+  """Method labels -> drafters (None: plain). An item NAME[=PATH][:tree=SPEC] drafts a tree
+  (`jaxspec.tree.parse_tree`: a size, dynamic:DEPTH,TOPK,TOTAL or paths), e.g. eagle:tree=32."""
+  from jaxspec.tree import parse_tree
   out = {}
-  for item in spec.split(","):
-    name, _, path = item.partition("=")
-    out[name] = None if name == "plain" else resolve_drafter(target, path or name)
+  for item in spec.split(";" if ";" in spec else ","):
+    base, _, opt = item.partition(":")
+    name, _, path = base.partition("=")
+    if name == "plain":
+      out[item] = None
+      continue
+    d = resolve_drafter(target, path or name)
+    if opt:
+      if not opt.startswith("tree="):
+        raise SystemExit(f"error: method {item!r}: the only option is :tree=SPEC")
+      d = d.with_tree(parse_tree(opt.removeprefix("tree="), d))
+    out[item] = d
   return out
 
 
@@ -61,6 +78,9 @@ def main():
   k = args.k if args.k == "auto" else int(args.k)
   target = load()
   methods = _methods(args.methods, target)
+  plain = "plain"
+  if plain not in methods:
+    raise SystemExit("error: --methods must include plain (speedups are measured against it)")
   rows = load_spec_bench()
   cats = by_category(rows, args.per_category, MT_BENCH)
   if args.others_per_category:
@@ -74,6 +94,8 @@ def main():
     d = methods[m]
     limit = d.max_draft_tokens  # an MLP speculator with 3 stages drafts at most 3
     kk = k if k == "auto" or limit is None else min(k, limit)
+    if d.tree is not None:  # the tree sets how far it drafts
+      kk = "auto"
     return speculative_generate(target, d, [prompt], max_new_tokens=n, num_draft_tokens=kk)
 
   first = chat_prompts(target, next(iter(cats.values()))[:1])[0]
@@ -97,14 +119,14 @@ def main():
           d["acc"] = v if d["acc"] is None else d["acc"] + v
     line = [f"{cat:15s}"]
     for m in methods:
-      d, base = res[m][cat], res["plain"][cat]
+      d, base = res[m][cat], res[plain][cat]
       line.append(f"{m}: tau {d['tokens'] / max(d['passes'], 1):.2f}"
                   f" {base['seconds'] / d['seconds']:.2f}x")
     print("  ".join(line), flush=True)
 
   def summary(m, which):
     ds = [res[m][c] for c in which if c in res[m]]
-    base = sum(res["plain"][c]["seconds"] for c in which if c in res["plain"])
+    base = sum(res[plain][c]["seconds"] for c in which if c in res[plain])
     tok, sec = sum(d["tokens"] for d in ds), sum(d["seconds"] for d in ds)
     passes = sum(d["passes"] for d in ds)
     out = dict(tokens=tok, seconds=sec, tokens_per_second=tok / sec, speedup=base / sec,
@@ -120,9 +142,11 @@ def main():
                 command="benchmarks/bench_heads.py " + " ".join(
                     f"--{key.replace('_', '-')} {v}" for key, v in vars(args).items()
                     if key != "out"),
-                heads={m: _head_info(*(item.partition("=")[::2]))
-                       for item in args.methods.split(",")
-                       for m in [item.partition("=")[0]] if m not in ("plain", "ngram")},
+                heads={m: _head_info(*(item.partition(":")[0].partition("=")[::2]))
+                       for m, item in zip(methods, methods)
+                       if item.partition(":")[0].partition("=")[0] not in ("plain", "ngram")},
+                trees={m: d.tree.describe() for m, d in methods.items()
+                       if d is not None and d.tree is not None},
                 mt_bench={m: summary(m, mt) for m in methods},
                 all_categories={m: summary(m, list(cats)) for m in methods},
                 per_category={m: {c: summary(m, [c]) for c in cats} for m in methods})

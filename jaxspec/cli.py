@@ -1,10 +1,13 @@
-"""The `jaxspec` command line: `jaxspec generate "PROMPT"` and `jaxspec train KIND`."""
+"""The `jaxspec` command line: `jaxspec generate "PROMPT"`, `jaxspec train KIND` and
+`jaxspec bench`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+from jaxspec.bench import add_bench_parser, cmd_bench
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -47,10 +50,16 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--k-max", type=int, default=None,
                  help="the most drafts per step with 'auto' (default 8, or fewer when the"
                       " drafter proposes fewer: a Medusa head drafts at most its head count)")
+  g.add_argument("--tree", default=None, metavar="SPEC",
+                 help="draft a tree each step (a Medusa or EAGLE head): N (a tree of N nodes:"
+                      " EAGLE-2's dynamic tree, or Medusa's best static tree from the head's"
+                      " measured accuracies), dynamic:DEPTH,TOPK,TOTAL, a JSON list of paths"
+                      " ([[0],[1],[0,0]]) or a .json file of one")
   g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   g.add_argument("--chunk", type=int, default=8, help="decode steps between printed chunks")
   _add_sampling(g)
   _add_train_parser(sub)
+  add_bench_parser(sub)
   return ap
 
 
@@ -84,6 +93,19 @@ def cmd_generate(args) -> int:
   t_load = time.perf_counter()
   model = load(args.model, dtype=args.dtype)
   drafter = _make_drafter(args.draft, model, args.dtype)
+  if args.tree is not None:
+    from jaxspec.tree import parse_tree
+    if drafter is None:
+      raise SystemExit("error: --tree needs a drafter: a Medusa or EAGLE head (--draft eagle)")
+    if args.num_draft_tokens != "auto":
+      raise SystemExit("error: --tree sets how far the drafter drafts: drop --num-draft-tokens")
+    if not hasattr(drafter, "with_tree"):
+      raise SystemExit(f"error: --tree: the {drafter.name} drafter drafts chains only: tree"
+                       " drafting needs a Medusa or EAGLE head (--draft eagle or medusa)")
+    try:
+      drafter = drafter.with_tree(parse_tree(args.tree, drafter))
+    except ValueError as e:
+      raise SystemExit(f"error: --tree: {e}")
   load_s = time.perf_counter() - t_load
   tok = model.tokenizer
   ids = tok.encode(args.prompt) if args.no_chat else tok.encode_chat(args.prompt)
@@ -116,7 +138,9 @@ def cmd_generate(args) -> int:
   if st:
     k = (f"auto (mean {st['mean_k']:.1f}, {st['plain_steps']} plain steps)"
          if args.num_draft_tokens == "auto" else args.num_draft_tokens)
-    line += (f", k={k}, tau {st['tau']:.2f},"
+    if st.get("tree"):
+      k = st["tree"]
+    line += (f", {'' if st.get('tree') else 'k='}{k}, tau {st['tau']:.2f},"
              f" acceptance {st['acceptance_rate']:.2f}")
   print(line, flush=True)
   return 0
@@ -365,6 +389,8 @@ def main(argv=None) -> int:
     return cmd_generate(args)
   if args.command == "train":
     return cmd_train(args)
+  if args.command == "bench":
+    return cmd_bench(args, sys.argv[1:] if argv is None else argv)
   return 2
 
 

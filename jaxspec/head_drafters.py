@@ -108,6 +108,9 @@ class HeadDrafter(Drafter):
   hidden_layers: tuple[int, ...] = ()
   name: str = "head"
   tree: Any = None  # a jaxspec.tree.Tree / DynamicTree: tree drafting (`with_tree`)
+  # Measured top-k accuracy per draft step [steps][rank] (`jaxspec.tree.medusa_accuracies`),
+  # read from the head's config.json when it was saved with one: `default_tree` builds from it.
+  topk_accuracy: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   uses_target_hidden = True
   free_proposals = False

@@ -1016,5 +1016,9 @@ def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = 
   Raises:
     CheckpointError: missing or corrupted files, or a head trained for another target.
   """
-  kind, model, _ = load_head_model(dir_or_name, target, check_fingerprint)
-  return HEADS[kind].drafter(model, target)
+  kind, model, config = load_head_model(dir_or_name, target, check_fingerprint)
+  drafter = HEADS[kind].drafter(model, target)
+  acc = (config.get("meta") or {}).get("topk_accuracy")
+  if acc is not None:
+    drafter = dataclasses.replace(drafter, topk_accuracy=tuple(map(tuple, acc)))
+  return drafter

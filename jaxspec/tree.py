@@ -326,3 +326,100 @@ def static_proposal(tree: Tree, candidates: jax.Array) -> TreeProposal:
   tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), toks.astype(jnp.int32)], axis=1)
   bcast = lambda a: jnp.broadcast_to(jnp.asarray(a), (b, a.shape[0]))
   return TreeProposal(tokens=tokens, parents=bcast(parents), depth=bcast(depths))
+
+
+def medusa_accuracies(drafter, target, prompts, *, max_new_tokens: int = 128, topk: int = 10,
+                      batch_size: int = 16) -> np.ndarray:
+  """Measured top-k accuracies of a Medusa drafter's heads on the target's own continuations.
+
+  The target answers `prompts` greedily; `acc[j, r]` is the share of response positions t at
+  which head j's rank-r token (on f_t) is x_{t+2+j}, the token it drafts. This is the table
+  `Tree.from_accuracies` builds a tree from. Use prompts that are not your evaluation set.
+  """
+  from jaxspec.generate import generate
+  from jaxspec.models.llama import init_cache
+  model = drafter.module(drafter.params)
+  k = model.cfg.num_heads
+  hits = np.zeros((k, topk))
+  counts = np.zeros(k)
+
+  @jax.jit
+  def ranks(tparams, dparams, seq):
+    _, hid, _ = forward(tparams, seq, init_cache(target.cfg, seq.shape[0], seq.shape[1]),
+                        target.cfg, logits=False, fresh=True)
+    lg = drafter.module(dparams).logits(dparams.target, hid.final)  # [B, T, K, V]
+    return jax.lax.top_k(lg, topk)[1]  # [B, T, K, topk]
+
+  for s in range(0, len(prompts), batch_size):
+    chunk = prompts[s:s + batch_size]
+    out = generate(target, chunk, max_new_tokens=max_new_tokens)
+    for i, prompt in enumerate(chunk):
+      seq = list(prompt) + out.row(i)
+      width = -(-len(seq) // 64) * 64  # a few compiled widths
+      arr = np.zeros((1, width), np.int32)
+      arr[0, :len(seq)] = seq
+      top = np.asarray(ranks(target.params, drafter.params, jnp.asarray(arr)))[0]
+      for t in range(len(prompt) - 2, len(seq) - 2):
+        for j in range(k):
+          if t + 2 + j < len(seq):
+            counts[j] += 1
+            hit = np.flatnonzero(top[t, j] == seq[t + 2 + j])
+            if len(hit):
+              hits[j, hit[0]] += 1
+  return hits / np.maximum(counts, 1)[:, None]
+
+
+# EAGLE-2 shape for a tree of a given size (the number of candidate nodes): expand this many
+# children per node, this deep (measured on SmolLM2 in benchmarks/bench_tree.py).
+EAGLE_DEPTH = 5
+EAGLE_TOPK = 8
+
+
+def default_tree(drafter, size: int):
+  """A tree of `size` candidate nodes for `drafter`: EAGLE-2's dynamic tree for an EAGLE head;
+  for a Medusa head, the static tree of highest expected acceptance from the head's measured
+  top-k accuracies (`medusa_accuracies`, stored with the bundled head)."""
+  if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+    raise ValueError(f"a tree size is a number of nodes >= 1, got {size!r}")
+  kinds = getattr(drafter, "tree_kinds", ())
+  if DynamicTree in kinds:
+    topk = min(EAGLE_TOPK, size)
+    depth = EAGLE_DEPTH
+    return DynamicTree(depth=depth, topk=topk, total_tokens=size)
+  if Tree in kinds:
+    acc = getattr(drafter, "topk_accuracy", None)
+    if acc is None:
+      raise ValueError(f"the {drafter.name} head has no measured top-k accuracies to build a"
+                       f" {size}-node tree from: measure them with"
+                       " jaxspec.tree.medusa_accuracies(drafter, target, prompts) and pass"
+                       " Tree.from_accuracies(acc, size), or give the paths")
+    return Tree.from_accuracies(acc, size, max_depth=drafter.max_draft_tokens)
+  raise ValueError(f"the {getattr(drafter, 'name', 'drafter')} drafter drafts chains only: tree"
+                   " drafting needs a Medusa or an EAGLE head")
+
+
+def parse_tree(spec: str, drafter):
+  """The CLI's --tree: N (a tree of N nodes, `default_tree`), dynamic:DEPTH,TOPK,TOTAL
+  (EAGLE-2), a JSON list of paths, or a .json file holding one."""
+  import json
+  import os
+  text = spec.strip()
+  try:
+    if text.isdigit():
+      return default_tree(drafter, int(text))
+    if text.startswith("dynamic:"):
+      parts = text.removeprefix("dynamic:").split(",")
+      if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--tree {spec!r}: expected dynamic:DEPTH,TOPK,TOTAL, e.g."
+                         " dynamic:5,8,32")
+      return DynamicTree(*map(int, parts))
+    if text.startswith("["):
+      paths = json.loads(text)
+    elif os.path.isfile(text):
+      paths = json.loads(open(text).read())
+    else:
+      raise ValueError(f"--tree {spec!r}: expected a number of nodes, dynamic:DEPTH,TOPK,TOTAL,"
+                       " a JSON list of paths like [[0],[1],[0,0]], or a .json file of one")
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--tree {spec!r} is not valid JSON: {e}") from None
+  return as_tree(paths, max_depth=getattr(drafter, "max_draft_tokens", None))

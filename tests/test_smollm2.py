@@ -79,3 +79,19 @@ def test_bundled_heads_are_exact_and_accepted_on_smollm2(smollm2, greedy, kind):
   # The heads were trained: their drafts get accepted (an untrained Medusa head, the target's
   # own next-token head one position late, gives about 1.0).
   assert out.stats["tau"] > (1.25 if kind == "eagle" else 1.05), out.stats["tau"]
+
+
+# Tree speculation on the real model: the bundled EAGLE head on EAGLE-2's dynamic tree (Medusa's
+# static tree runs with -m slow; tree exactness for every drafter is in test_tree).
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("medusa", marks=pytest.mark.slow)])
+def test_tree_speculation_is_exact_on_smollm2(smollm2, greedy, kind):
+  from jaxspec.tree import default_tree
+  prompts, ours = greedy
+  pick = [10, 0]
+  drafter = resolve_drafter(smollm2, kind)
+  drafter = drafter.with_tree(default_tree(drafter, 16))
+  out = speculative_generate(smollm2, drafter, [prompts[i] for i in pick], max_new_tokens=N,
+                             stop_ids=[2])
+  for j, i in enumerate(pick):
+    assert out.row(j) == ours[i], f"{kind} tree, prompt {i}"
+  assert out.stats["tau"] > (1.4 if kind == "eagle" else 1.1), out.stats["tau"]
