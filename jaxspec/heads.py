@@ -1005,7 +1005,8 @@ def fill_module(abstract: nnx.Module, tensors: Mapping[str, np.ndarray], where: 
   return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, new))
 
 
-def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = True):
+def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = True,
+              tree=None):
   """The `Drafter` of a saved head for `target` (a `Model`).
 
   Args:
@@ -1013,6 +1014,8 @@ def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = 
       bundled under jaxspec/assets/heads/.
     target: the target `Model` the head was trained for.
     check_fingerprint: refuse a head recorded for another target of the same shapes.
+    tree: draft a tree each step (Medusa, EAGLE): a `jaxspec.tree.Tree`, `DynamicTree`, a list
+      of paths, or a number of nodes (`jaxspec.tree.default_tree`).
   Raises:
     CheckpointError: missing or corrupted files, or a head trained for another target.
   """
@@ -1021,4 +1024,9 @@ def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = 
   acc = (config.get("meta") or {}).get("topk_accuracy")
   if acc is not None:
     drafter = dataclasses.replace(drafter, topk_accuracy=tuple(map(tuple, acc)))
+  if tree is not None:
+    from jaxspec.tree import default_tree
+    if isinstance(tree, int) and not isinstance(tree, bool):
+      tree = default_tree(drafter, tree)
+    drafter = drafter.with_tree(tree)
   return drafter

@@ -85,11 +85,11 @@ def test_bundled_heads_are_exact_and_accepted_on_smollm2(smollm2, greedy, kind):
 # static tree runs with -m slow; tree exactness for every drafter is in test_tree).
 @pytest.mark.parametrize("kind", ["eagle", pytest.param("medusa", marks=pytest.mark.slow)])
 def test_tree_speculation_is_exact_on_smollm2(smollm2, greedy, kind):
-  from jaxspec.tree import default_tree
+  from jaxspec.heads import load_head
   prompts, ours = greedy
   pick = [10, 0]
-  drafter = resolve_drafter(smollm2, kind)
-  drafter = drafter.with_tree(default_tree(drafter, 16))
+  drafter = load_head(kind, smollm2, tree=16)  # EAGLE-2 / Medusa's measured-accuracy tree
+  assert drafter.tree.num_nodes == 17
   out = speculative_generate(smollm2, drafter, [prompts[i] for i in pick], max_new_tokens=N,
                              stop_ids=[2])
   for j, i in enumerate(pick):

@@ -208,6 +208,11 @@ def test_tree_errors(tiny_target):
     mlp.with_tree(PATHS)
   with pytest.raises(ValueError, match="leave num_draft_tokens"):
     speculative_generate(tiny_target, medusa.with_tree(PATHS), PROMPTS, num_draft_tokens=3)
+  from jaxspec.sharding import Placement
+  devs = jax.devices()
+  with pytest.raises(ValueError, match="fused loop only"):
+    speculative_generate(tiny_target, medusa.with_tree(PATHS), PROMPTS,
+                         placement=Placement(target=devs[:1], drafter=devs[1:2]))
   # with_tree(None) goes back to chains.
   assert medusa.with_tree(PATHS).with_tree(None) == medusa
 
