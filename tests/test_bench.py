@@ -1,0 +1,166 @@
+"""`jaxspec bench` on a tiny random model: the report's schema, speedups against the plain run of
+the same invocation, the plots and tables, and the bad-input errors."""
+
+import json
+
+import pytest
+
+from jaxspec import peers
+from jaxspec.bench import _groups
+from jaxspec.cli import main
+from jaxspec.models.hf_loader import save_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_target, tmp_path_factory):
+  return save_hf(tiny_target, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+  rows = [{"category": "copy", "prompt_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]},
+          {"category": "mixed", "prompt_ids": [9, 30, 4, 77, 12]},
+          {"category": "mixed", "prompt_ids": [11, 3, 3, 50]}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def _bench(model, prompts, out, *extra):
+  return main(["bench", "--model", str(model), "--prompts", str(prompts), "--max-new-tokens",
+               "6", "--k-max", "2", "--out", str(out), "--no-progress", *extra])
+
+
+# The transformers peers join the same invocation when installed (one plain compile less).
+PEERS = [] if peers.missing_packages("transformers") else [
+    "--peers", "transformers-prompt-lookup,transformers-assisted"]
+
+
+@pytest.fixture(scope="module")
+def report(tiny_dir, prompts_file, tmp_path_factory):
+  """One bench run for all the report tests: plain and n-gram at batch 1 (about 20 s, most of
+  it compiling; every batch size compiles every method again)."""
+  out = tmp_path_factory.mktemp("bench")
+  assert _bench(tiny_dir, prompts_file, out, "--methods", "ngram", "--per-category", "2",
+                *PEERS) == 0
+  return out, json.loads((out / "bench.json").read_text())
+
+
+def test_report_schema(report):
+  out, r = report
+  assert r["schema"] == "jaxspec-bench/1"
+  assert r["command"].startswith("jaxspec bench --model")
+  assert {"cpu", "cores", "accelerator"} <= set(r["machine"])
+  assert {"jax", "flax", "jaxspec"} <= set(r["versions"])
+  assert "commit" in r["git"]
+  assert list(r["methods"]) == ["none", "ngram"]  # plain is added: the speedups' baseline
+  assert r["categories"] == ["copy", "mixed"]
+  assert set(r["results"]) == {"1"}
+  for key in ("tokens_per_second", "speedup", "predicted_speedup", "latency_ms", "ttft_ms"):
+    assert key in r["definitions"]
+  for cat in ("copy", "mixed", "all"):
+    spec = r["results"]["1"]["ngram"][cat]
+    for key in ("tau", "acceptance_per_position", "conditional_acceptance_per_position",
+                "mean_k", "k_histogram", "compile_seconds", "predicted_speedup",
+                "predicted_decode_speedup", "achieved_over_predicted", "latency_ms",
+                "ttft_ms"):
+      assert key in spec, (cat, key)
+    assert spec["predicted_speedup"] > 0 and spec["tau"] >= 1
+    assert sum(spec["k_histogram"].values()) == spec["target_passes"]
+    # Acceptance is known where drafts were verified (k_max 2 positions), None where none were.
+    drafted = spec["target_passes"] > spec["plain_steps"]
+    assert (len(spec["acceptance_per_position"]) == 2) if drafted else (
+        spec["acceptance_per_position"] is None)
+    assert spec["matches_plain"] == 1.0  # greedy speculative output is plain's, token for token
+    lat = spec["latency_ms"]
+    assert lat["p50"] <= lat["p95"] <= lat["p99"] and spec["ttft_ms"]["mean"] > 0
+    assert r["results"]["1"]["none"][cat]["compile_seconds"] >= 0
+  runs = [x for x in r["runs"] if x["method"] == "ngram"]
+  assert sorted((x["category"], len(x["lengths"])) for x in runs) == [
+      ("copy", 1), ("mixed", 1), ("mixed", 1)]
+
+
+def test_batches_repeat_prompts_to_fill():
+  assert _groups(["a", "b", "c"], 2) == [["a", "b"], ["c", "a"]]
+  assert _groups(["a"], 3) == [["a", "a", "a"]]
+  assert _groups(["a", "b"], 1) == [["a"], ["b"]]
+
+
+def test_speedups_are_against_the_plain_run_of_the_same_invocation(report):
+  _, r = report
+  runs = r["runs"]
+  for b, by_method in r["results"].items():
+    for cat in ("copy", "mixed", "all"):
+      tps = {}
+      for m in ("none", "ngram"):
+        mine = [x for x in runs if x["method"] == m and x["batch_size"] == int(b)
+                and cat in ("all", x["category"])]
+        tokens, secs = sum(sum(x["lengths"]) for x in mine), sum(x["seconds"] for x in mine)
+        cell = by_method[m][cat]
+        assert cell["tokens"] == tokens and cell["seconds"] == pytest.approx(secs)
+        tps[m] = tokens / secs
+        assert cell["tokens_per_second"] == pytest.approx(tps[m])
+      assert by_method["none"][cat]["speedup"] == pytest.approx(1.0)
+      assert by_method["ngram"][cat]["speedup"] == pytest.approx(tps["ngram"] / tps["none"])
+      spec = by_method["ngram"][cat]
+      assert spec["achieved_over_predicted"] == pytest.approx(spec["speedup"]
+                                                              / spec["predicted_speedup"])
+
+
+def test_plots_and_table_are_written(report):
+  out, r = report
+  for name in ("speedup_by_category.png", "acceptance_by_position.png",
+               "throughput_vs_batch.png", "achieved_vs_predicted.png"):
+    assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert name in r["files"]
+  md = (out / "bench.md").read_text()
+  assert "## Batch 1" in md and "| ngram |" in md and "Speedup by category" in md
+
+
+def test_wrong_prompt_format_names_the_line_and_fields(tmp_path):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+  # --model does not exist: the error must come before any model is loaded.
+  with pytest.raises(SystemExit, match=r"bad\.jsonl:2: .*'prompt'.*'turns'.*'prompt_ids'"):
+    _bench(tmp_path / "no-model", bad, tmp_path / "o")
+  bad.write_text('{"prompt": "fine"}\nnot json\n')
+  with pytest.raises(SystemExit, match=r"bad\.jsonl:2: not valid JSON"):
+    _bench(tmp_path / "no-model", bad, tmp_path / "o")
+
+
+def test_unknown_method_lists_the_known_ones(prompts_file, tmp_path):
+  with pytest.raises(SystemExit, match="unknown method 'fast'.*none, ngram, medusa, mlp, eagle,"
+                                       " draft-model"):
+    _bench(tmp_path / "no-model", prompts_file, tmp_path / "o", "--methods", "none,fast")
+
+
+def test_missing_peer_package_names_the_extra(prompts_file, tmp_path, monkeypatch):
+  monkeypatch.setattr(peers, "_find_spec", lambda module: None)
+  with pytest.raises(SystemExit, match=r"needs torch, transformers, accelerate.*"
+                                       r"pip install 'jaxspec\[compare\]'"):
+    _bench(tmp_path / "no-model", prompts_file, tmp_path / "o", "--peers",
+           "transformers-prompt-lookup")
+  with pytest.raises(SystemExit, match=r"unknown peer 'vllm'.*transformers, "):
+    _bench(tmp_path / "no-model", prompts_file, tmp_path / "o", "--peers", "vllm")
+
+
+def test_transformers_peers(report):
+  missing = peers.missing_packages("transformers")
+  if missing:
+    pytest.skip(f"{', '.join(missing)} not installed (pip install 'jaxspec[compare]')")
+  _, r = report
+  assert r["peers_run"] == ["transformers", "transformers-prompt-lookup"]
+  assert "--draft-model" in r["skipped"]["transformers-assisted"]
+  assert {"torch", "transformers"} <= set(r["versions"]) and r["peer_threads"] >= 1
+  cells = r["results"]["1"]
+  hf, lookup = cells["transformers"]["all"], cells["transformers-prompt-lookup"]["all"]
+  assert lookup["baseline"] == "transformers"
+  assert lookup["speedup"] == pytest.approx(lookup["tokens_per_second"]
+                                            / hf["tokens_per_second"])
+  assert hf["vs_jaxspec_plain"] == pytest.approx(hf["tokens_per_second"]
+                                                 / cells["none"]["all"]["tokens_per_second"])
+  for run in r["runs"]:
+    assert 1 <= run["lengths"][0] <= 6
+  assert sum(x["method"] == "transformers-prompt-lookup" for x in r["runs"]) == 3
+  # The same prompt ids and greedy decoding in float32: transformers' tokens are jaxspec's.
+  assert hf["matches_plain"] == 1.0 and lookup["matches_plain"] == 1.0
