@@ -339,6 +339,14 @@ def machine() -> dict[str, Any]:
               jax_devices=len(devs), os=platform.platform())
 
 
+def _loadavg() -> list[float] | None:
+  """1, 5 and 15-minute load averages: other processes' share of a shared machine."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return None
+
+
 def threads() -> int:
   """CPU cores this process may use (what XLA's CPU thread pool sizes itself to)."""
   try:
@@ -433,7 +441,7 @@ def _run_jaxspec(target, drafter, method: Method, prompts, s: Settings) -> dict[
       for new, info in it:
         c = info.get("compile_seconds", 0.0) + info.get("profile_seconds", 0.0)
         if new:
-          chunks.append((float(info["seconds"]), len(new)))
+          chunks.append((round(float(info["seconds"]), 6), len(new)))
       return chunks, c
 
     chunks, c = stream()
@@ -453,7 +461,7 @@ def _run_peer(runner, name: str, prompts, stops, s: Settings) -> dict[str, Any]:
   for t, n in chunks:
     if seen >= n0:
       break
-    kept.append((t, min(n, n0 - seen)))
+    kept.append((round(t, 6), min(n, n0 - seen)))
     seen += kept[-1][1]
   return dict(lengths=[len(t) for t in r.tokens], seconds=float(r.seconds), rows=r.tokens,
               chunks=kept, compile_seconds=0.0, stats={})
@@ -659,7 +667,10 @@ def markdown(report: dict[str, Any]) -> str:
                      if k in v)
            + f"; commit {(report['git']['commit'] or '?')[:10]}"
            + (" (uncommitted changes)" if report["git"].get("dirty") else "")
-           + f"; {report['date']}.", "",
+           + f"; {report['date']}."
+           + (f" Load average (1 min) {m['load_average_at_start'][0]} at the start,"
+              f" {m['load_average_at_end'][0]} at the end."
+              if m.get("load_average_at_start") and m.get("load_average_at_end") else ""), "",
            f"Prompts: {s['prompts']} ({', '.join(report['categories'])}; {s['per_category']}"
            f" per category); {s['max_new_tokens']} new tokens;"
            f" temperature {s['temperature']}; num_draft_tokens {s['num_draft_tokens']}.", ""]
@@ -752,7 +763,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.axhline(1, color="k", lw=0.8)
   ax.set_xticks(np.arange(len(cats)), cats, rotation=30, ha="right")
   ax.set_ylabel("speedup over own plain decoding")
-  ax.set_title(f"Speedup by category (batch {b0}; peers hatched, over their own plain)")
+  ax.set_title(f"Speedup by category, batch {b0} (hatched: peers, over their own plain)",
+               fontsize=10)
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   files.append("speedup_by_category.png")
@@ -768,7 +780,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.set_xlabel("draft position")
   ax.set_ylabel("acceptance (unconditional)")
   ax.set_ylim(0, 1)
-  ax.set_title(f"Acceptance by draft position (batch {b0}, all categories)")
+  ax.set_title(f"Acceptance by draft position (batch {b0}, all categories)", fontsize=10)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8)
   fig.tight_layout()
@@ -784,9 +796,13 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     xs, ys = zip(*sorted(pts))
     ax.plot(xs, ys, marker="o", label=n, ls="--" if n in report["peers_run"] else "-")
   ax.set_xscale("log", base=2)
+  sizes = sorted(int(b) for b in res)
+  ax.set_xticks(sizes, [str(b) for b in sizes])
+  ax.minorticks_off()
+  ax.set_ylim(bottom=0)
   ax.set_xlabel("batch size")
   ax.set_ylabel("tokens/s")
-  ax.set_title("Throughput vs batch size (all categories)")
+  ax.set_title("Throughput vs batch size (all categories)", fontsize=10)
   ax.legend(fontsize=7)
   fig.tight_layout()
   files.append("throughput_vs_batch.png")
@@ -809,7 +825,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.plot(grid, 0.85 * grid, "k:", lw=0.8, label="0.85 × predicted")
   ax.set_xlabel("predicted speedup (cost model)")
   ax.set_ylabel("achieved speedup")
-  ax.set_title("Achieved vs predicted (per category)")
+  ax.set_title("Achieved vs predicted speedup (per category)", fontsize=10)
   ax.legend(fontsize=7)
   fig.tight_layout()
   files.append("achieved_vs_predicted.png")
@@ -856,6 +872,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   from jaxspec.models.loading import load
   from jaxspec.train.data import encode_prompts, make_progress
   t_start = time.perf_counter()
+  load_start = _loadavg()
   target = load(s.model)
   drafters: dict[str, Any] = {}
   notes: dict[str, str] = {}
@@ -940,7 +957,9 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   settings["prompts"] = s.prompts or f"built-in demo set ({DEMO_PROMPTS.name})"
   report = dict(
       schema=SCHEMA, command="jaxspec " + shlex.join(["bench"] if argv is None else argv),
-      date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine(), versions=vers,
+      date=time.strftime("%Y-%m-%d %H:%M:%S"),
+      machine=dict(machine(), load_average_at_start=load_start, load_average_at_end=_loadavg()),
+      versions=vers,
       git=git_commit(), settings=settings, model=target.name, categories=cats,
       methods={n: METHODS[n].description for n in s.methods},
       drafters=notes, peers_run=peers,
@@ -951,9 +970,16 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   report["goals"] = goals(results, s)
   report["files"] = ["bench.json", "bench.md"] + plots(report, out_dir)
   (out_dir / "bench.md").write_text(markdown(report), encoding="utf-8")
-  (out_dir / "bench.json").write_text(json.dumps(report, indent=1, default=float) + "\n",
-                                      encoding="utf-8")
+  (out_dir / "bench.json").write_text(to_json(report), encoding="utf-8")
   return report
+
+
+def to_json(report: dict[str, Any]) -> str:
+  """The report as JSON: indented, except one line per raw run (their step timings are long)."""
+  head = {k: v for k, v in report.items() if k != "runs"}
+  text = json.dumps(head, indent=1, default=float)
+  runs = ",\n  ".join(json.dumps(r, default=float) for r in report["runs"])
+  return text[:-2] + ',\n "runs": [\n  ' + runs + '\n ]\n}\n'
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxspec import peers
-from jaxspec.bench import _groups
+from jaxspec.bench import _groups, expected_tokens, latency_samples, predicted_times
 from jaxspec.cli import main
 from jaxspec.models.hf_loader import save_hf
 
@@ -164,3 +164,18 @@ def test_transformers_peers(report):
   assert sum(x["method"] == "transformers-prompt-lookup" for x in r["runs"]) == 3
   # The same prompt ids and greedy decoding in float32: transformers' tokens are jaxspec's.
   assert hf["matches_plain"] == 1.0 and lookup["matches_plain"] == 1.0
+
+
+def test_latency_and_prediction_arithmetic():
+  # Row 0 got 1 token at 0.1 s (the first), 2 at 0.2 s, 1 at 0.5 s.
+  ttft, xs = latency_samples([(0.1, 1), (0.2, 2), (0.5, 1)])
+  assert ttft == 0.1 and xs == pytest.approx([0.05, 0.05, 0.3])
+  assert expected_tokens([0.5, 0.5], 2) == 1.75 and expected_tokens([0.5], 3) == 1.5
+  # Steps verifying k = 2, 2, 0 drafts, always accepted: 3 + 3 + 1 tokens; c(0) = 10 ms,
+  # c(2) = 20 ms; 7 tokens after a 0.1 s prefill.
+  run = dict(lengths=[7], stats=dict(cost_model={"0": 0.01, "2": 0.02}, k_per_step=[2, 2, 0],
+                                     conditional_acceptance_per_position=[1.0, 1.0]))
+  p = predicted_times(run, 0.1)
+  assert p["plain"] == pytest.approx(0.1 + 6 * 0.01)
+  assert p["spec"] == pytest.approx(0.1 + 7 * (0.05 / 3) / (7 / 3))
+  assert p["decode"] == pytest.approx(0.01 * (7 / 3) / (0.05 / 3))
