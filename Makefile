@@ -24,7 +24,18 @@ test: $(VENV)/.installed
 notebooks: $(VENV)/.installed
 	$(PY) tests/notebooks_run.py
 
+# `jaxspec bench` with the peers needs the compare extra (torch from the local CPU wheel); the
+# draft model is distilled once into benchmarks/cache/ (git-ignored) when missing.
+DRAFT_MODEL ?= benchmarks/cache/draft-model
 bench: $(VENV)/.installed
+	$(PY) -m pip install -q -c constraints.txt -e ".[compare]"
+	test -f $(DRAFT_MODEL)/config.json || $(VENV)/bin/jaxspec train draft-model --out $(DRAFT_MODEL) \
+	  --prompts ../shared/data/gsm8k_train.jsonl ../shared/data/humaneval.jsonl \
+	  ../shared/data/self_instruct_seed_tasks.jsonl --max-prompts 160 --steps 150 --no-progress
+	$(VENV)/bin/jaxspec bench --prompts ../shared/data/spec_bench_dev.jsonl --categories mt-bench \
+	  --per-category 2 --methods none,ngram,medusa,mlp,eagle,draft-model \
+	  --draft-model $(DRAFT_MODEL) --peers transformers,transformers-prompt-lookup,transformers-assisted \
+	  --out benchmarks/results/bench
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_adaptive.py --ks 2,4 --repeats 1 --sweep-repeats 3
