@@ -872,7 +872,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   from jaxspec.models.loading import load
   from jaxspec.train.data import encode_prompts, make_progress
   t_start = time.perf_counter()
-  load_start = _loadavg()
+  load_start, git = _loadavg(), git_commit()  # as the run starts
   target = load(s.model)
   drafters: dict[str, Any] = {}
   notes: dict[str, str] = {}
@@ -960,7 +960,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
       date=time.strftime("%Y-%m-%d %H:%M:%S"),
       machine=dict(machine(), load_average_at_start=load_start, load_average_at_end=_loadavg()),
       versions=vers,
-      git=git_commit(), settings=settings, model=target.name, categories=cats,
+      git=git, settings=settings, model=target.name, categories=cats,
       methods={n: METHODS[n].description for n in s.methods},
       drafters=notes, peers_run=peers,
       peer_descriptions={p: PEERS[p].description for p in peers},
