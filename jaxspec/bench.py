@@ -20,7 +20,6 @@ an entry. Definitions of every number are in `DEFINITIONS` and in the JSON.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -28,11 +27,12 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 SCHEMA = "jaxspec-bench/1"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -222,7 +222,7 @@ def read_prompts(path: str | os.PathLike | None) -> list[tuple[str, Any]]:
   None). A line is a JSON object with a prompt field ('prompt', 'turns' (Spec-Bench: the first
   turn), 'question', 'instruction' or 'prompt_ids') and optionally 'category' (default
   "default")."""
-  from jaxspec.train.data import _line_prompt
+  from jaxspec.train.data import _line_prompt, json_lines
   path = DEMO_PROMPTS if path is None else Path(path)
   if not path.is_file():
     raise BenchError(f"prompt file {path} does not exist: pass a JSON-lines file (e.g."
@@ -231,24 +231,15 @@ def read_prompts(path: str | os.PathLike | None) -> list[tuple[str, Any]]:
   expected = ("expected one JSON object per line with a prompt field ('prompt', 'turns',"
               " 'question', 'instruction' or 'prompt_ids') and optionally 'category'")
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise BenchError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {expected}")\
-            from None
-      try:
-        prompt = _line_prompt(obj, where)
-      except ValueError as e:
-        raise BenchError(f"{e}; {expected}") from None
-      cat = obj.get("category", "default")
-      if not isinstance(cat, str) or not cat:
-        raise BenchError(f"{where}: 'category' must be a non-empty string, got {cat!r}")
-      rows.append((cat, prompt))
+  for where, obj in json_lines(path, expected, BenchError):
+    try:
+      prompt = _line_prompt(obj, where)
+    except ValueError as e:
+      raise BenchError(f"{e}; {expected}") from None
+    cat = obj.get("category", "default")
+    if not isinstance(cat, str) or not cat:
+      raise BenchError(f"{where}: 'category' must be a non-empty string, got {cat!r}")
+    rows.append((cat, prompt))
   if not rows:
     raise BenchError(f"prompt file {path} holds no prompts: {expected}")
   return rows
@@ -359,7 +350,6 @@ def versions() -> dict[str, str]:
   import flax
   import jax
   import jaxlib
-  import numpy as np
 
   import jaxspec
   return dict(python=platform.python_version(), jaxspec=jaxspec.__version__,
@@ -472,7 +462,6 @@ def _run_peer(runner, name: str, prompts, stops, s: Settings) -> dict[str, Any]:
 
 
 def _percentiles(xs: Sequence[float]) -> dict[str, float] | None:
-  import numpy as np
   if not len(xs):
     return None
   a = np.asarray(xs, np.float64) * 1e3
@@ -492,13 +481,21 @@ def latency_samples(chunks: Sequence[tuple[float, int]]) -> tuple[float | None, 
   return chunks[0][0], out
 
 
+def expected_tokens_by_k(alpha: Sequence[float], k_max: int) -> np.ndarray:
+  """E(k) for k = 0..k_max: `jaxspec.adaptive.expected_tokens` (the controller's own formula)
+  for measured per-position acceptance alpha (positions beyond those measured: 0)."""
+  import jax.numpy as jnp
+
+  from jaxspec.adaptive import expected_tokens as controller_expected
+  a = np.zeros((1, max(k_max, 1)), np.float32)
+  n = min(len(alpha), k_max)
+  a[0, :n] = np.asarray(alpha[:n], np.float32)
+  return np.asarray(controller_expected(jnp.asarray(a), tuple(range(k_max + 1))))[0]
+
+
 def expected_tokens(alpha: Sequence[float], k: int) -> float:
   """E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i (alpha beyond the measured positions: 0)."""
-  e, reach = 1.0, 1.0
-  for i in range(k):
-    reach *= alpha[i] if i < len(alpha) else 0.0
-    e += reach
-  return e
+  return float(expected_tokens_by_k(alpha, k)[k])
 
 
 def predicted_times(run: dict[str, Any], prefill_s: float | None) -> dict[str, float] | None:
@@ -513,7 +510,7 @@ def predicted_times(run: dict[str, Any], prefill_s: float | None) -> dict[str, f
   alpha = st.get("conditional_acceptance_per_position") or []
   c = model.at(list(ks))
   c0 = float(model.at([0])[0])
-  e_bar = sum(expected_tokens(alpha, int(k)) for k in ks) / len(ks)
+  e_bar = float(expected_tokens_by_k(alpha, max(ks))[np.asarray(ks, int)].mean())
   c_bar = float(sum(c)) / len(ks)
   n = max(run["lengths"])
   p = prefill_s or 0.0
@@ -523,7 +520,6 @@ def predicted_times(run: dict[str, Any], prefill_s: float | None) -> dict[str, f
 
 def _pool(runs: list[dict[str, Any]], key: str) -> list[float] | None:
   """A per-position list pooled over runs, weighted by their drafting passes."""
-  import numpy as np
   vs, ws = [], []
   for r in runs:
     st = r.get("stats", {})
@@ -745,11 +741,19 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
   res = report["results"]
   b0 = str(min(int(b) for b in res))
   by_m = res[b0]
   files = []
+
+  def save(fig, ax, title, name, **legend):
+    ax.set_title(title, fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(out / name)
+    plt.close(fig)
+    files.append(name)
 
   # 1. Speedup by category and method (smallest batch).
   names = [n for n in by_m if n not in ("none", "transformers", "llama.cpp")]
@@ -763,13 +767,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.axhline(1, color="k", lw=0.8)
   ax.set_xticks(np.arange(len(cats)), cats, rotation=30, ha="right")
   ax.set_ylabel("speedup over own plain decoding")
-  ax.set_title(f"Speedup by category, batch {b0} (hatched: peers, over their own plain)",
-               fontsize=10)
-  ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  files.append("speedup_by_category.png")
-  fig.savefig(out / files[-1])
-  plt.close(fig)
+  save(fig, ax, f"Speedup by category, batch {b0} (hatched: peers, over their own plain)",
+       "speedup_by_category.png", fontsize=7, ncol=2)
 
   # 2. Acceptance by draft position.
   fig, ax = plt.subplots(figsize=(6, 3.8), dpi=100)
@@ -780,13 +779,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.set_xlabel("draft position")
   ax.set_ylabel("acceptance (unconditional)")
   ax.set_ylim(0, 1)
-  ax.set_title(f"Acceptance by draft position (batch {b0}, all categories)", fontsize=10)
-  if ax.get_legend_handles_labels()[0]:
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  files.append("acceptance_by_position.png")
-  fig.savefig(out / files[-1])
-  plt.close(fig)
+  save(fig, ax, f"Acceptance by draft position (batch {b0}, all categories)",
+       "acceptance_by_position.png", fontsize=8)
 
   # 3. Throughput vs batch size.
   fig, ax = plt.subplots(figsize=(6, 3.8), dpi=100)
@@ -802,12 +796,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.set_ylim(bottom=0)
   ax.set_xlabel("batch size")
   ax.set_ylabel("tokens/s")
-  ax.set_title("Throughput vs batch size (all categories)", fontsize=10)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  files.append("throughput_vs_batch.png")
-  fig.savefig(out / files[-1])
-  plt.close(fig)
+  save(fig, ax, "Throughput vs batch size (all categories)", "throughput_vs_batch.png",
+       fontsize=7)
 
   # 4. Achieved vs predicted speedup, one point per method and category.
   fig, ax = plt.subplots(figsize=(5, 4.5), dpi=100)
@@ -825,12 +815,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
   ax.plot(grid, 0.85 * grid, "k:", lw=0.8, label="0.85 × predicted")
   ax.set_xlabel("predicted speedup (cost model)")
   ax.set_ylabel("achieved speedup")
-  ax.set_title("Achieved vs predicted speedup (per category)", fontsize=10)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  files.append("achieved_vs_predicted.png")
-  fig.savefig(out / files[-1])
-  plt.close(fig)
+  save(fig, ax, "Achieved vs predicted speedup (per category)", "achieved_vs_predicted.png",
+       fontsize=7)
   return files
 
 
@@ -864,8 +850,6 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
       peers.remove(p)
   out_dir = Path(s.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-
-  import jax
 
   from jaxspec.generate import stop_ids_for
   from jaxspec.models.errors import CheckpointError

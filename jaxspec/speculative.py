@@ -384,7 +384,7 @@ def _tree_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, policy, max_
   """One tree step: the drafter's tree, one target pass over all its nodes, the tree rule,
   and the accepted path committed as a chain of the same length would be."""
   from jaxspec import tree as tree_lib
-  live, kd, kv, last = _step_inputs(s)
+  _, kd, kv, last = _step_inputs(s)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
   prop, dstate = drafter.propose_tree(dparams, s.draft_state, ctx, sp, kd)
   tokens = prop.tokens.at[:, 0].set(last)

@@ -104,6 +104,27 @@ def is_eval_file(path: str | os.PathLike) -> bool:
   return "spec_bench" in Path(path).name.lower()
 
 
+def json_lines(path: Path, expected: str, error: type[Exception] | None = None):
+  """(where, parsed object) for every non-blank line of a JSON-lines file, where = "path:line".
+
+  Raises:
+    `error` (default DataError): a line is not valid JSON (the message names it and ends with
+    `expected`).
+  """
+  error = DataError if error is None else error
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {expected}")\
+            from None
+      yield where, obj
+
+
 def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
   """All prompts of one JSON-lines file, in file order (blank lines are skipped).
 
@@ -117,18 +138,8 @@ def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
     raise DataError(f"prompt file {path} {what}: pass JSON-lines files (training prompts are in"
                     " ../shared/data/: gsm8k_train.jsonl, humaneval.jsonl,"
                     " self_instruct_seed_tasks.jsonl)")
-  prompts = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): every line"
-                        " must be one JSON object") from None
-      prompts.append(_line_prompt(obj, where))
+  prompts = [_line_prompt(obj, where)
+             for where, obj in json_lines(path, "every line must be one JSON object")]
   if not prompts:
     raise DataError(f"prompt file {path} is empty: it needs one JSON object per line")
   return prompts
