@@ -33,7 +33,7 @@ bench: $(VENV)/.installed
 	  --prompts ../shared/data/gsm8k_train.jsonl ../shared/data/humaneval.jsonl \
 	  ../shared/data/self_instruct_seed_tasks.jsonl --max-prompts 160 --steps 150 --no-progress
 	$(VENV)/bin/jaxspec bench --prompts ../shared/data/spec_bench_dev.jsonl --categories mt-bench \
-	  --per-category 2 --methods none,ngram,medusa,mlp,eagle,draft-model \
+	  --per-category 2 --methods none,ngram,medusa,mlp,eagle,eagle-tree,draft-model \
 	  --draft-model $(DRAFT_MODEL) --peers transformers,transformers-prompt-lookup,transformers-assisted \
 	  --out benchmarks/results/bench
 	$(PY) benchmarks/bench_generate.py

@@ -1,7 +1,7 @@
 """`jaxspec bench`: every method on a prompt set, beside plain decoding and peer libraries.
 
     jaxspec bench --prompts ../shared/data/spec_bench_dev.jsonl --categories mt-bench \\
-        --methods none,ngram,medusa,mlp,eagle,draft-model --batch-sizes 1,8 \\
+        --methods none,ngram,medusa,mlp,eagle,eagle-tree,draft-model --batch-sizes 1,8 \\
         --peers transformers,transformers-prompt-lookup --out bench_out
 
 For every batch size, category and batch of prompts, all methods (jaxspec's and the peers')
@@ -71,6 +71,18 @@ def _named(spec: str, what: str):
   return make
 
 
+def _tree(spec: str, what: str):
+  """A head drafting a tree of `--tree-size` nodes (`jaxspec.tree.default_tree`: EAGLE-2's
+  dynamic tree for EAGLE, the best static tree from the measured top-k accuracies for Medusa)."""
+  def make(target, s):
+    from jaxspec.drafters import resolve_drafter
+    from jaxspec.tree import default_tree
+    drafter = resolve_drafter(target, spec)
+    tree = default_tree(drafter, s.tree_size)
+    return drafter.with_tree(tree), f"{what}, {tree.describe()}"
+  return make
+
+
 def _draft_model(target, s):
   if s.draft_model:
     from jaxspec.drafters import resolve_drafter
@@ -89,6 +101,10 @@ METHODS: dict[str, Method] = {
                   make=_named("mlp", "bundled MLP speculator (jaxspec/assets/heads/mlp)")),
     "eagle": Method(description="EAGLE-3 head",
                     make=_named("eagle", "bundled EAGLE-3 head (jaxspec/assets/heads/eagle)")),
+    "eagle-tree": Method(description="EAGLE-3 head, EAGLE-2 dynamic tree (--tree-size nodes)",
+                         make=_tree("eagle", "bundled EAGLE-3 head")),
+    "medusa-tree": Method(description="Medusa head, static tree (--tree-size nodes)",
+                          make=_tree("medusa", "bundled Medusa head")),
     "draft-model": Method(description="draft model (--draft-model; default the int8 target)",
                           make=_draft_model),
 }
@@ -156,6 +172,7 @@ class Settings:
   seed: int = 0
   num_draft_tokens: int | str = "auto"
   k_max: int | None = None
+  tree_size: int = 8
   draft_model: str | None = None
   lookup_tokens: int = 10
   chat: bool = True
@@ -280,6 +297,11 @@ def settings_from_args(args) -> Settings:
     raise BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   if args.per_category < 1:
     raise BenchError(f"--per-category must be >= 1, got {args.per_category}")
+  tree_size = getattr(args, "tree_size", 8)
+  from jaxspec.tree import MAX_NODES
+  if not 1 <= tree_size < MAX_NODES:
+    raise BenchError(f"--tree-size must be a number of tree nodes in 1..{MAX_NODES - 1}, got"
+                     f" {tree_size}")
   methods = parse_methods(args.methods)
   if "none" not in methods:  # every speedup needs the plain run of the same invocation
     methods = ("none",) + methods
@@ -294,7 +316,7 @@ def settings_from_args(args) -> Settings:
                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                   num_draft_tokens=args.num_draft_tokens, k_max=args.k_max,
-                  draft_model=args.draft_model, lookup_tokens=args.lookup_tokens,
+                  tree_size=tree_size, draft_model=args.draft_model, lookup_tokens=args.lookup_tokens,
                   chat=not args.no_chat, latency=not args.no_latency, out=args.out,
                   progress=not args.no_progress)
 
@@ -384,6 +406,8 @@ def _spec_kwargs(s: Settings, drafter, method: Method) -> dict[str, Any]:
   from jaxspec.adaptive import AutoK
   limit = getattr(drafter, "max_draft_tokens", None)
   kw: dict[str, Any] = dict(method.options)
+  if getattr(drafter, "tree", None) is not None:
+    return kw  # the tree sets how far it drafts (num_draft_tokens stays "auto")
   if s.num_draft_tokens == "auto":
     k_max = s.k_max if s.k_max is not None else AutoK().k_max
     kw.update(num_draft_tokens="auto", auto=AutoK(k_max=min(k_max, limit or k_max)))
@@ -998,6 +1022,9 @@ def add_bench_parser(sub) -> None:
   p.add_argument("--k-max", type=int, default=None,
                  help="the most drafts per step with 'auto' (default 8, capped at a head's"
                       " limit)")
+  p.add_argument("--tree-size", type=int, default=8,
+                 help="nodes of the eagle-tree and medusa-tree methods' trees (default 8, the"
+                      " fastest size on a 2-core CPU; EAGLE-2 uses 60 on GPUs)")
   p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
   p.add_argument("--draft-model", default=None, metavar="PATH",
                  help="draft model (Hugging Face directory or .gguf) for the draft-model"

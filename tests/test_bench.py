@@ -6,7 +6,8 @@ import json
 import pytest
 
 from jaxspec import peers
-from jaxspec.bench import _groups, expected_tokens, latency_samples, predicted_times
+from jaxspec.bench import (METHODS, Settings, _groups, _spec_kwargs, expected_tokens,
+                           latency_samples, predicted_times)
 from jaxspec.cli import main
 from jaxspec.models.hf_loader import save_hf
 
@@ -130,8 +131,27 @@ def test_wrong_prompt_format_names_the_line_and_fields(tmp_path):
 
 def test_unknown_method_lists_the_known_ones(prompts_file, tmp_path):
   with pytest.raises(SystemExit, match="unknown method 'fast'.*none, ngram, medusa, mlp, eagle,"
-                                       " draft-model"):
+                                       " eagle-tree, medusa-tree, draft-model"):
     _bench(tmp_path / "no-model", prompts_file, tmp_path / "o", "--methods", "none,fast")
+
+
+def test_tree_size_is_checked_before_loading(prompts_file, tmp_path):
+  for bad in ("0", "256"):
+    with pytest.raises(SystemExit, match=f"--tree-size must be .* 1..255, got {bad}"):
+      _bench(tmp_path / "no-model", prompts_file, tmp_path / "o", "--methods", "eagle-tree",
+             "--tree-size", bad)
+
+
+def test_tree_methods_draft_trees(smollm2):
+  """eagle-tree / medusa-tree: the bundled heads with a --tree-size tree; the tree sets the
+  depth, so no num_draft_tokens is passed (speculative_generate refuses one with a tree)."""
+  s = Settings(methods=("none", "eagle-tree", "medusa-tree"), tree_size=6,
+               num_draft_tokens=3)
+  for name, kind in (("eagle-tree", "DynamicTree"), ("medusa-tree", "Tree")):
+    drafter, what = METHODS[name].make(smollm2, s)
+    assert type(drafter.tree).__name__ == kind and "tree" in what
+    assert drafter.tree.num_nodes == 6 + 1  # the root (the last accepted token) and 6 drafts
+    assert _spec_kwargs(s, drafter, METHODS[name]) == {}
 
 
 def test_missing_peer_package_names_the_extra(prompts_file, tmp_path, monkeypatch):
