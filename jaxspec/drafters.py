@@ -28,7 +28,7 @@ from jax import lax
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Hidden, KVCache, Params, forward, init_cache
+from jaxspec.models.llama import Hidden, KVCache, Params, forward, init_cache, write_cache
 from jaxspec.models.model import Model
 
 
@@ -234,8 +234,30 @@ class DraftModel(Drafter):
     return Proposal(tokens=drafts, q=qs), DraftModelState(cache)
 
   def commit(self, params, state: DraftModelState, ctx) -> DraftModelState:
-    cache = dataclasses.replace(state.cache, length=jnp.maximum(ctx.seq_len - 2, 0))
-    return DraftModelState(cache)
+    """Moves the draft cache to [0, seq_len - 2). After a drafting step it already holds those
+    positions (and rejected drafts past them, dropped by the length). After a plain step (the
+    controller chose k = 0, or nothing was drafted) the draft model never saw the newest token:
+    it runs one token, the one at position `length`, so the cache has no hole."""
+    want = jnp.maximum(ctx.seq_len - 2, 0)
+    cache = state.cache
+    behind = cache.length < want  # by one token at most: a plain step emits one
+
+    def catch_up(_):
+      pos = jnp.minimum(cache.length, ctx.seq.shape[1] - 1)
+      tok = jnp.take_along_axis(ctx.seq, pos[:, None], axis=1)  # [B, 1]
+      _, _, kv = forward(params, tok, cache, self.cfg, logits=False, write=False)
+      return kv
+
+    def skip(_):
+      shape = (self.cfg.num_layers, cache.batch_size, 1, self.cfg.num_kv_heads,
+               self.cfg.head_dim)
+      return jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype)
+
+    # Written outside the cond (so the cache is not passed through it). A row that is not
+    # behind gets a write at its `length`, at or past `want`: outside what the length keeps.
+    k_new, v_new = lax.cond(jnp.any(behind), catch_up, skip, None)
+    cache = write_cache(cache, k_new, v_new, positions_start=cache.length)
+    return DraftModelState(dataclasses.replace(cache, length=want))
 
 
 

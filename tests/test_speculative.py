@@ -196,6 +196,29 @@ def test_ngram_drafts_copy_the_most_recent_match():
 # Bad input.
 
 
+def test_draft_model_cache_has_no_hole_after_plain_steps(tiny_target):
+  """With "auto" a step may be plain (k = 0): the draft model does not propose, and its commit
+  must still bring the draft cache up to the new token, or its later drafts are computed over
+  a cache with holes (exact output, but acceptance collapses: the self-draft below would stop
+  matching the target). Regression: plain steps used to move only the length."""
+  from jaxspec.drafters import DraftContext
+  from jaxspec.sampling import GREEDY, row_keys
+  prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+  full = prompt + generate(tiny_target, [prompt], max_new_tokens=10, stop_ids=()).row(0)
+  d, n, size = DraftModel(tiny_target), len(prompt), 48
+  seq = lambda toks: jnp.zeros((1, size), jnp.int32).at[0, :len(toks)].set(jnp.array(toks))
+  ctx = lambda m: DraftContext(seq=seq(full[:m]), seq_len=jnp.array([m]),
+                               prompt_len=jnp.array([n]))
+  sp, keys = GREEDY.arrays(1), row_keys(jax.random.key(0), 1)
+  commit = jax.jit(d.commit)
+  state = jax.jit(d.init, static_argnums=3)(d.params, seq(prompt), jnp.array([n]), size)
+  for m in range(n + 1, n + 6):  # five plain steps: one new token each, no proposal
+    state = commit(d.params, state, ctx(m))
+  prop, _ = jax.jit(d.propose, static_argnums=3)(d.params, state, ctx(n + 5), 4, sp, keys)
+  # The target drafting for itself proposes exactly what the target then generates.
+  assert prop.tokens[0].tolist() == full[n + 5:n + 9]
+
+
 def test_bad_drafter_and_k(tiny_target):
   other = tiny_config(vocab_size=64)
   with pytest.raises(ValueError, match="draft vocab 64 != target vocab 128"):
