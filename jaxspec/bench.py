@@ -297,11 +297,10 @@ def settings_from_args(args) -> Settings:
     raise BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   if args.per_category < 1:
     raise BenchError(f"--per-category must be >= 1, got {args.per_category}")
-  tree_size = getattr(args, "tree_size", 8)
   from jaxspec.tree import MAX_NODES
-  if not 1 <= tree_size < MAX_NODES:
+  if not 1 <= args.tree_size < MAX_NODES:
     raise BenchError(f"--tree-size must be a number of tree nodes in 1..{MAX_NODES - 1}, got"
-                     f" {tree_size}")
+                     f" {args.tree_size}")
   methods = parse_methods(args.methods)
   if "none" not in methods:  # every speedup needs the plain run of the same invocation
     methods = ("none",) + methods
@@ -316,7 +315,8 @@ def settings_from_args(args) -> Settings:
                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                   num_draft_tokens=args.num_draft_tokens, k_max=args.k_max,
-                  tree_size=tree_size, draft_model=args.draft_model, lookup_tokens=args.lookup_tokens,
+                  tree_size=args.tree_size, draft_model=args.draft_model,
+                  lookup_tokens=args.lookup_tokens,
                   chat=not args.no_chat, latency=not args.no_latency, out=args.out,
                   progress=not args.no_progress)
 

@@ -192,10 +192,6 @@ def test_ngram_drafts_copy_the_most_recent_match():
   np.testing.assert_array_equal(prop.tokens[0, :3], [6, 4, 5])
 
 
-# ----------------------------------------------------------------------------------------------
-# Bad input.
-
-
 def test_draft_model_cache_has_no_hole_after_plain_steps(tiny_target):
   """With "auto" a step may be plain (k = 0): the draft model does not propose, and its commit
   must still bring the draft cache up to the new token, or its later drafts are computed over
@@ -217,6 +213,10 @@ def test_draft_model_cache_has_no_hole_after_plain_steps(tiny_target):
   prop, _ = jax.jit(d.propose, static_argnums=3)(d.params, state, ctx(n + 5), 4, sp, keys)
   # The target drafting for itself proposes exactly what the target then generates.
   assert prop.tokens[0].tolist() == full[n + 5:n + 9]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input.
 
 
 def test_bad_drafter_and_k(tiny_target):
