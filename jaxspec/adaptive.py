@@ -183,19 +183,31 @@ def acceptance_estimate(counts: AcceptanceCounts, prior: tuple[float, float],
 
 
 def update_counts(counts: AcceptanceCounts, decay: float, verified: jax.Array,
-                  n_real: jax.Array, n_accepted: jax.Array) -> AcceptanceCounts:
+                  n_real: jax.Array, n_accepted: jax.Array, shadow: jax.Array | None = None,
+                  shadow_hit: jax.Array | None = None) -> AcceptanceCounts:
   """Decays the counts and adds one step's observations.
 
   Args:
     verified: [B] bool rows whose drafts were verified this step (live, k > 0).
     n_real: [B] real drafts verified per row (min(k, what the drafter proposed)).
     n_accepted: [B] drafts accepted per row.
+    shadow: [B] bool rows that had a deterministic first draft but took a plain step; the
+      token the step emitted tells whether that draft would have been accepted: greedily the
+      draft is accepted iff it is the target's argmax, the emitted token; under sampling a
+      one-hot draft x is accepted with probability p(x), the chance that the emitted token
+      (drawn from p) is x. So the first position's count learns from plain steps too, with no
+      verify spent on probing.
+    shadow_hit: [B] bool the emitted token equals that first draft.
   """
   k = counts.tried.shape[1]
   i = jnp.arange(k)[None, :]
   acc = jnp.minimum(n_accepted, n_real)[:, None]
   tried = (i < jnp.minimum(acc + 1, n_real[:, None])) & verified[:, None]
   accepted = (i < acc) & verified[:, None]
+  if shadow is not None:
+    first = i == 0
+    tried = tried | (first & shadow[:, None])
+    accepted = accepted | (first & (shadow & shadow_hit)[:, None])
   return AcceptanceCounts(tried=decay * counts.tried + tried,
                           accepted=decay * counts.accepted + accepted)
 

@@ -327,13 +327,15 @@ def _slice_proposal(prop: Proposal, k: int, n_valid_all: jax.Array) -> Proposal:
                   n_valid=jnp.minimum(n_valid_all, k))
 
 
-def _finish_step(s: SpecState, out, *, policy, max_new_tokens, stop_ids):
+def _finish_step(s: SpecState, out, *, policy, max_new_tokens, stop_ids, shadow_draft=None):
   """Commits one verify pass's outcome to the target side of the state.
 
   Writes the new block to the cache and rolls it back to what was accepted, appends the emitted
   tokens (cut at a stop token and at max_new_tokens), updates the acceptance counts and the
   statistics. Returns the new state (draft_state untouched) and the `DraftContext` the
-  drafter's `commit` reads.
+  drafter's `commit` reads. shadow_draft [B] (or None): each row's deterministic first draft
+  (-1: none) when drafts were proposed before the choice; a plain step then still tells the
+  acceptance model whether that draft would have been accepted.
   """
   n_acc, emitted, hidden, (k_new, v_new), n_valid, k_used = out
   kmax = policy.k_max
@@ -358,7 +360,11 @@ def _finish_step(s: SpecState, out, *, policy, max_new_tokens, stop_ids):
                      hidden_pos=jnp.maximum(n_emit - 1, 0), n_new=n_emit)
   verified = live & (k_used > 0)
   n_real = jnp.where(verified, jnp.minimum(n_valid, k_used), 0)
-  counts = adaptive.update_counts(s.counts, policy.decay, verified, n_real, n_acc)
+  shadow = hit = None
+  if shadow_draft is not None:
+    shadow = live & (k_used == 0) & (shadow_draft >= 0)
+    hit = emitted[:, 0] == shadow_draft
+  counts = adaptive.update_counts(s.counts, policy.decay, verified, n_real, n_acc, shadow, hit)
   acc_eff = jnp.where(live, jnp.minimum(n_acc, n_emit), 0)
   st = s.stats
   steps = st.target_passes
@@ -454,8 +460,11 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
     return run
 
   out, dstate = lax.switch(idx, [branch(k) for k in policy.buckets], s.cache)
+  shadow_draft = None
+  if policy.auto and drafter.free_proposals and prop_all.q is None and kmax > 0:
+    shadow_draft = jnp.where(nv_all > 0, prop_all.tokens[:, 0], -1)
   new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
-                          stop_ids=stop_ids)
+                          stop_ids=stop_ids, shadow_draft=shadow_draft)
   return dataclasses.replace(new, draft_state=drafter.commit(dparams, dstate, ctx))
 
 

@@ -112,6 +112,32 @@ def test_estimate_and_expected_tokens():
   assert e[0, 0] <= 2.0
 
 
+def test_plain_steps_observe_a_free_first_draft():
+  """A plain step still says whether an n-gram's first draft would have been accepted: the
+  estimate follows with no verify spent on probing, and the controller acts on it."""
+  ks, costs = (0, 1, 2), jnp.asarray([1.0, 1.6, 2.0])
+  none, zero = jnp.array([False, False]), jnp.array([0, 0])
+  counts = adaptive.init_counts(2, 2)
+  alpha = adaptive.acceptance_estimate(counts, (0.5, 0.5))
+  # At the prior (alpha 0.5) drafts do not pay for a 1.6x or 2x step: nothing is verified...
+  assert int(adaptive.choose(alpha[:1], none[:1] | True, costs, ks)[0]) == 0
+  # ... but plain steps show row 0's first draft would have been right every time, row 1's never.
+  for _ in range(30):
+    counts = adaptive.update_counts(counts, 0.95, none, zero, zero, shadow=jnp.array([True, True]),
+                                    shadow_hit=jnp.array([True, False]))
+  est = np.asarray(adaptive.acceptance_estimate(counts, (0.5, 0.5)))
+  assert est[0, 0] > 0.9 and est[1, 0] < 0.1
+  assert est[0, 1] > 0.8  # the untried second position follows the row's pooled rate
+  one = jnp.array([True])
+  assert ks[int(adaptive.choose(jnp.asarray(est[:1]), one, costs, ks)[0])] == 2
+  assert ks[int(adaptive.choose(jnp.asarray(est[1:]), one, costs, ks)[0])] == 0
+  # A row without a shadow observation only decays.
+  same = adaptive.update_counts(counts, 0.95, none, zero, zero, shadow=jnp.array([False, False]),
+                                shadow_hit=jnp.array([True, True]))
+  np.testing.assert_allclose(np.asarray(same.tried), 0.95 * np.asarray(counts.tried))
+  np.testing.assert_allclose(np.asarray(same.accepted), 0.95 * np.asarray(counts.accepted))
+
+
 # ----------------------------------------------------------------------------------------------
 # Exactness with "auto".
 

@@ -9,6 +9,9 @@ from jaxspec.generate import generate
 from jaxspec.speculative import speculative_generate
 
 N = 128
+# The speculative equality tests decode the first NS of those steps (the whole 128 cost a
+# minute of the suite and test nothing the first 64 do not).
+NS = 64
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +57,10 @@ def test_greedy_continuations_match_hugging_face(ref, greedy):
 def test_ngram_speculation_is_exact_on_smollm2(smollm2, greedy):
   prompts, ours = greedy
   pick = [10, 6, 23, 0]  # summarization-, rag-, stem- and coding-style prompts; mixed lengths
-  out = speculative_generate(smollm2, NGram(), [prompts[i] for i in pick], max_new_tokens=N,
+  out = speculative_generate(smollm2, NGram(), [prompts[i] for i in pick], max_new_tokens=NS,
                              num_draft_tokens=4, stop_ids=[2])
   for j, i in enumerate(pick):
-    assert out.row(j) == ours[i], f"prompt {i}"
+    assert out.row(j) == ours[i][:NS], f"prompt {i}"
   assert out.stats["tau"] > 1.0
 
 
@@ -72,10 +75,10 @@ def test_bundled_heads_are_exact_and_accepted_on_smollm2(smollm2, greedy, kind):
   pick = [10, 0]  # a summarization-style and a coding-style prompt
   drafter = resolve_drafter(smollm2, kind)
   k = min(4, drafter.max_draft_tokens or 4)  # the MLP speculator has 3 stages
-  out = speculative_generate(smollm2, kind, [prompts[i] for i in pick], max_new_tokens=N,
+  out = speculative_generate(smollm2, kind, [prompts[i] for i in pick], max_new_tokens=NS,
                              num_draft_tokens=k, stop_ids=[2])
   for j, i in enumerate(pick):
-    assert out.row(j) == ours[i], f"{kind}, prompt {i}"
+    assert out.row(j) == ours[i][:NS], f"{kind}, prompt {i}"
   # The heads were trained: their drafts get accepted (an untrained Medusa head, the target's
   # own next-token head one position late, gives about 1.0).
   assert out.stats["tau"] > (1.25 if kind == "eagle" else 1.05), out.stats["tau"]
@@ -90,8 +93,8 @@ def test_tree_speculation_is_exact_on_smollm2(smollm2, greedy, kind):
   pick = [10, 0]
   drafter = load_head(kind, smollm2, tree=16)  # EAGLE-2 / Medusa's measured-accuracy tree
   assert drafter.tree.num_nodes == 17
-  out = speculative_generate(smollm2, drafter, [prompts[i] for i in pick], max_new_tokens=N,
+  out = speculative_generate(smollm2, drafter, [prompts[i] for i in pick], max_new_tokens=NS,
                              stop_ids=[2])
   for j, i in enumerate(pick):
-    assert out.row(j) == ours[i], f"{kind} tree, prompt {i}"
+    assert out.row(j) == ours[i][:NS], f"{kind} tree, prompt {i}"
   assert out.stats["tau"] > (1.4 if kind == "eagle" else 1.1), out.stats["tau"]
