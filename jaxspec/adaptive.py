@@ -48,12 +48,17 @@ class AutoK:
       default 0, 1, 2, 3, 4, 6, 8, ... up to k_max (k_max included).
     decay: per-step forgetting factor of the acceptance counts (0.95: about the last 20 steps).
     prior: Beta pseudo-counts (accepted, rejected) of every position's acceptance estimate.
+    margin: drafting is chosen only when its predicted rate beats a plain step's by this
+      fraction. Both models are estimates (a cost timed once on a shared machine varies by
+      +-10%); at a break-even prediction a draft is as likely to lose as to win, and losing
+      costs more than the margin gives up.
   """
 
   k_max: int = 8
   buckets: tuple[int, ...] | None = None
   decay: float = 0.95
   prior: tuple[float, float] = (0.5, 0.5)
+  margin: float = 0.05
 
   def __post_init__(self):
     if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, np.integer)) \
@@ -69,6 +74,8 @@ class AutoK:
       raise ValueError(f"AutoK.decay must be in (0, 1], got {self.decay}")
     if len(self.prior) != 2 or min(self.prior) <= 0:
       raise ValueError(f"AutoK.prior must be two positive pseudo-counts, got {self.prior!r}")
+    if not 0.0 <= self.margin < 1.0:
+      raise ValueError(f"AutoK.margin must be in [0, 1), got {self.margin}")
 
   def resolved_buckets(self) -> tuple[int, ...]:
     if self.buckets is not None:
@@ -227,7 +234,7 @@ def expected_tokens(alpha: jax.Array, ks: Sequence[int], n_real: jax.Array | Non
 
 def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int],
            n_real: jax.Array | None = None, remaining: jax.Array | None = None,
-           ) -> tuple[jax.Array, jax.Array]:
+           margin: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """The controller: index into ks maximising the batch's expected progress per second.
 
   A batch is done when its slowest row is, so with `remaining` the progress of a step is how
@@ -245,6 +252,7 @@ def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int
     ks: the candidate draft counts.
     n_real: [B] drafts the drafter has for each row, when known before choosing.
     remaining: [B] tokens each row may still emit.
+    margin: a k > 0 is chosen only when its rate beats k = 0's by this fraction (`AutoK`).
   Returns:
     (index into ks, predicted progress per second for every k [len(ks)]).
   """
@@ -257,7 +265,8 @@ def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int
     after = jnp.max(jnp.where(live[:, None], r - e, -jnp.inf), axis=0)
     progress = jnp.where(jnp.any(live), worst - after, 0.0)
   rate = progress / costs
-  return jnp.argmax(rate).astype(jnp.int32), rate
+  handicap = jnp.where(jnp.asarray(ks) > 0, 1.0 + margin, 1.0)
+  return jnp.argmax(rate / handicap).astype(jnp.int32), rate
 
 
 def best_k_formula(alpha: float, ks: Sequence[int], costs: Sequence[float]) -> int:

@@ -175,6 +175,7 @@ class Policy:
   auto: bool = False
   decay: float = 0.95
   prior: tuple[float, float] = (0.5, 0.5)
+  margin: float = 0.0
 
   @property
   def k_max(self) -> int:
@@ -186,7 +187,8 @@ class Policy:
 
   @classmethod
   def from_auto(cls, a: AutoK) -> Policy:
-    return cls(buckets=a.resolved_buckets(), auto=True, decay=a.decay, prior=tuple(a.prior))
+    return cls(buckets=a.resolved_buckets(), auto=True, decay=a.decay, prior=tuple(a.prior),
+               margin=a.margin)
 
 
 @_pytree
@@ -437,7 +439,7 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
     nv_all, known = full, None
   if policy.auto:
     alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
-    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, room)
+    idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known, room, policy.margin)
   else:
     idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
   forced = force_idx >= 0
@@ -660,7 +662,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     stop_ids: tokens that end a row; default the target's EOS ids.
     max_len: cache size; default just enough (prompt + max_new_tokens + k + 1).
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
-    auto: `AutoK(k_max, buckets, decay, prior)` for num_draft_tokens="auto".
+    auto: `AutoK(k_max, buckets, decay, prior, margin)` for num_draft_tokens="auto".
     cost: a `CostModel` of step time per k; with "auto" and none given, it is measured once
       for this batch, cache size and drafter (cached for later calls).
     placement: a `jaxspec.sharding.Placement(target=mesh_a, drafter=mesh_b)`. The target is

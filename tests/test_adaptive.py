@@ -112,6 +112,18 @@ def test_estimate_and_expected_tokens():
   assert e[0, 0] <= 2.0
 
 
+def test_margin_keeps_break_even_drafts_out():
+  ks, costs, one = (0, 1, 2), jnp.asarray([1.0, 1.6, 2.0]), jnp.array([True])
+  alpha = jnp.full((1, 2), 0.62)  # k = 1 predicted 1.25% faster than a plain step
+  assert ks[int(adaptive.choose(alpha, one, costs, ks)[0])] == 1
+  assert ks[int(adaptive.choose(alpha, one, costs, ks, margin=0.05)[0])] == 0
+  alpha = jnp.full((1, 2), 0.9)  # a clear win (1.36x at k = 2) still drafts
+  assert ks[int(adaptive.choose(alpha, one, costs, ks, margin=0.05)[0])] == 2
+  assert AutoK().margin == 0.05
+  with pytest.raises(ValueError, match="AutoK.margin"):
+    AutoK(margin=1.0)
+
+
 def test_plain_steps_observe_a_free_first_draft():
   """A plain step still says whether an n-gram's first draft would have been accepted: the
   estimate follows with no verify spent on probing, and the controller acts on it."""

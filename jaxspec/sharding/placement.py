@@ -204,7 +204,7 @@ def _choose(s, costs, *, policy, max_new_tokens):
     return jnp.int32(len(policy.buckets) - 1)
   alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
   idx, _ = adaptive.choose(alpha, ~s.done, costs, policy.buckets, None,
-                           _room(s, max_new_tokens))
+                           _room(s, max_new_tokens), policy.margin)
   return idx.astype(jnp.int32)
 
 
