@@ -6,14 +6,17 @@ Three pieces, each a pure function over arrays so they run inside the jitted loo
   how often draft i was tried (drafts 1..i-1 accepted) and accepted, giving the conditional
   acceptance probability a[b, i], shrunk towards the row's rate over all positions (so a
   position never tried yet is estimated from the others). Counts decay every step, observed or
-  not, so a row that stopped drafting drifts back to the prior and is probed again later.
+  not, so a row that stopped drafting drifts back to the prior and is probed again later. A
+  drafter whose proposals are free (made before k is chosen) is observed on plain steps too:
+  the emitted token says whether its first draft would have been accepted (`update_counts`).
 * **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
   every compiled width k (k = 0 is a plain one-token decode step): measured at start-up on the
   actual batch, cache size and drafter (`measure`), or given (`CostModel`).
 * **The controller.** With E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a[b, i] the expected tokens a
   live row emits when k drafts are verified (at most as many as the drafter really proposed),
   choose the width k maximising sum_b E_b(k) / cost(k). For i.i.d. acceptance alpha this is the
-  textbook (1 - alpha^(k+1)) / ((1 - alpha) (k c + v(k))).
+  textbook (1 - alpha^(k+1)) / ((1 - alpha) (k c + v(k))). A k > 0 must beat k = 0 by
+  `AutoK.margin`.
 
 Choosing k depends only on the past, and every step's rejection sampling is exact for any k,
 so the output distribution is still exactly the target's.

@@ -195,6 +195,16 @@ def test_auto_measures_costs_once(tiny_target, reference):
   assert again.stats["cost_model"] == cm
 
 
+def test_auto_without_drafts_is_plain_decoding(tiny_target, reference):
+  """buckets=(0,): k_max 0, so the n-gram proposes nothing and there is no first draft to
+  observe on plain steps; every step is a plain one."""
+  out = speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=N_NEW,
+                             num_draft_tokens="auto", auto=AutoK(k_max=1, buckets=(0,)),
+                             cost=FLAT, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  assert out.stats["plain_steps"] == out.stats["target_passes"]
+
+
 def test_auto_sampling_distribution(small_vocab):  # noqa: F811
   """The first two tokens' joint under "auto" with a poor draft: chi-square at the 1e-4 tail."""
   target, draft = small_vocab
