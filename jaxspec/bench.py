@@ -132,8 +132,8 @@ DEFINITIONS = {
                   " per chunk), each step's wall time divided by the tokens row 0 received in"
                   " it, one sample per token after the first; p50/p95/p99 over the cell's"
                   " tokens. Peers: the same, from a streamer's callbacks in the timed run",
-    "ttft_ms": "time to first token of row 0 in the streamed run (prefill included; a"
-               " speculative run's first token comes from its first verify pass)",
+    "ttft_ms": "time to first token of row 0 in the streamed run (prefill included: every"
+               " method samples the first token from the prefill's logits)",
     "compile_seconds": "compilation (and, with 'auto', timing the cost model) of the cell's"
                        " first runs, excluded from tokens_per_second: a run that compiled is"
                        " run again and the second run is the one timed",

@@ -93,7 +93,10 @@ class Drafter:
     """State after the prompt (prompt [B, P] right-padded, prompt_len [B]); max_len is the
     sequence capacity. `hidden` is the target's prefill Hidden ([B, P, D] per entry, padding
     positions included) when `uses_target_hidden`, else None. The target's cache then holds
-    positions [0, prompt_len - 1): the last prompt token is the first verify pass's input."""
+    positions [0, prompt_len - 1), as after a step that emitted the last prompt token. The
+    loop then samples the first new token from the prefill's logits and passes it to `commit`
+    as a plain step's outcome (n_new 1; its Hidden block holds the target's features at the
+    last prompt position), so the first `propose` already follows the first new token."""
     raise NotImplementedError
 
   def propose(self, params, state, ctx: DraftContext, k: int, sp, keys):

@@ -23,7 +23,9 @@ After the prefill (`init`) the target has computed f_0 .. f_{P-1}; the drafters 
 t = P - 2 as after a commit, except EAGLE (version 1), whose LM head is the target's: it drafts
 d_1 from f_{P-1} itself (the target's own distribution) and its first pair is (f_{P-1}, d_1).
 A one-token prompt has no f_{P-2}; those rows draft from f_0 (still exact, just less likely to
-be accepted).
+be accepted). The loop itself always commits the first new token (sampled from the prefill's
+logits, as a plain step whose Hidden block is f_{P-1}) before the first draft, so there the
+first draft follows the general rule at t = P - 1.
 """
 
 from __future__ import annotations

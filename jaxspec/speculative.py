@@ -231,13 +231,24 @@ def _write_tokens(seq, seq_len, emitted, n_emit):
 
 def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len, seq_cap,
                policy, max_new_tokens, stop_ids, max_steps):
-  """Prefill: the target caches every prompt token but the last, which becomes the first verify
-  pass's input, so even the first new token is drafted and verified."""
+  """Prefill, the first new token and the drafter's state after it."""
+  s, ctx = _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg=cfg, drafter=drafter,
+                         max_len=max_len, seq_cap=seq_cap, policy=policy,
+                         max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_steps=max_steps)
+  return dataclasses.replace(s, draft_state=drafter.commit(dparams, s.draft_state, ctx))
+
+
+def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len,
+                  seq_cap, policy, max_new_tokens, stop_ids, max_steps):
+  """The prefill and the first new token, sampled from its logits as plain decoding does (no
+  extra target pass: the prefill computed them). Returns the state, whose draft_state is the
+  drafter's `init` (after the prompt), and the `DraftContext` of the first token, the plain
+  step the prefill amounts to, which the drafter's `commit` takes next. Neither the statistics
+  nor the acceptance model count it."""
   b, pw = prompt.shape
   want_hidden = drafter.uses_target_hidden
-  _, hidden, cache = prefill(tparams, prompt, prompt_len, cfg, max_len, logits=False,
-                             hidden_layers=drafter.hidden_layers if want_hidden else ())
-  cache = dataclasses.replace(cache, length=prompt_len - 1)
+  logits, hidden, cache = prefill(tparams, prompt, prompt_len, cfg, max_len,
+                                  hidden_layers=drafter.hidden_layers if want_hidden else ())
   keys = sampling_lib.row_keys(key, b)
   seq = jnp.zeros((b, seq_cap), jnp.int32).at[:, :pw].set(prompt)
   dstate = drafter.init(dparams, prompt, prompt_len, max_len,
@@ -246,9 +257,25 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
   k = policy.k_max
   stats = SpecStats(target_passes=z(), drafted=z(b), accepted=z(b), emitted=z(b), row_steps=z(b),
                     spec_row_steps=z(b), accepted_at=z(k), reached_at=z(k), k_history=z(max_steps))
-  return SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
-                   done=jnp.zeros((b,), bool), cache=cache, draft_state=dstate, keys=keys,
-                   counts=adaptive.init_counts(b, k), stats=stats)
+  # The cache holds the whole prompt; the step below keeps x_{P-1} as if a plain step had just
+  # written it.
+  s = SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
+                done=jnp.zeros((b,), bool), cache=dataclasses.replace(cache, length=prompt_len - 1),
+                draft_state=dstate, keys=keys, counts=adaptive.init_counts(b, k), stats=stats)
+  _, _, kv, _ = _step_inputs(s)
+  p = sampling_lib.probs(logits[:, None], sp)
+  n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv,
+                                    greedy=sp.temperature == 0)
+  idx = (prompt_len - 1)[:, None, None]
+  final = jnp.take_along_axis(hidden.final, idx, axis=1)  # [B, 1, D]: f_{P-1}
+  layers = None
+  if want_hidden and hidden.layers is not None:
+    layers = jnp.take_along_axis(hidden.layers, idx[None], axis=2)  # [n, B, 1, D]
+  first_hidden = _pad_hidden(Hidden(final=final, layers=layers), k + 1)
+  out = (n_acc, _pad_to(emitted, k + 1, -1), first_hidden, None, z(b), jnp.int32(0))
+  new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
+                          stop_ids=stop_ids)
+  return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
 
 
 def _pad_axis(x, axis, width):
@@ -339,12 +366,14 @@ def _finish_step(s: SpecState, out, *, policy, max_new_tokens, stop_ids, shadow_
   (-1: none) when drafts were proposed before the choice; a plain step then still tells the
   acceptance model whether that draft would have been accepted.
   """
-  n_acc, emitted, hidden, (k_new, v_new), n_valid, k_used = out
+  n_acc, emitted, hidden, kv_new, n_valid, k_used = out
   kmax = policy.k_max
   live = ~s.done
   room = _room(s, max_new_tokens)
   old_len = s.cache.length
-  cache = write_cache(s.cache, k_new, v_new, positions_start=old_len)
+  cache = s.cache
+  if kv_new is not None:  # None: the block is in the cache already (the prefill wrote it)
+    cache = write_cache(cache, *kv_new, positions_start=old_len)
   n_emit = n_acc + 1
   # A stop token inside the accepted run ends the row there.
   i1 = jnp.arange(kmax + 1)[None, :]

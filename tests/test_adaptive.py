@@ -14,7 +14,7 @@ from jaxspec.drafters import DraftModel, NGram
 from jaxspec.generate import generate
 from jaxspec.sampling import Sampling
 from jaxspec.speculative import speculative_generate
-from test_speculative import _exact_joint, assert_first_two_tokens_follow, small_vocab  # noqa: F401
+from test_speculative import _exact_joint, assert_first_tokens_follow, small_vocab  # noqa: F401
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
@@ -206,15 +206,15 @@ def test_auto_without_drafts_is_plain_decoding(tiny_target, reference):
 
 
 def test_auto_sampling_distribution(small_vocab):  # noqa: F811
-  """The first two tokens' joint under "auto" with a poor draft: chi-square at the 1e-4 tail."""
+  """The first three tokens' joint under "auto" with a poor draft: chi-square at the 1e-4 tail."""
   target, draft = small_vocab
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.9)
   prompt, n = [1, 2, 3, 4], 20000
-  out = speculative_generate(target, DraftModel(draft), [prompt] * n, max_new_tokens=2,
+  out = speculative_generate(target, DraftModel(draft), [prompt] * n, max_new_tokens=3,
                              sampling=sp, num_draft_tokens="auto", auto=AutoK(k_max=2),
                              cost=FLAT, key=99, max_len=16)  # a small cache for 20000 rows
   assert out.stats["k_per_step"][0] == 2  # free drafts: it verified two at first
-  assert_first_two_tokens_follow(out.tokens[:, :2], _exact_joint(target, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
 
 
 def test_draft_confidence_early_stop(tiny_target, poor_draft, reference):

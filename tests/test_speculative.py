@@ -111,34 +111,43 @@ def small_vocab():
   t_cfg = tiny_config(vocab_size=8, eos_token_ids=())
   target = Model(t_cfg, init_params(t_cfg, jax.random.key(11), scale=0.6), name="v8-target")
   d_cfg = tiny_config(vocab_size=8, num_layers=1, eos_token_ids=())
-  # Seed 17: the draft accepts about a third of its first drafts (seed 12 never did, so the
-  # tests exercised the rejection path only).
-  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(17), scale=0.6), name="v8-draft")
+  # Seed 37: after the first token (sampled from the prefill) the draft's first draft is
+  # accepted about a quarter of the time and its second, after an accepted first, about half:
+  # both draft positions see both paths of the rejection rule (seed 17 gave 0.16 and 0).
+  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(37), scale=0.6), name="v8-draft")
   return target, draft
 
 
 def _exact_joint(target, prompt, sp):
-  """P(t1, t2) = p(t1) p(t2 | t1) under the processed target distribution."""
+  """P(t1, t2, t3) = p(t1) p(t2 | t1) p(t3 | t1 t2) [V, V, V] under the processed target
+  distribution. The first token comes from the prefill; t2 and t3 are the first verify pass's
+  two draft positions."""
   v = target.cfg.vocab_size
-  seqs = jnp.array([prompt + [a] for a in range(v)])
-  lg, _, _ = forward(target.params, seqs, init_cache(target.cfg, v, 16), target.cfg)
-  arr = sp.arrays(v)
-  p1 = np.asarray(probs(lg[:1, -2], sampling_arrays_row(arr, 1)))[0]
-  p2 = np.asarray(probs(lg[:, -1], arr))
-  return p1[:, None] * p2
+  seqs = jnp.array([prompt + [a, c] for a in range(v) for c in range(v)])
+  lg, _, _ = forward(target.params, seqs, init_cache(target.cfg, v * v, 16), target.cfg)
+  arr = sp.arrays(v * v)
+  p1 = np.asarray(probs(lg[:1, -3], sampling_arrays_row(arr, 1)))[0]
+  p2 = np.asarray(probs(lg[::v, -2], sampling_arrays_row(arr, v)))  # [a, t2]
+  p3 = np.asarray(probs(lg[:, -1], arr)).reshape(v, v, v)  # [a, c, t3]
+  return p1[:, None, None] * p2[:, :, None] * p3
 
 
 def sampling_arrays_row(arr, n):
   return jax.tree.map(lambda x: x[:n], arr)
 
 
-def assert_first_two_tokens_follow(tokens, joint, what="top-k/top-p"):
-  """Chi-square of the rows' (t1, t2) [n, 2] against the exact joint [V, V] at the 1e-4 tail;
-  cells with expectations under 5 are pooled into one, and tokens of zero probability fail."""
-  v = joint.shape[0]
+def assert_first_tokens_follow(tokens, joint, what="top-k/top-p"):
+  """Chi-square of the rows' first tokens [n, m] against the exact joint [V] * m at the 1e-4
+  tail; cells with expectations under 5 are pooled into one, and tokens of zero probability
+  fail."""
+  v, m = joint.shape[0], joint.ndim
+  assert tokens.shape[1] == m, (tokens.shape, joint.shape)
   joint = joint.reshape(-1)
   n = tokens.shape[0]
-  obs = np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v)
+  cell = np.zeros(n, np.int64)
+  for j in range(m):
+    cell = cell * v + tokens[:, j]
+  obs = np.bincount(cell, minlength=v ** m)
   assert obs[joint == 0].sum() == 0, f"a token outside {what} was emitted"
   keep = joint * n >= 5
   o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
@@ -150,19 +159,21 @@ def assert_first_two_tokens_follow(tokens, joint, what="top-k/top-p"):
 
 
 @pytest.mark.parametrize("same", [False, True])
-def test_monte_carlo_joint_of_first_two_tokens(small_vocab, same):
-  """Chi-square of 20000 rows' (t1, t2) against the target's exact joint; the test's false
-  failure probability is about 1e-4 (critical value at the 1e-4 tail)."""
+def test_monte_carlo_joint_of_first_three_tokens(small_vocab, same):
+  """Chi-square of 20000 rows' (t1, t2, t3) against the target's exact joint; the test's false
+  failure probability is about 1e-4 (critical value at the 1e-4 tail). t1 is sampled from the
+  prefill; t2 and t3 come from one verify pass of two drafts, so both draft positions of the
+  rejection rule are covered."""
   target, draft = small_vocab
   drafter = DraftModel(target if same else draft)
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.9)
   prompt = [1, 2, 3, 4]
   n = 20000
-  # max_len=16 holds prompt + 2 tokens + k + 1 (the default pads the prompt to 64 and the cache
+  # max_len=16 holds prompt + 3 tokens + k + 1 (the default pads the prompt to 64 and the cache
   # to 128: 20000 rows of that is most of the test's time).
-  out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=2, sampling=sp,
+  out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=3, sampling=sp,
                              num_draft_tokens=2, key=1234, max_len=16)
-  assert_first_two_tokens_follow(out.tokens[:, :2], _exact_joint(target, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
   if same:
     assert out.stats["acceptance_rate"] > 0.999
   else:  # both paths of the rejection rule ran

@@ -41,8 +41,8 @@ from jaxspec.drafters import DraftContext, Drafter, DraftModel, NoState, Proposa
 from jaxspec.generate import _as_key, compiled
 from jaxspec.models.model import Model
 from jaxspec.speculative import (_Run, _costs_array, _finish_step, _room, _shardings_of,
-                                 _slice_proposal, _spec_init, _step_inputs, _verify_branch, draft,
-                                 step_keys)
+                                 _slice_proposal, _spec_prefill, _step_inputs, _verify_branch,
+                                 draft, step_keys)
 from jaxspec.sharding.rules import (DEFAULT_RULES, ModelSharding, ShardingRules, place_drafter,
                                     shard_model, submesh)
 
@@ -267,14 +267,16 @@ class HostRun(_Run):
     self.tinit_args = (self.tparams, None, tok, lens, self.sp_t, _as_key(key))
     tstatic = dict(init_static, drafter=_HiddenOnly(drafter.uses_target_hidden,
                                                     drafter.hidden_layers))
-    tstate0, hid0 = jax.eval_shape(functools.partial(_target_init, **tstatic), *self.tinit_args)
+    tstate0, hid0, fctx0 = jax.eval_shape(functools.partial(_target_init, **tstatic),
+                                          *self.tinit_args)
     t_sh = self.tsh.state(tstate0, b)
     rep_t = self.tsh.replicated()
     self.tinit_exe, _ = compiled(
         _target_init, ("host-tinit", self.tsh), *self.tinit_args,
         jit_kwargs=dict(in_shardings=(_shardings_of(self.tparams), None, self.tsh.batch(2),
                                       self.tsh.batch(1), self.tsh.state(self.sp_t, b), rep_t),
-                        out_shardings=(t_sh, self.tsh.state(hid0, b))),
+                        out_shardings=(t_sh, self.tsh.state(hid0, b),
+                                       self.tsh.state(fctx0, b))),
         **tstatic)
     # Drafter side: its init from the prompt (and the target's prefill features).
     self.dinit_exe, _ = compiled(
@@ -328,10 +330,11 @@ class HostRun(_Run):
   # -- running
 
   def start(self) -> HostState:
-    tstate, hidden = self.tinit_exe(*self.tinit_args)
+    tstate, hidden, first = self.tinit_exe(*self.tinit_args)
     b = self.prep.tokens.shape[0]
     hid_d = jax.device_put(hidden, self.dsh.state(hidden, b))
     dstate = self.dinit_exe(self.dparams, self._tok, self._lens, hid_d)
+    dstate = self.commit_exe(self.dparams, dstate, jax.device_put(first, self.ctx_sh_d))
     ctx = DraftContext(seq=tstate.seq, seq_len=tstate.seq_len, prompt_len=tstate.prompt_len)
     ctx = jax.device_put(ctx, self.dsh.state(ctx, b))
     # idx is chosen below, once the costs are known (timing forces every bucket itself).
@@ -421,10 +424,11 @@ class _HiddenOnly(Drafter):
 
 
 def _target_init(tparams, dparams, prompt, prompt_len, sp, key, **static):
-  """The fused loop's prefill on the target mesh; returns the state (without the stand-in's
-  state) and the prefill's hidden states for the drafter's init, from the one prefill."""
-  s = _spec_init(tparams, dparams, prompt, prompt_len, sp, key, **static)
-  return dataclasses.replace(s, draft_state=NoState()), s.draft_state
+  """The fused loop's prefill and first token on the target mesh; returns the state (without
+  the stand-in's state), the prefill's hidden states for the drafter's init, from the one
+  prefill, and the first token's context, which the drafter commits after its init."""
+  s, ctx = _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, **static)
+  return dataclasses.replace(s, draft_state=NoState()), s.draft_state, ctx
 
 
 def _drafter_init(dparams, prompt, prompt_len, hidden, *, drafter, max_len):
