@@ -263,19 +263,22 @@ def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter
                 done=jnp.zeros((b,), bool), cache=dataclasses.replace(cache, length=prompt_len - 1),
                 draft_state=dstate, keys=keys, counts=adaptive.init_counts(b, k), stats=stats)
   _, _, kv, _ = _step_inputs(s)
-  p = sampling_lib.probs(logits[:, None], sp)
-  n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv,
-                                    greedy=sp.temperature == 0)
+  first = sampling_lib.sample(kv, logits, sp)
   idx = (prompt_len - 1)[:, None, None]
   final = jnp.take_along_axis(hidden.final, idx, axis=1)  # [B, 1, D]: f_{P-1}
   layers = None
   if want_hidden and hidden.layers is not None:
     layers = jnp.take_along_axis(hidden.layers, idx[None], axis=2)  # [n, B, 1, D]
   first_hidden = _pad_hidden(Hidden(final=final, layers=layers), k + 1)
-  out = (n_acc, _pad_to(emitted, k + 1, -1), first_hidden, None, z(b), jnp.int32(0))
+  out = (z(b), _first_token(first, k), first_hidden, None, z(b), jnp.int32(0))
   new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
                           stop_ids=stop_ids)
   return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
+
+
+def _first_token(tok: jax.Array, kmax: int) -> jax.Array:
+  """A plain step's emitted block [B, kmax + 1]: the token, then -1."""
+  return jnp.full((tok.shape[0], kmax + 1), -1, jnp.int32).at[:, 0].set(tok)
 
 
 def _pad_axis(x, axis, width):
@@ -328,12 +331,12 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   pad_kv = lambda kv_new: jax.tree.map(lambda x: _pad_axis(x, 2, kmax + 1), kv_new)
 
-  def plain(cache):
-    p, hidden, kv_new = verify(tparams, cache, last, jnp.zeros((b, 0), jnp.int32), cfg, sp,
-                               hidden_layers=hidden_layers, write=False)
-    n_acc, emitted = rejection_sample(p, None, jnp.zeros((b, 0), jnp.int32), kv, greedy=greedy)
-    return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
-            pad_kv(kv_new), jnp.zeros((b,), jnp.int32), jnp.int32(0))
+  def plain(cache):  # as `generate`'s decode step: sampled from the logits, no [B, V] one-hot
+    logits, hidden, kv_new = forward(tparams, last[:, None], cache, cfg,
+                                     hidden_layers=hidden_layers, write=False)
+    z = jnp.zeros((b,), jnp.int32)
+    return (z, _first_token(sampling_lib.sample(kv, logits[:, 0], sp), kmax),
+            _pad_hidden(hidden, kmax + 1), pad_kv(kv_new), z, jnp.int32(0))
 
   if k == 0 or prop is None:
     return plain(cache)
