@@ -262,21 +262,21 @@ def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter
   s = SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
                 done=jnp.zeros((b,), bool), cache=dataclasses.replace(cache, length=prompt_len - 1),
                 draft_state=dstate, keys=keys, counts=adaptive.init_counts(b, k), stats=stats)
-  _, _, kv, _ = _step_inputs(s)
+  _, kv = step_keys(keys, prompt_len)  # the keys a step at this length would use
   first = sampling_lib.sample(kv, logits, sp)
   idx = (prompt_len - 1)[:, None, None]
   final = jnp.take_along_axis(hidden.final, idx, axis=1)  # [B, 1, D]: f_{P-1}
   layers = None
-  if want_hidden and hidden.layers is not None:
+  if hidden.layers is not None:
     layers = jnp.take_along_axis(hidden.layers, idx[None], axis=2)  # [n, B, 1, D]
   first_hidden = _pad_hidden(Hidden(final=final, layers=layers), k + 1)
-  out = (z(b), _first_token(first, k), first_hidden, None, z(b), jnp.int32(0))
+  out = (z(b), _plain_block(first, k), first_hidden, None, z(b), jnp.int32(0))
   new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
                           stop_ids=stop_ids)
   return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
 
 
-def _first_token(tok: jax.Array, kmax: int) -> jax.Array:
+def _plain_block(tok: jax.Array, kmax: int) -> jax.Array:
   """A plain step's emitted block [B, kmax + 1]: the token, then -1."""
   return jnp.full((tok.shape[0], kmax + 1), -1, jnp.int32).at[:, 0].set(tok)
 
@@ -335,7 +335,7 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
     logits, hidden, kv_new = forward(tparams, last[:, None], cache, cfg,
                                      hidden_layers=hidden_layers, write=False)
     z = jnp.zeros((b,), jnp.int32)
-    return (z, _first_token(sampling_lib.sample(kv, logits[:, 0], sp), kmax),
+    return (z, _plain_block(sampling_lib.sample(kv, logits[:, 0], sp), kmax),
             _pad_hidden(hidden, kmax + 1), pad_kv(kv_new), z, jnp.int32(0))
 
   if k == 0 or prop is None:
