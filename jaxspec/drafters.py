@@ -11,6 +11,12 @@ loop:
                                                           accepted sequence and the target's
                                                           hidden states
 
+A drafter whose `commit` costs a pass of its own (a draft model's layers, an EAGLE layer) sets
+`defer_commit`: when the adaptive controller runs plain steps (k = 0), the fused loop then skips
+the commit and keeps the plain steps' tokens (and hidden states) pending, and brings the drafter
+up to date with one `catch_up(params, state, ctx, width)` over all of them, before it next
+drafts or when `width` are pending. So not drafting costs what plain decoding costs.
+
 A `Proposal` holds the k drafts, their distribution q processed with the same sampling
 parameters as the target (None for a deterministic drafter: one-hot q, still exact), and how
 many of the k are real proposals per row (an n-gram drafter with no match has none): when no
@@ -76,6 +82,8 @@ class Drafter:
   # Proposing costs next to nothing (no model pass): the loop then proposes k_max tokens before
   # choosing k, so the adaptive controller knows which rows have real drafts.
   free_proposals: bool = False
+  # Its commit runs a model pass: the fused loop may defer it over plain steps (`catch_up`).
+  defer_commit: bool = False
   # A `jaxspec.tree.Tree` / `DynamicTree` when the drafter drafts a tree each step
   # (`propose_tree(params, state, ctx, sp, keys) -> (TreeProposal, state)`), else None.
   tree: Any = None
@@ -104,6 +112,13 @@ class Drafter:
 
   def commit(self, params, state, ctx: DraftContext):
     raise NotImplementedError
+
+  def catch_up(self, params, state, ctx: DraftContext, width: int):
+    """A deferred commit (`defer_commit`): the last ctx.n_new [B] tokens of ctx.seq (at most
+    `width`) came from plain steps the drafter has not seen; ctx.hidden (when the drafter uses
+    the target's hidden states) holds their target features, `width` wide, as a verify pass over
+    them would. The state afterwards is what committing each plain step would have given."""
+    return self.commit(params, state, ctx)
 
 
 def _last_tokens(ctx: DraftContext, n: int) -> jax.Array:
@@ -135,6 +150,7 @@ class DraftModel(Drafter):
   model: Model
   p_min: float = 0.0
   name: str = "draft-model"
+  defer_commit = True  # a plain step's commit is a forward of the draft model
 
   def __post_init__(self):
     if not 0.0 <= self.p_min < 1.0:
@@ -260,6 +276,17 @@ class DraftModel(Drafter):
     # behind gets a write at its `length`, at or past `want`: outside what the length keeps.
     k_new, v_new = lax.cond(jnp.any(behind), catch_up, skip, None)
     cache = write_cache(cache, k_new, v_new, positions_start=cache.length)
+    return DraftModelState(dataclasses.replace(cache, length=want))
+
+  def catch_up(self, params, state: DraftModelState, ctx, width: int) -> DraftModelState:
+    """After plain steps the cache is behind by ctx.n_new (<= width) tokens: one forward over
+    the `width` tokens from its length (the ones past `want` are scratch, dropped by the length),
+    so the cache holds [0, seq_len - 2) again."""
+    cache = state.cache
+    want = jnp.maximum(ctx.seq_len - 2, 0)
+    idx = cache.length[:, None] + jnp.arange(width)[None, :]
+    toks = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
+    _, _, cache = forward(params, toks, cache, self.cfg, logits=False)
     return DraftModelState(dataclasses.replace(cache, length=want))
 
 

@@ -235,6 +235,7 @@ class EagleDrafter(HeadDrafter):
 
   name: str = "eagle"
   tree_kinds = (tree_lib.DynamicTree, tree_lib.Tree)
+  defer_commit = True  # a plain step's commit runs the draft layer; `commit` takes any width
 
   def _model(self, params):
     return self.module(params)

@@ -221,6 +221,37 @@ class SpecState:
   stats: SpecStats
 
 
+@_pytree
+@dataclasses.dataclass
+class Deferred:
+  """The draft state of a `defer_commit` drafter in the fused loop with "auto": the drafter's
+  own state, and what plain steps emitted since its last commit (caught up in one pass)."""
+
+  inner: Any  # the drafter's state as of `pending` tokens ago
+  pending: jax.Array  # [B] int32 tokens (from plain steps) the drafter has not committed
+  hidden: Hidden | None  # [B, W, D] (layers [n, B, W, D]) their target features, in order
+
+
+def _defers(drafter: Drafter, policy: Policy) -> bool:
+  """Whether the fused loop defers this drafter's commits over plain steps."""
+  return bool(drafter.defer_commit and not drafter.free_proposals and policy.auto
+              and drafter.tree is None
+              and policy.buckets[0] == 0 and policy.k_max > 0)
+
+
+def _pending_ctx(s: SpecState, dw: Deferred) -> DraftContext:
+  """The context of a deferred commit: the pending tokens as one step that emitted them all."""
+  return DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, hidden=dw.hidden,
+                      hidden_pos=jnp.maximum(dw.pending - 1, 0), n_new=dw.pending)
+
+
+def _catch_up(drafter, dparams, s: SpecState, dw: Deferred, width: int):
+  """The drafter's state with the pending tokens committed (unchanged when none are)."""
+  ctx = _pending_ctx(s, dw)
+  return lax.cond(jnp.any(dw.pending > 0),
+                  lambda st: drafter.catch_up(dparams, st, ctx, width), lambda st: st, dw.inner)
+
+
 def _write_tokens(seq, seq_len, emitted, n_emit):
   """Writes emitted[:, :n_emit] at seq_len (per row); entries past n_emit are not written."""
   b, w = emitted.shape
@@ -235,6 +266,10 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
   s, ctx = _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg=cfg, drafter=drafter,
                          max_len=max_len, seq_cap=seq_cap, policy=policy,
                          max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_steps=max_steps)
+  if _defers(drafter, policy):  # the first token is a plain step: kept pending too
+    hidden = ctx.hidden if drafter.uses_target_hidden else None
+    return dataclasses.replace(s, draft_state=Deferred(inner=s.draft_state, pending=ctx.n_new,
+                                                       hidden=hidden))
   return dataclasses.replace(s, draft_state=drafter.commit(dparams, s.draft_state, ctx))
 
 
@@ -481,15 +516,19 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
   # Branches only read the target cache and return the new block's keys and values padded to
   # k_max + 1; the one write after the switch keeps XLA from passing the whole cache through
   # (and copying it in) every branch.
+  defer = _defers(drafter, policy)
+  own_state = s.draft_state.inner if defer else s.draft_state
+
   def branch(k):
     def run(cache):
       if k == 0:
-        dstate = dstate_all if drafter.free_proposals else s.draft_state
+        dstate = dstate_all if drafter.free_proposals else own_state
         return vb(tparams, cache, last, None, 0, sp, kv, live, forced), dstate
       if drafter.free_proposals:
         prop, dstate = _slice_proposal(prop_all, k, nv_all), dstate_all
       else:
-        prop, dstate = draft(drafter, dparams, s.draft_state, ctx, k, sp, kd)
+        current = _catch_up(drafter, dparams, s, s.draft_state, kmax + 1) if defer else own_state
+        prop, dstate = draft(drafter, dparams, current, ctx, k, sp, kd)
       return vb(tparams, cache, last, prop, k, sp, kv, live, forced), dstate
     return run
 
@@ -499,7 +538,33 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
     shadow_draft = jnp.where(nv_all > 0, prop_all.tokens[:, 0], -1)
   new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
                           stop_ids=stop_ids, shadow_draft=shadow_draft)
+  if defer:
+    return dataclasses.replace(new, draft_state=_commit_or_defer(
+        drafter, dparams, new, s.draft_state, dstate, ctx, idx == 0, kmax + 1))
   return dataclasses.replace(new, draft_state=drafter.commit(dparams, dstate, ctx))
+
+
+def _commit_or_defer(drafter, dparams, new: SpecState, dw: Deferred, dstate, ctx: DraftContext,
+                     plain_chosen, width: int) -> Deferred:
+  """After a step of a deferring drafter: a drafting step commits as usual (its pending tokens
+  were caught up before it drafted); a plain step (k = 0 chosen) adds its token to the pending
+  ones, caught up now only when some row has `width` pending."""
+  pend = dw.pending + ctx.n_new
+  hid = dw.hidden
+  if hid is not None:  # the step's feature goes to slot `pending` of each row
+    sel = jnp.arange(width)[None, :] == dw.pending[:, None]  # [B, W]
+    layers = None
+    if hid.layers is not None:
+      layers = jnp.where(sel[None, :, :, None], ctx.hidden.layers[:, :, :1], hid.layers)
+    hid = Hidden(final=jnp.where(sel[:, :, None], ctx.hidden.final[:, :1], hid.final),
+                 layers=layers)
+  queued = Deferred(inner=dstate, pending=pend, hidden=hid)
+  which = jnp.where(plain_chosen, jnp.where(jnp.any(pend >= width), 2, 0), 1)
+  branches = [lambda st: st,
+              lambda st: drafter.commit(dparams, st, ctx),
+              lambda st: drafter.catch_up(dparams, st, _pending_ctx(new, queued), width)]
+  inner = lax.switch(which, branches, dstate)
+  return Deferred(inner=inner, pending=jnp.where(which == 0, pend, 0), hidden=hid)
 
 
 def _spec_loop(tparams, dparams, s, sp, costs, until, force_idx, **static):

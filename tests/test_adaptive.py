@@ -180,6 +180,44 @@ def test_auto_greedy_equals_generate(tiny_target, poor_draft, reference, name):
     assert out.stats["plain_steps"] >= len(ks) // 2
 
 
+def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, sampling=None,
+               key=0):
+  """The fused "auto" loop with k forced: schedule [(k, steps), ...] (the last runs to the end).
+
+  Returns (tokens [B, n_new], statistics)."""
+  from jaxspec import speculative as spec
+  drafter, sp_user, policy, prep = spec._prepare(target, drafter, prompts, n_new, sampling,
+                                                 "auto", AutoK(k_max=k_max), CPU_LIKE, None, None)
+  run = spec._Run(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
+  s = run.init_exe(*run.init_args)
+  passes = 0
+  for i, (k, steps) in enumerate(schedule):
+    passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
+    s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
+                     jnp.int32(policy.buckets.index(k)))
+  tokens, _ = spec._outputs_jit(s, n_new)
+  return np.asarray(tokens), run.stats(s.stats)
+
+
+def test_deferred_commits_catch_up_exactly(tiny_target, reference):
+  """A draft model's commits are deferred over plain steps (`defer_commit`) and caught up in
+  one pass before it drafts again, or when k_max + 1 tokens are pending. Seven plain steps (a
+  full buffer of 5 caught up at the fourth, 3 pending after the seventh), then k = 4: the
+  target drafting for itself must still have every draft accepted, which it only does if the
+  catch-up left its cache exactly as eager commits would (a hole or a shifted entry makes it
+  propose other tokens)."""
+  assert DraftModel.defer_commit
+  tokens, st = forced_run(tiny_target, DraftModel(tiny_target), PROMPTS, [(0, 7), (4, None)])
+  np.testing.assert_array_equal(tokens, reference.tokens)
+  assert st["k_per_step"][:7] == [0] * 7 and set(st["k_per_step"][7:]) == {4}
+  np.testing.assert_allclose(st["acceptance_per_position"], 1.0)
+  # Plain steps after drafting, then drafting again: the second catch-up starts mid-sequence.
+  tokens, st = forced_run(tiny_target, DraftModel(tiny_target), PROMPTS,
+                          [(4, 1), (0, 2), (4, 1), (0, 6), (4, None)])
+  np.testing.assert_array_equal(tokens, reference.tokens)
+  np.testing.assert_allclose(st["acceptance_per_position"], 1.0)
+
+
 def test_auto_measures_costs_once(tiny_target, reference):
   """Without a cost model, "auto" times every bucket on this batch once and caches it."""
   auto = AutoK(k_max=4)  # the policy of test_auto_greedy_equals_generate[ngram]: one compilation

@@ -237,6 +237,36 @@ def test_online_proposals_match_training_forward(tiny_target, trained, name):
       assert q[i].sum(-1) == pytest.approx(np.ones(k), abs=1e-5)  # nothing outside the vocab
 
 
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_eagle_deferred_commits_equal_eager_ones(tiny_target, reference, trained, name):
+  """With "auto", EAGLE's commits are deferred over plain steps and caught up in one pass of its
+  layer (the buffered target features, `defer_commit`). Under a forced schedule of plain and
+  drafting steps, the deferring drafter drafts exactly what one committing after every plain
+  step drafts: the same tokens and acceptances, greedily and under sampling (where acceptance
+  reads q, so the drafts' distributions must agree too)."""
+  from test_adaptive import forced_run
+  from jaxspec.head_drafters import EagleDrafter
+
+  @dataclasses.dataclass(frozen=True)
+  class EagerEagle(EagleDrafter):
+    defer_commit = False
+
+  drafter = heads.HEADS["eagle"].drafter(trained[name]["model"], tiny_target)
+  assert drafter.defer_commit
+  eager = EagerEagle(**{f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)})
+  schedule = [(0, 6), (3, 1), (0, 2), (3, 1), (0, 1), (3, None)]  # a full buffer of 4 at step 3
+  for sp in (None, Sampling(temperature=1.0)):
+    runs = [forced_run(tiny_target, d, PROMPTS, schedule, k_max=3, n_new=N_NEW, sampling=sp,
+                       key=5) for d in (drafter, eager)]
+    (tok, st), (tok_eager, st_eager) = runs
+    np.testing.assert_array_equal(tok, tok_eager)
+    if sp is None:
+      np.testing.assert_array_equal(tok, reference.tokens)
+    assert st["k_per_step"] == st_eager["k_per_step"]
+    assert st["accepted_per_row"] == st_eager["accepted_per_row"]
+    assert 0 < sum(st["accepted_per_row"]) < sum(st["drafted_per_row"])
+
+
 # ----------------------------------------------------------------------------------------------
 # (b) Exact sampling with a head drafter (chi-square on the first three tokens).
 
