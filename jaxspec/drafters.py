@@ -262,10 +262,7 @@ class DraftModel(Drafter):
     behind = cache.length < want  # by one token at most: a plain step emits one
 
     def catch_up(_):
-      pos = jnp.minimum(cache.length, ctx.seq.shape[1] - 1)
-      tok = jnp.take_along_axis(ctx.seq, pos[:, None], axis=1)  # [B, 1]
-      _, _, kv = forward(params, tok, cache, self.cfg, logits=False, write=False)
-      return kv
+      return self._kv_from_length(params, cache, ctx.seq, 1)
 
     def skip(_):
       shape = (self.cfg.num_layers, cache.batch_size, 1, self.cfg.num_kv_heads,
@@ -283,11 +280,17 @@ class DraftModel(Drafter):
     the `width` tokens from its length (the ones past `want` are scratch, dropped by the length),
     so the cache holds [0, seq_len - 2) again."""
     cache = state.cache
-    want = jnp.maximum(ctx.seq_len - 2, 0)
+    k_new, v_new = self._kv_from_length(params, cache, ctx.seq, width)
+    cache = write_cache(cache, k_new, v_new, positions_start=cache.length)
+    return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(ctx.seq_len - 2, 0)))
+
+  def _kv_from_length(self, params, cache, seq, width: int):
+    """The keys and values [L, B, width, G, K] of the `width` tokens of seq [B, S] from each
+    row's cache length on (clipped at the end of seq), computed over the cache, not written."""
     idx = cache.length[:, None] + jnp.arange(width)[None, :]
-    toks = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
-    _, _, cache = forward(params, toks, cache, self.cfg, logits=False)
-    return DraftModelState(dataclasses.replace(cache, length=want))
+    toks = jnp.take_along_axis(seq, jnp.minimum(idx, seq.shape[1] - 1), axis=1)
+    _, _, kv = forward(params, toks, cache, self.cfg, logits=False, write=False)
+    return kv
 
 
 

@@ -235,19 +235,18 @@ class Deferred:
 def _defers(drafter: Drafter, policy: Policy) -> bool:
   """Whether the fused loop defers this drafter's commits over plain steps."""
   return bool(drafter.defer_commit and not drafter.free_proposals and policy.auto
-              and drafter.tree is None
-              and policy.buckets[0] == 0 and policy.k_max > 0)
+              and drafter.tree is None and policy.k_max > 0)
 
 
-def _pending_ctx(s: SpecState, dw: Deferred) -> DraftContext:
+def _pending_ctx(s: SpecState, pending: jax.Array, hidden: Hidden | None) -> DraftContext:
   """The context of a deferred commit: the pending tokens as one step that emitted them all."""
-  return DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, hidden=dw.hidden,
-                      hidden_pos=jnp.maximum(dw.pending - 1, 0), n_new=dw.pending)
+  return DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, hidden=hidden,
+                      hidden_pos=jnp.maximum(pending - 1, 0), n_new=pending)
 
 
 def _catch_up(drafter, dparams, s: SpecState, dw: Deferred, width: int):
   """The drafter's state with the pending tokens committed (unchanged when none are)."""
-  ctx = _pending_ctx(s, dw)
+  ctx = _pending_ctx(s, dw.pending, dw.hidden)
   return lax.cond(jnp.any(dw.pending > 0),
                   lambda st: drafter.catch_up(dparams, st, ctx, width), lambda st: st, dw.inner)
 
@@ -558,11 +557,10 @@ def _commit_or_defer(drafter, dparams, new: SpecState, dw: Deferred, dstate, ctx
       layers = jnp.where(sel[None, :, :, None], ctx.hidden.layers[:, :, :1], hid.layers)
     hid = Hidden(final=jnp.where(sel[:, :, None], ctx.hidden.final[:, :1], hid.final),
                  layers=layers)
-  queued = Deferred(inner=dstate, pending=pend, hidden=hid)
   which = jnp.where(plain_chosen, jnp.where(jnp.any(pend >= width), 2, 0), 1)
   branches = [lambda st: st,
               lambda st: drafter.commit(dparams, st, ctx),
-              lambda st: drafter.catch_up(dparams, st, _pending_ctx(new, queued), width)]
+              lambda st: drafter.catch_up(dparams, st, _pending_ctx(new, pend, hid), width)]
   inner = lax.switch(which, branches, dstate)
   return Deferred(inner=inner, pending=jnp.where(which == 0, pend, 0), hidden=hid)
 
