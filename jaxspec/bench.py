@@ -158,6 +158,7 @@ class Settings:
   """What one `jaxspec bench` invocation measures."""
 
   model: str | None = None
+  scan_layers: bool | None = None  # the layer layout (None: the backend's default)
   prompts: str | None = None
   categories: tuple[str, ...] | None = None
   per_category: int = 1
@@ -309,7 +310,9 @@ def settings_from_args(args) -> Settings:
     raise BenchError(f"--draft-model {args.draft_model} does not exist: pass a draft model"
                      " directory (Hugging Face layout, e.g. from `jaxspec train draft-model`)"
                      " or a .gguf file")
-  return Settings(model=args.model, prompts=args.prompts,
+  from jaxspec.cli import _SCAN_LAYERS
+  return Settings(model=args.model, scan_layers=_SCAN_LAYERS[args.scan_layers],
+                  prompts=args.prompts,
                   categories=parse_categories(args.categories), per_category=args.per_category,
                   methods=methods, peers=peers, batch_sizes=parse_batch_sizes(args.batch_sizes),
                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -693,7 +696,9 @@ def markdown(report: dict[str, Any]) -> str:
               if m.get("load_average_at_start") and m.get("load_average_at_end") else ""), "",
            f"Prompts: {s['prompts']} ({', '.join(report['categories'])}; {s['per_category']}"
            f" per category); {s['max_new_tokens']} new tokens;"
-           f" temperature {s['temperature']}; num_draft_tokens {s['num_draft_tokens']}.", ""]
+           f" temperature {s['temperature']}; num_draft_tokens {s['num_draft_tokens']}"
+           + ("" if s.get("scan_layers") is None else
+              f"; target layers {'scanned' if s['scan_layers'] else 'unrolled'}") + ".", ""]
   for name, why in report["skipped"].items():
     lines.append(f"- **{name}** not run: {why}")
   for name, what in report["drafters"].items():
@@ -881,7 +886,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   from jaxspec.train.data import encode_prompts, make_progress
   t_start = time.perf_counter()
   load_start, git = _loadavg(), git_commit()  # as the run starts
-  target = load(s.model)
+  target = load(s.model, scan_layers=s.scan_layers)
   drafters: dict[str, Any] = {}
   notes: dict[str, str] = {}
   for name in s.methods:
@@ -963,6 +968,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
     vers.update(peer_versions(libs))
   settings = dataclasses.asdict(s)
   settings["prompts"] = s.prompts or f"built-in demo set ({DEMO_PROMPTS.name})"
+  settings["scan_layers"] = target.scan_layers  # the layout used (auto resolved)
   report = dict(
       schema=SCHEMA, command="jaxspec " + shlex.join(["bench"] if argv is None else argv),
       date=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -995,7 +1001,7 @@ def to_json(report: dict[str, Any]) -> str:
 
 
 def add_bench_parser(sub) -> None:
-  from jaxspec.cli import _add_sampling, _draft_count
+  from jaxspec.cli import _add_sampling, _add_scan_layers, _draft_count
   from jaxspec.peers import PEERS
   p = sub.add_parser(
       "bench", help="measure methods side by side (and peer libraries) on a prompt set",
@@ -1026,6 +1032,7 @@ def add_bench_parser(sub) -> None:
                  help="nodes of the eagle-tree and medusa-tree methods' trees (default 8, the"
                       " fastest size on a 2-core CPU; EAGLE-2 uses 60 on GPUs)")
   p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+  _add_scan_layers(p)
   p.add_argument("--draft-model", default=None, metavar="PATH",
                  help="draft model (Hugging Face directory or .gguf) for the draft-model"
                       " method and transformers' assisted generation; default: the target in"

@@ -159,9 +159,8 @@ class DraftModel(Drafter):
   def _key(self):
     # The weights' structure and dtypes belong to the identity: an int8 copy of a model keeps
     # its cfg but is a different drafter (another compiled program, another cost model).
-    params = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.model.params)
-    return (DraftModel, self.model.cfg, self.p_min,
-            tuple(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, tuple))),
+    leaves = tuple(f"{x.dtype}{x.shape}" for x in jax.tree.leaves(self.model.params))
+    return (DraftModel, self.model.cfg, self.p_min, leaves,
             str(jax.tree.structure(self.model.params)))
 
   def __hash__(self):

@@ -784,8 +784,10 @@ def target_fingerprint(params: Params, cfg: LlamaConfig) -> str:
                                  cfg.num_kv_heads, cfg.head_dim]).encode())
   d = min(cfg.hidden_size, 64)
   parts = [params.embed[:16, :d], lm_head_weight(params)[:d, -16:], params.final_norm[:d]]
-  if params.layers is not None:
-    parts.append(params.layers.w_down[-1, :16, :d])
+  if params.layers is not None:  # the last layer's down projection, in either layer layout
+    layers = params.layers
+    last = layers[-1].w_down if isinstance(layers, tuple) else layers.w_down[-1]
+    parts.append(last[:16, :d])
   for p in parts:
     h.update(np.asarray(jnp.asarray(p, F32)).astype(ml_dtypes.bfloat16).tobytes())
   return h.hexdigest()[:16]

@@ -15,6 +15,7 @@ import pytest
 
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.config import RopeScaling
+from jaxspec.models.llama import default_scan_layers, stacked_layers
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.gguf_loader import dequantize, llama3_rope_factors, load_gguf
 from jaxspec.models.hf_loader import (load_hf, params_from_hf, params_to_hf, read_safetensors,
@@ -259,7 +260,9 @@ def test_bundled_model_config(smollm):
           cfg.vocab_size) == (30, 576, 9, 3, 64, 49152)
   assert cfg.tie_embeddings and smollm.params.lm_head is None
   assert cfg.eos_token_ids == (2,) and cfg.rope_theta == 100000.0
-  assert smollm.params.layers.wq.shape == (30, 576, 9, 64)
+  assert stacked_layers(smollm.params).wq.shape == (30, 576, 9, 64)
+  # jaxspec.load's default layout on this backend (unrolled on CPU), the same weights both ways
+  assert smollm.scan_layers == default_scan_layers()
 
 
 # -- Hugging Face round trip ----------------------------------------------------------------------

@@ -13,8 +13,9 @@ def _bundled_model_loaded_once(smollm2, monkeypatch):
   about 5 s a time; the smollm2 fixture is that same load)."""
   from jaxspec.models import loading
   real = loading.load
-  monkeypatch.setattr(loading, "load", lambda name_or_path=None, dtype="float32": (
-      smollm2 if name_or_path is None and dtype == "float32" else real(name_or_path, dtype)))
+  monkeypatch.setattr(loading, "load", lambda name_or_path=None, dtype="float32", **kw: (
+      smollm2 if name_or_path is None and dtype == "float32" and kw.get("scan_layers") is None
+      else real(name_or_path, dtype, **kw)))
 
 
 @pytest.mark.parametrize("draft", ["ngram", "none"])

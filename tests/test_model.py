@@ -1,6 +1,7 @@
 """The model and its cache: consistency, rollback, ragged rows, rotary scaling, variants."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -120,3 +121,56 @@ def test_config_rejects_bad_gqa_and_dtype():
     tiny_config(num_heads=4, num_kv_heads=3)
   with pytest.raises(ValueError, match="dtype"):
     tiny_config(dtype="float16")
+
+
+# -- layer layout: stacked (lax.scan) or unrolled (one set of weights per layer) --------------------
+def test_unrolled_layers_are_bit_identical_to_scanned():
+  from jaxspec.models.llama import is_scanned, stacked_layers, with_scan_layers
+  cfg, params = _model(num_layers=3, attention_bias=True)
+  un = with_scan_layers(params, False)
+  assert not is_scanned(un) and len(un.layers) == 3 and un.layers[1].wq.shape == (64, 4, 16)
+  np.testing.assert_array_equal(un.layers[2].w_down, params.layers.w_down[2])
+  assert with_scan_layers(un, False) is un
+  np.testing.assert_array_equal(stacked_layers(un).wk, params.layers.wk)
+  toks = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+  cache = init_cache(cfg, 2, 16)
+  a = fwd(params, toks, cache, cfg, hidden_layers=(0, 2))
+  b = fwd(un, toks, cache, cfg, hidden_layers=(0, 2))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  # a decode step on the filled cache, and the read-only variant a verify branch uses
+  step = jnp.array([[3], [5]])
+  np.testing.assert_array_equal(fwd(params, step, a[2], cfg)[0], fwd(un, step, b[2], cfg)[0])
+  ro = jax.jit(functools.partial(forward, cfg=cfg, write=False))
+  for x, y in zip(jax.tree.leaves(ro(params, step, a[2])), jax.tree.leaves(ro(un, step, b[2]))):
+    np.testing.assert_array_equal(x, y)
+  back = with_scan_layers(un, True)
+  assert is_scanned(back)
+  np.testing.assert_array_equal(back.layers.wq, params.layers.wq)
+
+
+def test_unrolled_model_generates_like_scanned_and_quantizes():
+  import jaxspec
+  from jaxspec.models import Model
+  from jaxspec.models.quant import quantize
+  cfg, params = _model()
+  m = Model(cfg, params)
+  un = m.with_scan_layers(False)
+  assert m.scan_layers and not un.scan_layers and un.with_scan_layers(False) is un
+  prompts = [[1, 2, 3, 4, 5], [7, 8]]
+  ref = jaxspec.generate(m, prompts, max_new_tokens=6)
+  out = jaxspec.generate(un, prompts, max_new_tokens=6)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  spec = jaxspec.speculative_generate(un, "ngram", prompts, max_new_tokens=6, num_draft_tokens=2)
+  np.testing.assert_array_equal(spec.tokens, ref.tokens)
+  q, qu = quantize(m, "int8"), quantize(un, "int8")
+  assert not qu.scan_layers
+  np.testing.assert_array_equal(qu.params.layers[1].wq.q, q.params.layers.wq.q[1])
+  np.testing.assert_array_equal(jaxspec.generate(qu, prompts, max_new_tokens=6).tokens,
+                                jaxspec.generate(q, prompts, max_new_tokens=6).tokens)
+
+
+def test_load_rejects_a_bad_scan_layers():
+  import jaxspec
+  with pytest.raises(ValueError, match="scan_layers must be True, False or None"):
+    jaxspec.load("smollm2-135m", scan_layers="yes")

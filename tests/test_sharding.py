@@ -62,6 +62,21 @@ def test_tensor_and_data_parallel_equals_unsharded(target, draft, sharded, refer
   assert placed.layers.wq.sharding.spec[2] == "model"
 
 
+def test_unrolled_layers_shard_per_layer(target, reference):
+  """An unrolled target (one set of weights per layer, jaxspec.load's CPU default) shards each
+  layer by the same rules, without the layer axis, and gives the same tokens."""
+  un = shard_model(target.with_scan_layers(False), make_mesh({"data": 2, "model": 4}))
+  assert not un.scan_layers
+  wq = un.params.layers[1].wq
+  assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+  assert wq.addressable_shards[0].data.shape[1] == 2
+  out = generate(un, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  spec = speculative_generate(un, NGram(), PROMPTS, max_new_tokens=N_NEW, num_draft_tokens=3,
+                              stop_ids=())
+  np.testing.assert_array_equal(spec.tokens, reference.tokens)
+
+
 def _all_gathers(hlo: str):
   """(shape, op name) of every all-gather in an HLO text."""
   out = []

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.llama import Params, stack_params
+from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
 
 # Hugging Face class name <-> jaxspec `LlamaConfig.architecture`.
@@ -419,7 +419,7 @@ def params_to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
   def np32(x):
     return np.asarray(x).astype(np.float32)
 
-  lp = params.layers
+  lp = stacked_layers(params)
   layers = {name: np32(getattr(lp, name)) for name in
             ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")}
   biases = {name: np32(getattr(lp, name)) for name in ("bq", "bk", "bv")

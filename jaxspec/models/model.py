@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Params
+from jaxspec.models.llama import Params, is_scanned, with_scan_layers
 
 
 @dataclasses.dataclass
@@ -23,3 +23,16 @@ class Model:
   @property
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
+
+  @property
+  def scan_layers(self) -> bool:
+    """True when the layers are stacked and run by `lax.scan`; False when unrolled."""
+    return is_scanned(self.params)
+
+  def with_scan_layers(self, scan: bool) -> Model:
+    """This model with its layers stacked (scan=True) or unrolled (scan=False); itself when
+    already so. Outputs are bit-identical; unrolled steps run about 1.4x faster on XLA's CPU
+    backend and compile several times slower (`jaxspec.models.llama.with_scan_layers`)."""
+    if bool(scan) == self.scan_layers:
+      return self
+    return dataclasses.replace(self, params=with_scan_layers(self.params, bool(scan)))

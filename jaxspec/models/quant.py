@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.llama import Params, pytree_dataclass
+from jaxspec.models.llama import Params, is_scanned, pytree_dataclass, with_scan_layers
 from jaxspec.models.model import Model
 
 PRECISIONS = ("int8", "bfloat16", "float32")
@@ -115,6 +115,8 @@ def param_bytes(params) -> int:
 
 
 def _quantize_params(params: Params) -> Params:
+  if not is_scanned(params):  # per layer: quantize the stack, then give each layer its slice
+    return with_scan_layers(_quantize_params(with_scan_layers(params, True)), False)
   layers = params.layers
   if layers is not None:
     layers = dataclasses.replace(

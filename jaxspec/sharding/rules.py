@@ -196,15 +196,21 @@ def param_shardings(params: Params, mesh: Mesh, rules: ShardingRules = DEFAULT_R
   """A pytree of NamedShardings matching `params` (quantized weights shard like their values;
   per-channel scales follow the value's spec where their dimension is not 1)."""
 
-  def for_field(name, leaf):
+  def for_field(name, leaf, skip=0):
     if leaf is None:
       return None
-    axes = PARAM_AXES[name]
+    axes = PARAM_AXES[name][skip:]
     return jax.tree.map(lambda x: NamedSharding(mesh, _spec_for(x.shape, axes, rules, mesh)),
                         leaf)
 
-  layers = LayerParams(**{f.name: for_field(f.name, getattr(params.layers, f.name))
+  def for_layers(lp, skip):
+    return LayerParams(**{f.name: for_field(f.name, getattr(lp, f.name), skip)
                           for f in dataclasses.fields(LayerParams)})
+
+  if isinstance(params.layers, tuple):  # unrolled: each layer's specs without the layer axis
+    layers = tuple(for_layers(lp, 1) for lp in params.layers)
+  else:
+    layers = for_layers(params.layers, 0)
   return Params(embed=for_field("embed", params.embed), layers=layers,
                 final_norm=for_field("final_norm", params.final_norm),
                 lm_head=for_field("lm_head", params.lm_head))

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.models.llama import is_scanned
 from jaxspec.models.model import Model
 
 FORMAT = "jaxspec-distill-data"
@@ -254,13 +255,20 @@ class DataConfig:
                       " >= 0 (0 = greedy)")
 
 
+def _wq_corner(p) -> jax.Array:
+  """wq[:, :2, :1, :4] of every layer, in either layer layout (no stacked copy of the rest)."""
+  if is_scanned(p):
+    return p.layers.wq[:, :2, :1, :4]
+  return jnp.stack([lp.wq[:2, :1, :4] for lp in p.layers])
+
+
 def target_fingerprint(target: Model) -> str:
   """A short hash of the target's configuration and a few weights: data written by one target
   must not train a head for another."""
   h = hashlib.sha256(json.dumps(dataclasses.asdict(target.cfg), sort_keys=True,
                                 default=str).encode())
   p = target.params
-  for a in (p.final_norm, p.embed[:4, :16], p.layers.wq[:, :2, :1, :4]):
+  for a in (p.final_norm, p.embed[:4, :16], _wq_corner(p)):
     h.update(np.ascontiguousarray(np.asarray(a, np.float32)).tobytes())
   return h.hexdigest()[:16]
 

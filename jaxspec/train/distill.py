@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import (LayerParams, Params, forward, init_cache,
+from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, stacked_layers,
                                   logits_from_hidden)
 from jaxspec.models.model import Model
 from jaxspec.train.data import Dataset
@@ -46,7 +46,7 @@ def draft_from_target(target: Model, num_layers: int = 4) -> Model:
                      f" {num_layers!r}: pass --num-layers in that range")
   cfg = dataclasses.replace(target.cfg, num_layers=num_layers)
   p = target.params
-  layers = jax.tree.map(lambda x: jnp.array(x[:num_layers]), p.layers)
+  layers = jax.tree.map(lambda x: jnp.array(x[:num_layers]), stacked_layers(p))
   params = Params(embed=jnp.array(p.embed), layers=layers, final_norm=jnp.array(p.final_norm),
                   lm_head=None if p.lm_head is None else jnp.array(p.lm_head))
   return Model(cfg, params, tokenizer=target.tokenizer,
@@ -158,7 +158,7 @@ def distill(target: Model, data: Dataset, out_dir: str | os.PathLike, cfg: Train
   loss = functools.partial(distill_loss, positions=data.max_new_tokens)
   module, history = train(module, loss, data, cfg, out / "training", frozen=target.params,
                           resume=resume, progress=progress)
-  draft = dataclasses.replace(draft, params=module.params())
+  draft = dataclasses.replace(draft, params=module.params()).with_scan_layers(target.scan_layers)
   save_draft(draft, out, dtype=save_dtype, history=history, data=data)
   return draft, history
 
