@@ -54,8 +54,9 @@ from flax import nnx
 
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.llama import (Params, _attention, _embed, apply_rope, lm_head_weight,
-                                  logits_from_hidden, rms_norm, rope_inv_freq, write_cache)
+from jaxspec.models.llama import (Params, _attention, _embed, apply_rope, is_scanned,
+                                  lm_head_weight, logits_from_hidden, rms_norm, rope_inv_freq,
+                                  write_cache)
 
 F32 = jnp.float32
 _NEG = -1e30
@@ -786,7 +787,7 @@ def target_fingerprint(params: Params, cfg: LlamaConfig) -> str:
   parts = [params.embed[:16, :d], lm_head_weight(params)[:d, -16:], params.final_norm[:d]]
   if params.layers is not None:  # the last layer's down projection, in either layer layout
     layers = params.layers
-    last = layers[-1].w_down if isinstance(layers, tuple) else layers.w_down[-1]
+    last = layers.w_down[-1] if is_scanned(params) else layers[-1].w_down
     parts.append(last[:16, :d])
   for p in parts:
     h.update(np.asarray(jnp.asarray(p, F32)).astype(ml_dtypes.bfloat16).tobytes())

@@ -148,9 +148,13 @@ def with_scan_layers(params: Params, scan: bool) -> Params:
   if scan:
     return dataclasses.replace(params, layers=stacked_layers(params))
   n = jax.tree.leaves(params.layers)[0].shape[0]
-  # One jitted slice per layer, whose outputs are fresh buffers (no view keeps the stack alive).
-  take = jax.jit(lambda tree, i: jax.tree.map(lambda a: a[i], tree))
-  return dataclasses.replace(params, layers=tuple(take(params.layers, i) for i in range(n)))
+  return dataclasses.replace(params, layers=tuple(_take_layer(params.layers, i)
+                                                  for i in range(n)))
+
+
+# One compiled slice for every layer and conversion: its outputs are fresh buffers, so no view
+# keeps the stacked arrays alive.
+_take_layer = jax.jit(lambda tree, i: jax.tree.map(lambda a: a[i], tree))
 
 
 def default_scan_layers() -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.llama import Params, is_scanned, pytree_dataclass, with_scan_layers
+from jaxspec.models.llama import Params, is_scanned, pytree_dataclass
 from jaxspec.models.model import Model
 
 PRECISIONS = ("int8", "bfloat16", "float32")
@@ -114,14 +114,18 @@ def param_bytes(params) -> int:
   return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
+def _quantize_layers(lp, skip: int):
+  """A LayerParams' matmul weights in int8; skip=1 for one unrolled layer (no layer axis)."""
+  return dataclasses.replace(
+      lp, **{name: quantize_array(getattr(lp, name), tuple(a - skip for a in axes))
+             for name, axes in _LAYER_AXES.items()})
+
+
 def _quantize_params(params: Params) -> Params:
-  if not is_scanned(params):  # per layer: quantize the stack, then give each layer its slice
-    return with_scan_layers(_quantize_params(with_scan_layers(params, True)), False)
   layers = params.layers
-  if layers is not None:
-    layers = dataclasses.replace(
-        layers, **{name: quantize_array(getattr(layers, name), axes)
-                   for name, axes in _LAYER_AXES.items()})
+  if layers is not None:  # channels are per layer, so each unrolled layer quantizes alone
+    layers = (_quantize_layers(layers, 0) if is_scanned(params)
+              else tuple(_quantize_layers(lp, 1) for lp in layers))
   return dataclasses.replace(
       params, embed=quantize_array(params.embed, _EMBED_AXES), layers=layers,
       lm_head=None if params.lm_head is None else quantize_array(params.lm_head, _LM_HEAD_AXES))

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, stacked_layers,
-                                  logits_from_hidden)
+from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_scanned,
+                                  logits_from_hidden, stacked_layers)
 from jaxspec.models.model import Model
 from jaxspec.train.data import Dataset
 from jaxspec.train.trainer import TrainConfig, train
@@ -46,7 +46,10 @@ def draft_from_target(target: Model, num_layers: int = 4) -> Model:
                      f" {num_layers!r}: pass --num-layers in that range")
   cfg = dataclasses.replace(target.cfg, num_layers=num_layers)
   p = target.params
-  layers = jax.tree.map(lambda x: jnp.array(x[:num_layers]), stacked_layers(p))
+  if is_scanned(p):
+    layers = jax.tree.map(lambda x: jnp.array(x[:num_layers]), p.layers)
+  else:  # stack only the layers the draft keeps
+    layers = stacked_layers(dataclasses.replace(p, layers=p.layers[:num_layers]))
   params = Params(embed=jnp.array(p.embed), layers=layers, final_norm=jnp.array(p.final_norm),
                   lm_head=None if p.lm_head is None else jnp.array(p.lm_head))
   return Model(cfg, params, tokenizer=target.tokenizer,
