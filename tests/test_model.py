@@ -174,3 +174,21 @@ def test_load_rejects_a_bad_scan_layers():
   import jaxspec
   with pytest.raises(ValueError, match="scan_layers must be True, False or None"):
     jaxspec.load("smollm2-135m", scan_layers="yes")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 33])
+def test_blocked_tied_head_matches_plain_product(rows):
+  # A table past the size threshold: 2..32 rows take the vocabulary-blocked matmul, 1 and 33
+  # the plain one; all must equal the reference product up to float rounding.
+  from jaxspec.models import llama
+  v, d = 8192, 512
+  embed = jax.random.normal(jax.random.key(0), (v, d), jnp.float32)
+  params = llama.Params(embed=embed, layers=(), final_norm=jnp.ones((d,)))
+  hidden = jax.random.normal(jax.random.key(1), (rows, 1, d), jnp.float32)
+  assert llama._blocked_head(v, d, rows) == (2 <= rows <= 32)
+  got = jax.jit(llama.logits_from_hidden)(params, hidden)
+  want = np.einsum("btd,vd->btv", np.asarray(hidden, np.float64), np.asarray(embed, np.float64))
+  assert got.shape == (rows, 1, v) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=2e-4)
+  # a vocabulary that is not a multiple of the block keeps the plain product
+  assert not llama._blocked_head(v + 1, d, 8)

@@ -310,11 +310,39 @@ def lm_head_weight(params: Params) -> jax.Array:
   return _weight(params.lm_head, jnp.float32)
 
 
+# The tied LM head on a few rows (a verify pass, a small batch) as a batched matmul over
+# vocabulary blocks: see `logits_from_hidden`.
+_VOCAB_BLOCK = 2048
+_BLOCKED_ROWS = (2, 32)  # rows (batch x positions) for which the blocked form is used
+_BLOCKED_MIN_WEIGHTS = 1 << 22  # vocabulary x width: only tables well beyond the caches
+
+
+def _blocked_head(v: int, d: int, rows: int) -> bool:
+  return (_BLOCKED_ROWS[0] <= rows <= _BLOCKED_ROWS[1] and v % _VOCAB_BLOCK == 0
+          and v * d >= _BLOCKED_MIN_WEIGHTS and jax.default_backend() == "cpu")
+
+
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
-  """float32 logits [..., V] from final hidden states [..., D]."""
+  """float32 logits [..., V] from final hidden states [..., D].
+
+  With a tied head ([V, D] embedding) and 2..32 rows on the CPU backend, the product runs as
+  a batched matmul over blocks of 2048 vocabulary rows (a free reshape of the table): XLA's
+  CPU matmul for a few rows repacks the whole right-hand side per call, which for a table
+  far larger than the caches costs about as much again as reading it; block by block the
+  repacking stays in cache. SmolLM2 (49152 x 576): 2 rows 14 -> 8 ms, 8 rows 17 -> 9 ms,
+  one row (a gemv, unchanged) 6 ms. Same values up to float rounding (summation order).
+  """
   if params.lm_head is None:
-    return jnp.einsum("...d,vd->...v", hidden, _weight(params.embed, hidden.dtype),
-                      preferred_element_type=jnp.float32)
+    w = _weight(params.embed, hidden.dtype)
+    v, d = w.shape
+    lead = hidden.shape[:-1]
+    rows = math.prod(lead)
+    if _blocked_head(v, d, rows):
+      out = jnp.einsum("xd,ncd->nxc", hidden.reshape(rows, d),
+                       w.reshape(v // _VOCAB_BLOCK, _VOCAB_BLOCK, d),
+                       preferred_element_type=jnp.float32)
+      return jnp.swapaxes(out, 0, 1).reshape(*lead, v)
+    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
   return jnp.einsum("...d,dv->...v", hidden, _weight(params.lm_head, hidden.dtype),
                     preferred_element_type=jnp.float32)
 
