@@ -34,6 +34,7 @@ notebooks: $(VENV)/.installed
 # peers join when llama-cpp-python is installed (`pip install '.[llama-cpp]'`: it builds
 # llama.cpp from source where no wheel fits, about 15 minutes on 2 cores).
 DRAFT_MODEL ?= benchmarks/cache/draft-model
+ADAPTIVE_CATS = writing,coding,math_reasoning,summarization
 BENCH_PEERS = transformers,transformers-prompt-lookup,transformers-assisted$(shell $(PY) -c \
   "import importlib.util as u; print(',llama.cpp,llama.cpp-prompt-lookup' if u.find_spec('llama_cpp') else '')" 2>/dev/null)
 bench: $(VENV)/.installed
@@ -48,6 +49,12 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_adaptive.py --ks 2,4 --repeats 1 --sweep-repeats 3
+	$(PY) benchmarks/bench_adaptive.py --per-category 1 --ks 1,2,3 --max-new-tokens 64 \
+	  --repeats 1 --skip 2 --drafter eagle --out benchmarks/results/adaptive_eagle.json
+	for d in medusa mlp $(DRAFT_MODEL); do $(PY) benchmarks/bench_adaptive.py --per-category 1 \
+	  --ks 1,2,3 --max-new-tokens 64 --repeats 1 --skip 2 --drafter $$d \
+	  --categories $(ADAPTIVE_CATS) --out benchmarks/results/adaptive_$$(basename $$d | tr - _).json \
+	  || exit 1; done
 	$(PY) benchmarks/bench_heads.py --methods plain,eagle,medusa,mlp,ngram
 	$(PY) benchmarks/bench_placement.py
 

@@ -50,7 +50,8 @@ def main():
       print(f"| {b} | {r['decode_step_seconds'] * 1e3:.1f} ms | "
             + " | ".join(f"{r['verify_over_decode'][k]:.2f}" for k in ks) + " |")
 
-  for name in ("adaptive.json", "adaptive_sweep.json", "adaptive_eagle.json"):
+  for name in ("adaptive.json", "adaptive_sweep.json", "adaptive_eagle.json",
+               "adaptive_medusa.json", "adaptive_mlp.json", "adaptive_draft_model.json"):
     if (RES / name).exists():
       adaptive(json.loads((RES / name).read_text()))
   if (RES / "heads.json").exists():
