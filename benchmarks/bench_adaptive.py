@@ -164,8 +164,8 @@ def main():
     write_json(Path(args.out), result)
   if "1" not in skip:
     methods = ["plain"] + args.ks.split(",") + ["auto", "masked"]
-    # One width: verify the most drafts (8, or fewer for a head with fewer heads) or none.
-    k_max = min(8, getattr(DRAFTER, "max_draft_tokens", None) or 8)
+    # One width: verify the default k_max drafts (fewer for a head with fewer heads) or none.
+    k_max = min(AutoK().k_max, getattr(DRAFTER, "max_draft_tokens", None) or AutoK().k_max)
     auto = {"masked": AutoK(k_max=k_max, buckets=(0, k_max))}
     cats = tuple(c for c in args.categories.split(",") if c) or None
     picked = [r for rows_c in by_category(rows, args.per_category, cats).values()

@@ -2,8 +2,8 @@
 
 Covers Llama 2/3 (plain and Llama-3 scaled rotary), Mistral (optional sliding window), Qwen2
 (q/k/v biases) and SmolLM: RMSNorm, rotary embeddings in the Hugging Face "rotate half" layout,
-grouped-query attention, SwiGLU MLP, tied or untied LM head. Layers are stacked on a leading
-axis and run with `lax.scan`.
+grouped-query attention, SwiGLU MLP, tied or untied LM head. Layers are either stacked on a
+leading axis and run with `lax.scan`, or held one set per layer and unrolled (`with_scan_layers`).
 
 The KV cache holds a *per-row* length: speculative decoding accepts a different number of
 tokens in every row, so every row writes at, and attends up to, its own position. Rolling a row
