@@ -17,13 +17,18 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/jaxspec generate "$(PROMPT)" --max-new-tokens 128
 
-# Two passes: the tiny random models with LLVM at -O0 (their programs compile about a third
-# faster and run about as fast), then the tests on the bundled SmolLM2 (marked real_model by
-# tests/conftest.py) with XLA's default optimization, which its decode loops need.
+# Two passes, each over two pytest-xdist workers (one per core; a test module's programs stay on
+# one worker): the tiny random models with LLVM at -O0 and XLA CPU's older fusion emitters (their
+# programs compile about twice as fast that way and run about as fast), then the tests on the
+# bundled SmolLM2 (marked real_model by tests/conftest.py) with XLA's default settings, which its
+# decode loops need (there the older emitters compile 2-3x slower).
 TEST_XLA := $${XLA_FLAGS:---xla_force_host_platform_device_count=8}
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 test: $(VENV)/.installed
-	XLA_FLAGS="$(TEST_XLA) --xla_backend_optimization_level=0" $(PY) -m pytest -q tests -m "not slow and not real_model"
-	XLA_FLAGS="$(TEST_XLA)" $(PY) -m pytest -q tests -m "not slow and real_model"
+	XLA_FLAGS="$(TEST_XLA) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" \
+	  $(PYTEST) -m "not slow and not real_model"
+	XLA_FLAGS="$(TEST_XLA)" $(PYTEST) -m "not slow and real_model"
 
 # The three notebooks executed in their SMALL setting (CI runs this after the tests).
 notebooks: $(VENV)/.installed

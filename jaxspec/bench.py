@@ -1001,7 +1001,7 @@ def to_json(report: dict[str, Any]) -> str:
 
 
 def add_bench_parser(sub) -> None:
-  from jaxspec.cli import _add_sampling, _add_scan_layers, _draft_count
+  from jaxspec.cli import _add_sampling, _add_scan_layers, _draft_count, add_compile_cache
   from jaxspec.peers import PEERS
   p = sub.add_parser(
       "bench", help="measure methods side by side (and peer libraries) on a prompt set",
@@ -1033,6 +1033,7 @@ def add_bench_parser(sub) -> None:
                       " fastest size on a 2-core CPU; EAGLE-2 uses 60 on GPUs)")
   p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
   _add_scan_layers(p)
+  add_compile_cache(p, on=False)
   p.add_argument("--draft-model", default=None, metavar="PATH",
                  help="draft model (Hugging Face directory or .gguf) for the draft-model"
                       " method and transformers' assisted generation; default: the target in"

@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI's persistent compilation cache stays off in tests that call it (a test that wants it
+# passes --compile-cache): a warm cache from an earlier run would change what they time.
+os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "none")
 
 from pathlib import Path  # noqa: E402
 
@@ -49,9 +52,10 @@ def smollm2():
 
 def pytest_collection_modifyitems(config, items):
   """Marks the tests on the bundled model `real_model`: `make test` runs them in a second pass
-  with XLA's default optimization, the rest with LLVM at -O0, which compiles the tiny models'
-  programs about a third faster and runs them about as fast (the 135M model's decode loops run
-  much slower at -O0)."""
+  with XLA's default settings, the rest with LLVM at -O0 and XLA CPU's older fusion emitters,
+  which compile the tiny models' programs about twice as fast and run them about as fast (the
+  135M model's decode loops run much slower at -O0, and compile slower with the older emitters).
+  Both passes spread test modules over two pytest-xdist workers."""
   for item in items:
     if "smollm2" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.real_model)

@@ -1,0 +1,57 @@
+"""The CLI's persistent compilation cache: a second run loads the compiled programs instead of
+compiling them, prints the same text, and `none` or a bad directory behave."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_checkpoints import _tiny, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  path = tmp_path_factory.mktemp("cc") / "tiny.gguf"
+  write_tiny_gguf(path, *_tiny())
+  return path
+
+
+def _run(gguf, *flags, cwd=None, env=None):
+  env = {k: v for k, v in os.environ.items() if k != "JAXSPEC_COMPILE_CACHE"} | (env or {})
+  out = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "hello world",
+                        "--model", str(gguf), "--max-new-tokens", "12", "--draft", "ngram",
+                        "--num-draft-tokens", "3", *flags],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
+  assert out.returncode == 0, out.stderr[-2000:]
+  *text, stats = out.stdout.strip().splitlines()
+  return "\n".join(text), float(re.search(r"compile ([\d.]+) s", stats).group(1))
+
+
+def test_second_run_loads_compiled_programs(tiny_gguf, tmp_path):
+  cache = tmp_path / "xla"
+  text1, compile1 = _run(tiny_gguf, "--compile-cache", str(cache))
+  entries = sorted(p.name for p in cache.iterdir())
+  assert entries, "nothing was written to the cache"
+  text2, compile2 = _run(tiny_gguf, "--compile-cache", str(cache))
+  assert text2 == text1
+  assert compile2 < 0.6 * compile1, (compile1, compile2)
+  assert sorted(p.name for p in cache.iterdir()) == entries  # all hits, nothing new
+
+
+def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path):
+  home = {"XDG_CACHE_HOME": str(tmp_path / "home-cache")}
+  _run(tiny_gguf, env=home, cwd=tmp_path)  # no flag: $XDG_CACHE_HOME/jaxspec/xla
+  assert any((tmp_path / "home-cache" / "jaxspec" / "xla").iterdir())
+  (work := tmp_path / "work").mkdir()
+  _run(tiny_gguf, "--compile-cache", "none", env={"XDG_CACHE_HOME": str(work / "c")}, cwd=work)
+  assert not any(work.iterdir())  # no cache anywhere (not even a directory called "none")
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  env = {k: v for k, v in os.environ.items() if k != "JAXSPEC_COMPILE_CACHE"}
+  out = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "hi", "--model",
+                        str(tiny_gguf), "--compile-cache", str(blocker / "xla")],
+                       capture_output=True, text=True, env=env, timeout=300)
+  assert out.returncode != 0
+  assert "--compile-cache" in out.stderr and "--compile-cache none" in out.stderr, out.stderr
