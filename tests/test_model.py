@@ -124,29 +124,87 @@ def test_config_rejects_bad_gqa_and_dtype():
 
 
 # -- layer layout: stacked (lax.scan) or unrolled (one set of weights per layer) --------------------
-def test_unrolled_layers_are_bit_identical_to_scanned():
-  from jaxspec.models.llama import is_scanned, stacked_layers, with_scan_layers
+@pytest.mark.parametrize("output_major", [False, True])
+def test_unrolled_layers_match_scanned(monkeypatch, output_major):
+  # Unrolled with the logical weight layout: bit-identical to the scan. With the output-major
+  # layout the CPU backend uses by default: the same weights, outputs equal up to rounding.
+  from jaxspec.models import llama
+  from jaxspec.models.llama import OutputMajor, is_scanned, stacked_layers, with_scan_layers
+  monkeypatch.setattr(llama, "OUTPUT_MAJOR_ON_CPU", output_major)
   cfg, params = _model(num_layers=3, attention_bias=True)
   un = with_scan_layers(params, False)
   assert not is_scanned(un) and len(un.layers) == 3 and un.layers[1].wq.shape == (64, 4, 16)
+  assert isinstance(un.layers[1].wo, OutputMajor) == output_major
+  if output_major:
+    assert un.layers[1].wo.w.shape == (64, 4, 16) and un.layers[1].w_down.w.shape == (64, 128)
+    np.testing.assert_array_equal(un.layers[1].wo[2, 3], params.layers.wo[1, 2, 3])
   np.testing.assert_array_equal(un.layers[2].w_down, params.layers.w_down[2])
   assert with_scan_layers(un, False) is un
   np.testing.assert_array_equal(stacked_layers(un).wk, params.layers.wk)
+  check = (np.testing.assert_array_equal if not output_major else
+           functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4))
   toks = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
   cache = init_cache(cfg, 2, 16)
   a = fwd(params, toks, cache, cfg, hidden_layers=(0, 2))
   b = fwd(un, toks, cache, cfg, hidden_layers=(0, 2))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(x, y)
+    check(x, y)
   # a decode step on the filled cache, and the read-only variant a verify branch uses
   step = jnp.array([[3], [5]])
-  np.testing.assert_array_equal(fwd(params, step, a[2], cfg)[0], fwd(un, step, b[2], cfg)[0])
+  check(fwd(params, step, a[2], cfg)[0], fwd(un, step, b[2], cfg)[0])
   ro = jax.jit(functools.partial(forward, cfg=cfg, write=False))
   for x, y in zip(jax.tree.leaves(ro(params, step, a[2])), jax.tree.leaves(ro(un, step, b[2]))):
-    np.testing.assert_array_equal(x, y)
+    check(x, y)
   back = with_scan_layers(un, True)
   assert is_scanned(back)
-  np.testing.assert_array_equal(back.layers.wq, params.layers.wq)
+  for name in ("wq", "wo", "w_gate", "w_down", "bq"):
+    np.testing.assert_array_equal(getattr(back.layers, name), getattr(params.layers, name))
+
+
+def test_unrolled_decode_loop_updates_the_cache_in_place():
+  # Unrolled, the cache write must wait for every layer's read of the cache, or XLA copies the
+  # whole [L, B, S, G, K] cache in every step of a decode loop.
+  from jaxspec.models.llama import with_scan_layers
+  cfg, params = _model(num_layers=3)
+  un = with_scan_layers(params, False)
+  b, s = 2, 24
+
+  def loop(p, cache, tok):
+    def body(_, c):
+      cache, tok = c
+      lg, _, cache = forward(p, tok, cache, cfg)
+      return cache, jnp.argmax(lg[:, -1], -1)[:, None].astype(tok.dtype)
+    return jax.lax.fori_loop(0, 4, body, (cache, tok))
+
+  cache, tok = init_cache(cfg, b, s), jnp.ones((b, 1), jnp.int32)
+  hlo = jax.jit(loop, donate_argnums=(1,)).lower(un, cache, tok).compile().as_text()
+  full = f"[{cfg.num_layers},{b},{cfg.num_kv_heads},{s},{cfg.head_dim}]"
+  assert cache.k.shape == (cfg.num_layers, b, cfg.num_kv_heads, s, cfg.head_dim)
+  copies = [line for line in hlo.splitlines() if " copy(" in line or "copy-start(" in line]
+  assert not [c for c in copies if full in c], copies
+  got = jax.jit(loop)(un, init_cache(cfg, b, s), tok)[1]
+  want = jax.jit(loop)(params, init_cache(cfg, b, s), tok)[1]
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 65])
+def test_output_major_dense_matches_the_logical_product(rows):
+  # 1..64 rows take the product in blocks of 64 output rows, 65 and more one plain product;
+  # a weight whose output size is not a multiple of 64 always the plain one.
+  from jaxspec.models.llama import OutputMajor, _dense
+  key = iter(jax.random.split(jax.random.key(0), 8))
+  cases = [((96,), (3, 64), 1, "btd,dhk->bthk"),  # wq-like: [D, H, K], 192 outputs
+           ((3, 64), (96,), 2, "bthk,hkd->btd"),  # wo-like: [H, K, D], 96 outputs
+           ((40,), (130,), 1, "btd,df->btf")]  # outputs not a multiple of 64
+  for in_shape, out_shape, n_in, spec in cases:
+    w = jax.random.normal(next(key), (*in_shape, *out_shape), jnp.float32)
+    x = jax.random.normal(next(key), (rows, 1, *in_shape), jnp.float32)
+    om = OutputMajor(jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in))), len(out_shape))
+    assert om.shape == w.shape
+    got = jax.jit(_dense, static_argnums=(2, 3, 4))(x, om, n_in, spec, jnp.float32)
+    want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
 def test_unrolled_model_generates_like_scanned_and_quantizes():

@@ -3,7 +3,9 @@
 Covers Llama 2/3 (plain and Llama-3 scaled rotary), Mistral (optional sliding window), Qwen2
 (q/k/v biases) and SmolLM: RMSNorm, rotary embeddings in the Hugging Face "rotate half" layout,
 grouped-query attention, SwiGLU MLP, tied or untied LM head. Layers are either stacked on a
-leading axis and run with `lax.scan`, or held one set per layer and unrolled (`with_scan_layers`).
+leading axis and run with `lax.scan`, or held one set per layer and unrolled (`with_scan_layers`);
+unrolled on one CPU device, the matmul weights are held output-major (`OutputMajor`), which
+XLA's CPU matmul multiplies by a few rows without repacking the weight.
 
 The KV cache holds a *per-row* length: speculative decoding accepts a different number of
 tokens in every row, so every row writes at, and attends up to, its own position. Rolling a row
@@ -99,6 +101,66 @@ class Hidden:
   layers: jax.Array | None = None  # [n, B, T, D] outputs of the requested layers, in order
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["n_out"])
+@dataclasses.dataclass
+class OutputMajor:
+  """A float matmul weight stored output-major: a logical [*in, *out] weight (wq's [D, H, K],
+  wo's [H, K, D], ...) held as [*out, *in], the layout of PyTorch's Linear. The unrolled
+  layer layout on CPU holds its matmul weights so (`with_scan_layers`), because a verify pass
+  or a small batch multiplies a few rows by each weight, and XLA's CPU matmul for a few rows
+  repacks a row-major [in, out] right-hand side at every call, reading it twice from memory;
+  as blocks of 64 output rows of an [out, in] weight (a free reshape) the repacking stays in
+  cache. Indexing, `.shape` and `.dtype` see the logical weight."""
+
+  w: jax.Array  # [*out, *in]
+  n_out: int  # how many leading axes of `w` are output axes
+
+  def logical(self) -> jax.Array:
+    """The weight in the [*in, *out] layout (a transposed copy)."""
+    n = self.w.ndim
+    return jnp.transpose(self.w, (*range(self.n_out, n), *range(self.n_out)))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (*self.w.shape[self.n_out:], *self.w.shape[:self.n_out])
+
+  @property
+  def dtype(self):
+    return self.w.dtype
+
+  @property
+  def ndim(self) -> int:
+    return self.w.ndim
+
+  def __getitem__(self, idx):
+    return self.logical()[idx]
+
+  def __array__(self, dtype=None, copy=None):
+    import numpy as np
+    return np.asarray(self.logical(), dtype)
+
+
+# A LayerParams matmul weight's output axes (the trailing axes of its logical layout).
+_OUT_AXES = dict(wq=2, wk=2, wv=2, wo=1, w_gate=1, w_up=1, w_down=1)
+
+
+def _to_output_major(lp: LayerParams) -> LayerParams:
+  """One unrolled layer's float matmul weights as `OutputMajor` (int8 `QArray`s stay)."""
+  def conv(name):
+    w = getattr(lp, name)
+    if isinstance(w, OutputMajor) or _is_quantized(w):
+      return w
+    n_in = w.ndim - _OUT_AXES[name]
+    return OutputMajor(jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in))), _OUT_AXES[name])
+  return dataclasses.replace(lp, **{name: conv(name) for name in _OUT_AXES})
+
+
+def _to_input_major(lp: LayerParams) -> LayerParams:
+  """The inverse of `_to_output_major`: every matmul weight in its logical layout."""
+  return dataclasses.replace(lp, **{name: getattr(lp, name).logical() for name in _OUT_AXES
+                                    if isinstance(getattr(lp, name), OutputMajor)})
+
+
 def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None) -> Params:
   """Builds `Params` from host arrays: `layer(i)` returns layer i's LayerParams fields as numpy
   arrays; they go straight into stacked [L, ...] arrays of cfg's dtype (one copy per weight)."""
@@ -136,25 +198,60 @@ def stacked_layers(params: Params) -> LayerParams:
   """The layers stacked on a leading axis, whichever the layout (a stacked copy when unrolled)."""
   if is_scanned(params):
     return params.layers
-  return jax.tree.map(lambda *a: jnp.stack(a), *params.layers)
+  return _stack_layers(params.layers)
 
 
 def with_scan_layers(params: Params, scan: bool) -> Params:
   """`params` in the stacked (scan=True) or per-layer (scan=False) layout; the same object
   when already so. Converting copies the layer weights once (the old arrays can then be
-  freed); values are unchanged, so outputs are bit-identical in either layout."""
+  freed); values are unchanged. On the CPU backend the per-layer layout holds the float
+  matmul weights output-major (`OutputMajor`), whose few-row products sum in another order:
+  outputs then agree with the stacked layout's up to float rounding."""
   if scan == is_scanned(params) or params.layers is None:
     return params
   if scan:
     return dataclasses.replace(params, layers=stacked_layers(params))
   n = jax.tree.leaves(params.layers)[0].shape[0]
-  return dataclasses.replace(params, layers=tuple(_take_layer(params.layers, i)
-                                                  for i in range(n)))
+  take = _take_layer_output_major if _output_major_for(params.layers) else _take_layer
+  return dataclasses.replace(params, layers=tuple(take(params.layers, i) for i in range(n)))
+
+
+# Whether the unrolled layout on CPU holds its matmul weights output-major (benchmarks turn it
+# off to measure the difference).
+OUTPUT_MAJOR_ON_CPU = True
+
+
+def _output_major_for(tree) -> bool:
+  """Whether every weight of `tree` is a concrete array on one CPU device (a sharded model
+  keeps the logical layout, which the sharding rules and XLA's partitioner expect)."""
+  leaves = jax.tree.leaves(tree)
+  if not (OUTPUT_MAJOR_ON_CPU and leaves):
+    return False
+  for x in leaves:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return False
+    devices = x.devices()
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+      return False
+  return True
+
+
+def input_major(params: Params) -> Params:
+  """`params` with every `OutputMajor` weight back in its logical layout (the same object when
+  none is output-major)."""
+  if is_scanned(params) or params.layers is None or not any(
+      isinstance(getattr(lp, n), OutputMajor) for lp in params.layers for n in _OUT_AXES):
+    return params
+  return dataclasses.replace(params, layers=tuple(_to_input_major(lp) for lp in params.layers))
 
 
 # One compiled slice for every layer and conversion: its outputs are fresh buffers, so no view
 # keeps the stacked arrays alive.
 _take_layer = jax.jit(lambda tree, i: jax.tree.map(lambda a: a[i], tree))
+_take_layer_output_major = jax.jit(lambda tree, i: _to_output_major(
+    jax.tree.map(lambda a: a[i], tree)))
+_stack_layers = jax.jit(lambda layers: jax.tree.map(
+    lambda *a: jnp.stack(a), *(_to_input_major(lp) for lp in layers)))
 
 
 def default_scan_layers() -> bool:
@@ -292,7 +389,41 @@ def _is_quantized(w) -> bool:
 def _weight(w, dtype) -> jax.Array:
   """A weight as read by a matmul: an int8 `QArray` is dequantized here, inside the jitted
   pass, so only int8 is stored; a plain array is returned as is (no cast)."""
+  if isinstance(w, OutputMajor):
+    return w.logical()
   return w.dequantize(dtype) if _is_quantized(w) else w
+
+
+# Rows (batch x positions) up to which an output-major weight is multiplied block by block; a
+# prefill's many rows run one matmul (there the blocked form is slower: 256 rows 323 -> 355 ms
+# for SmolLM2's layers).
+_DENSE_BLOCK = 64
+_DENSE_BLOCKED_MAX_ROWS = 64
+
+
+def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
+  """x [..., *in] times a logical [*in, *out] weight -> [..., *out].
+
+  `spec` is the einsum for a weight in its logical layout (plain arrays, or int8 ones
+  dequantized to `dtype`); an
+  `OutputMajor` weight runs as [rows, I] x [O, I] -> [rows, O], in blocks of 64 output rows
+  for up to 64 rows. SmolLM2's 30 layers, 3 rows (a k = 2 verify) 33 -> 20 ms, 16 rows
+  49 -> 31 ms, one row 15 -> 14 ms (this project's 2-core VM)."""
+  if not isinstance(w, OutputMajor):
+    return jnp.einsum(spec, x, _weight(w, dtype))
+  wt = w.w  # [*out, *in]
+  out_shape = wt.shape[:w.n_out]
+  lead = x.shape[:x.ndim - n_in]
+  o, i = math.prod(out_shape), math.prod(wt.shape[w.n_out:])
+  rows = math.prod(lead)
+  x2 = x.reshape(rows, i)
+  w2 = wt.reshape(o, i)
+  if rows <= _DENSE_BLOCKED_MAX_ROWS and o % _DENSE_BLOCK == 0 and o > _DENSE_BLOCK:
+    y = jnp.einsum("xi,nci->nxc", x2, w2.reshape(o // _DENSE_BLOCK, _DENSE_BLOCK, i))
+    y = jnp.swapaxes(y, 0, 1)
+  else:
+    y = jnp.einsum("xi,oi->xo", x2, w2)
+  return y.reshape(*lead, *out_shape)
 
 
 def _embed(embed, tokens: jax.Array, dtype) -> jax.Array:
@@ -347,6 +478,20 @@ def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+def _after(x: jax.Array, i: int) -> jax.Array:
+  """The layer index i, as a value XLA must compute after `x` (always exactly i).
+
+  Unrolled, each layer's attention reads a slice of the [L, ...] caches, which XLA copies out.
+  Those copies depend on nothing but the caches, so XLA CPU's default (concurrency-optimized)
+  scheduler runs all 2L of them before the first layer: at batch 16 and 320 cached positions
+  that is 236 MB written and read back from memory instead of from cache. Slicing at an index
+  that depends on the layer's input keeps each copy just before its use, as a scan does (the
+  same as `--xla_cpu_enable_concurrency_optimized_scheduler=false`, which per-program compiler
+  options do not reach). Attention of 30 layers at batch 16: 105 -> 24 ms."""
+  nan = jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32)  # 0 or 1: min(i, i + nan) == i
+  return jnp.minimum(jnp.int32(i), i + nan)
+
+
 def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig, *,
             positions: jax.Array | None = None, block_mask: jax.Array | None = None,
             hidden_layers: tuple[int, ...] = (), logits: bool = True, fresh: bool = False,
@@ -393,27 +538,35 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     lp, k_cache, v_cache = xs
     h = rms_norm(x, lp.attn_norm, eps)
     dt = h.dtype
-    q = jnp.einsum("btd,dhk->bthk", h, _weight(lp.wq, dt))
-    k = jnp.einsum("btd,dgk->btgk", h, _weight(lp.wk, dt))
-    v = jnp.einsum("btd,dgk->btgk", h, _weight(lp.wv, dt))
+    q = _dense(h, lp.wq, 1, "btd,dhk->bthk", dt)
+    k = _dense(h, lp.wk, 1, "btd,dgk->btgk", dt)
+    v = _dense(h, lp.wv, 1, "btd,dgk->btgk", dt)
     if lp.bq is not None:
       q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
                       positions, block_mask, cfg)
-    x = x + jnp.einsum("bthk,hkd->btd", attn, _weight(lp.wo, dt))
+    x = x + _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
     h = rms_norm(x, lp.mlp_norm, eps)
-    gate = jnp.einsum("btd,df->btf", h, _weight(lp.w_gate, dt))
-    up = jnp.einsum("btd,df->btf", h, _weight(lp.w_up, dt))
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, _weight(lp.w_down, dt))
+    gate = _dense(h, lp.w_gate, 1, "btd,df->btf", dt)
+    up = _dense(h, lp.w_up, 1, "btd,df->btf", dt)
+    x = x + _dense(jax.nn.silu(gate) * up, lp.w_down, 1, "btf,fd->btd", dt)
     return x, (k, v, x if want else None)
 
   if not is_scanned(params):  # one tree per layer (`with_scan_layers`): unrolled
     outs = [None] * len(params.layers)
     for i, lp in enumerate(params.layers):
-      x, outs[i] = layer(x, (lp, cache.k[i], cache.v[i]))
+      j = _after(x, i)
+      x, outs[i] = layer(x, (lp, lax.dynamic_index_in_dim(cache.k, j, keepdims=False),
+                             lax.dynamic_index_in_dim(cache.v, j, keepdims=False)))
     k_new, v_new, per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    # The new keys and values as values computed after the last layer: writing them into the
+    # cache then waits for every layer's read of it, so XLA updates the cache in place instead
+    # of copying the whole [L, B, S, G, K] cache (twice per step inside a decode loop; at
+    # batch 16 and 320 positions a decode step 130 -> 100 ms). Always exactly k_new, v_new.
+    keep = _after(x, 0) == 0
+    k_new, v_new = jnp.where(keep, k_new, 0), jnp.where(keep, v_new, 0)
   else:
     x, (k_new, v_new, per_layer) = lax.scan(layer, x, (params.layers, cache.k, cache.v))
   final = rms_norm(x, params.final_norm, eps)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import KVCache, LayerParams, Params
+from jaxspec.models.llama import KVCache, LayerParams, OutputMajor, Params, input_major
 
 # The logical axes of every weight, in the order of its dimensions.
 PARAM_AXES = dict(
@@ -200,6 +200,9 @@ def param_shardings(params: Params, mesh: Mesh, rules: ShardingRules = DEFAULT_R
     if leaf is None:
       return None
     axes = PARAM_AXES[name][skip:]
+    if isinstance(leaf, OutputMajor):  # stored [*out, *in]: the same names, permuted
+      n_in = len(axes) - leaf.n_out
+      axes = (*axes[n_in:], *axes[:n_in])
     return jax.tree.map(lambda x: NamedSharding(mesh, _spec_for(x.shape, axes, rules, mesh)),
                         leaf)
 
@@ -309,8 +312,12 @@ class ModelSharding:
 
 def shard_params(params: Params, cfg: LlamaConfig, mesh: Mesh,
                  rules: ShardingRules = DEFAULT_RULES) -> Params:
-  """`params` placed on `mesh` by `rules` (checked to divide first)."""
+  """`params` placed on `mesh` by `rules` (checked to divide first). Unrolled layers held
+  output-major for one CPU device (`jaxspec.models.llama.OutputMajor`) go back to the logical
+  layout on a mesh of several devices."""
   check_fits(cfg, mesh, rules)
+  if mesh.size > 1:
+    params = input_major(params)
   return jax.device_put(params, param_shardings(params, mesh, rules))
 
 
