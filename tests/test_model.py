@@ -199,8 +199,9 @@ def test_output_major_dense_matches_the_logical_product(rows):
   for in_shape, out_shape, n_in, spec in cases:
     w = jax.random.normal(next(key), (*in_shape, *out_shape), jnp.float32)
     x = jax.random.normal(next(key), (rows, 1, *in_shape), jnp.float32)
-    om = OutputMajor(jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in))), len(out_shape))
-    assert om.shape == w.shape
+    om = OutputMajor.from_logical(w, len(out_shape))
+    assert om.shape == w.shape and om.w.shape == (*out_shape, *in_shape)
+    np.testing.assert_array_equal(om.logical(), w)
     got = jax.jit(_dense, static_argnums=(2, 3, 4))(x, om, n_in, spec, jnp.float32)
     want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
     assert got.shape == want.shape

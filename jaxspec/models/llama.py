@@ -115,6 +115,12 @@ class OutputMajor:
   w: jax.Array  # [*out, *in]
   n_out: int  # how many leading axes of `w` are output axes
 
+  @classmethod
+  def from_logical(cls, w: jax.Array, n_out: int) -> OutputMajor:
+    """A logical [*in, *out] weight with `n_out` output axes, stored output-major."""
+    n_in = w.ndim - n_out
+    return cls(jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in))), n_out)
+
   def logical(self) -> jax.Array:
     """The weight in the [*in, *out] layout (a transposed copy)."""
     n = self.w.ndim
@@ -144,21 +150,24 @@ class OutputMajor:
 _OUT_AXES = dict(wq=2, wk=2, wv=2, wo=1, w_gate=1, w_up=1, w_down=1)
 
 
+def as_logical(w):
+  """A weight in its logical layout: an `OutputMajor` one transposed back, any other as is."""
+  return w.logical() if isinstance(w, OutputMajor) else w
+
+
 def _to_output_major(lp: LayerParams) -> LayerParams:
   """One unrolled layer's float matmul weights as `OutputMajor` (int8 `QArray`s stay)."""
   def conv(name):
     w = getattr(lp, name)
     if isinstance(w, OutputMajor) or _is_quantized(w):
       return w
-    n_in = w.ndim - _OUT_AXES[name]
-    return OutputMajor(jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in))), _OUT_AXES[name])
+    return OutputMajor.from_logical(w, _OUT_AXES[name])
   return dataclasses.replace(lp, **{name: conv(name) for name in _OUT_AXES})
 
 
 def _to_input_major(lp: LayerParams) -> LayerParams:
   """The inverse of `_to_output_major`: every matmul weight in its logical layout."""
-  return dataclasses.replace(lp, **{name: getattr(lp, name).logical() for name in _OUT_AXES
-                                    if isinstance(getattr(lp, name), OutputMajor)})
+  return dataclasses.replace(lp, **{name: as_logical(getattr(lp, name)) for name in _OUT_AXES})
 
 
 def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None) -> Params:
@@ -388,9 +397,8 @@ def _is_quantized(w) -> bool:
 
 def _weight(w, dtype) -> jax.Array:
   """A weight as read by a matmul: an int8 `QArray` is dequantized here, inside the jitted
-  pass, so only int8 is stored; a plain array is returned as is (no cast)."""
-  if isinstance(w, OutputMajor):
-    return w.logical()
+  pass, so only int8 is stored; a plain array is returned as is (no cast). (`OutputMajor`
+  weights never come here: `_dense` multiplies them in their own layout.)"""
   return w.dequantize(dtype) if _is_quantized(w) else w
 
 
@@ -405,10 +413,11 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   """x [..., *in] times a logical [*in, *out] weight -> [..., *out].
 
   `spec` is the einsum for a weight in its logical layout (plain arrays, or int8 ones
-  dequantized to `dtype`); an
-  `OutputMajor` weight runs as [rows, I] x [O, I] -> [rows, O], in blocks of 64 output rows
-  for up to 64 rows. SmolLM2's 30 layers, 3 rows (a k = 2 verify) 33 -> 20 ms, 16 rows
-  49 -> 31 ms, one row 15 -> 14 ms (this project's 2-core VM)."""
+  dequantized to `dtype`); an `OutputMajor` weight runs as [rows, I] x [O, I] -> [rows, O],
+  in blocks of 64 output rows for up to 64 rows. SmolLM2's 30 layers, 3 rows (a k = 2
+  verify) 33 -> 20 ms, 16 rows 49 -> 31 ms, one row 15 -> 14 ms (the 2-core AMD EPYC VM with
+  XLA's Eigen matmuls; on the later Intel Xeon VM, whose dots run through YNNPACK, the blocked
+  and the one-product forms measure the same)."""
   if not isinstance(w, OutputMajor):
     return jnp.einsum(spec, x, _weight(w, dtype))
   wt = w.w  # [*out, *in]

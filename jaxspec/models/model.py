@@ -32,7 +32,8 @@ class Model:
   def with_scan_layers(self, scan: bool) -> Model:
     """This model with its layers stacked (scan=True) or unrolled (scan=False); itself when
     already so. Unrolled steps run faster on XLA's CPU backend (1.4x at batch 1) and compile
-    several times slower; outputs agree up to float rounding (`jaxspec.models.llama.with_scan_layers`)."""
+    several times slower; outputs agree up to float rounding
+    (`jaxspec.models.llama.with_scan_layers`)."""
     if bool(scan) == self.scan_layers:
       return self
     return dataclasses.replace(self, params=with_scan_layers(self.params, bool(scan)))

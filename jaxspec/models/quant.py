@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.llama import OutputMajor, Params, is_scanned, pytree_dataclass
+from jaxspec.models.llama import Params, as_logical, is_scanned, pytree_dataclass
 from jaxspec.models.model import Model
 
 PRECISIONS = ("int8", "bfloat16", "float32")
@@ -114,14 +114,10 @@ def param_bytes(params) -> int:
   return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
-def _logical(w):
-  return w.logical() if isinstance(w, OutputMajor) else w
-
-
 def _quantize_layers(lp, skip: int):
   """A LayerParams' matmul weights in int8; skip=1 for one unrolled layer (no layer axis)."""
   return dataclasses.replace(
-      lp, **{name: quantize_array(_logical(getattr(lp, name)), tuple(a - skip for a in axes))
+      lp, **{name: quantize_array(as_logical(getattr(lp, name)), tuple(a - skip for a in axes))
              for name, axes in _LAYER_AXES.items()})
 
 
