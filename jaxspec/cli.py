@@ -69,7 +69,21 @@ def enable_compile_cache(spec: str | None) -> str | None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   if jax.config.jax_compilation_cache_max_size < 0:  # unbounded by default: keep 2 GiB at most
     jax.config.update("jax_compilation_cache_max_size", 2 << 30)
+  if not CACHE_EVENTS:
+    CACHE_EVENTS.update(loaded=0, written=0)
+    jax.monitoring.register_event_listener(_count_cache_event)
   return str(path)
+
+
+# Programs this process loaded from / wrote to the persistent cache (empty while it is off).
+CACHE_EVENTS: dict[str, int] = {}
+_CACHE_EVENT_NAMES = {"/jax/compilation_cache/cache_hits": "loaded",
+                      "/jax/compilation_cache/cache_misses": "written"}  # JAX records a miss on write
+
+
+def _count_cache_event(event: str, **_) -> None:
+  if (name := _CACHE_EVENT_NAMES.get(event)) is not None:
+    CACHE_EVENTS[name] += 1
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -195,7 +209,9 @@ def cmd_generate(args) -> int:
     raise SystemExit(f"error: {e}")
   secs = info.get("seconds", 0.0)
   line = (f"[jaxspec] {n} new tokens, {n / secs if secs else 0:.1f} tokens/s,"
-          f" compile {info.get('compile_seconds', 0.0) + info.get('profile_seconds', 0.0):.1f} s,"
+          f" compile {info.get('compile_seconds', 0.0) + info.get('profile_seconds', 0.0):.1f} s"
+          + (f" ({CACHE_EVENTS['loaded']} programs loaded from the cache,"
+             f" {CACHE_EVENTS['written']} written)," if CACHE_EVENTS else ",") +
           f" load {load_s:.1f} s,"
           f" model {model.name}, draft {drafter.name if drafter is not None else 'none'}")
   st = info.get("stats")

@@ -26,18 +26,21 @@ def _run(gguf, *flags, cwd=None, env=None):
                        capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
   assert out.returncode == 0, out.stderr[-2000:]
   *text, stats = out.stdout.strip().splitlines()
-  return "\n".join(text), float(re.search(r"compile ([\d.]+) s", stats).group(1))
+  assert re.search(r"compile [\d.]+ s", stats), stats
+  counts = re.search(r"\((\d+) programs loaded from the cache, (\d+) written\)", stats)
+  return "\n".join(text), *(map(int, counts.groups()) if counts else (None, None))
 
 
 def test_second_run_loads_compiled_programs(tiny_gguf, tmp_path):
   cache = tmp_path / "xla"
-  text1, compile1 = _run(tiny_gguf, "--compile-cache", str(cache))
-  entries = sorted(p.name for p in cache.iterdir())
-  assert entries, "nothing was written to the cache"
-  text2, compile2 = _run(tiny_gguf, "--compile-cache", str(cache))
+  text1, loaded1, written1 = _run(tiny_gguf, "--compile-cache", str(cache))
+  entries = sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache"))
+  assert entries and (loaded1, written1) == (0, len(entries)), (loaded1, written1, entries)
+  text2, loaded2, written2 = _run(tiny_gguf, "--compile-cache", str(cache))
   assert text2 == text1
-  assert compile2 < 0.6 * compile1, (compile1, compile2)
-  assert sorted(p.name for p in cache.iterdir()) == entries  # all hits, nothing new
+  # Counted from JAX's own cache events, not timed: a timing ratio flaked under a loaded CI.
+  assert (loaded2, written2) == (len(entries), 0), (loaded2, written2, entries)
+  assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")) == entries
 
 
 def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path):
@@ -45,7 +48,8 @@ def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path):
   _run(tiny_gguf, env=home, cwd=tmp_path)  # no flag: $XDG_CACHE_HOME/jaxspec/xla
   assert any((tmp_path / "home-cache" / "jaxspec" / "xla").iterdir())
   (work := tmp_path / "work").mkdir()
-  _run(tiny_gguf, "--compile-cache", "none", env={"XDG_CACHE_HOME": str(work / "c")}, cwd=work)
+  *_, loaded, written = _run(tiny_gguf, "--compile-cache", "none", env={"XDG_CACHE_HOME": str(work / "c")}, cwd=work)
+  assert (loaded, written) == (None, None)  # the stats line says nothing of a cache
   assert not any(work.iterdir())  # no cache anywhere (not even a directory called "none")
   blocker = tmp_path / "a-file"
   blocker.write_text("")
