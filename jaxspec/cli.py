@@ -42,7 +42,9 @@ def add_compile_cache(p: argparse.ArgumentParser, *, on: bool = True) -> None:
                  help="keep compiled programs in DIR (at most 2 GiB, least recently used"
                       " dropped), so a later run with the same model, shapes and settings loads"
                       " them instead of compiling (on the 2-core CPU the default demo's compile"
-                      " and cost measurement went 116 -> 75-85 s; tracing and loading remain);"
+                      " and cost measurement went 112 -> 100 s: tracing, loading the programs"
+                      " and the cost measurement remain; the stats line counts the programs"
+                      " loaded);"
                       f" 'none' turns it off; {what}")
 
 
