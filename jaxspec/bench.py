@@ -27,6 +27,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -703,6 +704,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(f"- **{name}** not run: {why}")
   for name, what in report["drafters"].items():
     lines.append(f"- {name}: {what}")
+  if report.get("programs_released"):
+    lines.append(f"- {report['programs_released']} compiled programs were released near the"
+                 " process's vm.max_map_count and compiled again when next used (compile time"
+                 " is never in the timings; raise the limit to avoid it)")
   if report.get("peer_threads"):
     lines.append(f"- peers run on {report['peer_threads']} CPU threads"
                  f" (torch.set_num_threads), as many as JAX's CPU backend uses")
@@ -880,10 +885,12 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   out_dir = Path(s.out)
   out_dir.mkdir(parents=True, exist_ok=True)
 
+  import jaxspec.generate  # noqa: F401  (the module, not the function the package exports)
   from jaxspec.generate import stop_ids_for
   from jaxspec.models.errors import CheckpointError
   from jaxspec.models.loading import load
   from jaxspec.train.data import encode_prompts, make_progress
+  generate_mod = sys.modules["jaxspec.generate"]
   t_start = time.perf_counter()
   load_start, git = _loadavg(), git_commit()  # as the run starts
   target = load(s.model, scan_layers=s.scan_layers)
@@ -929,35 +936,48 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   runs: list[dict[str, Any]] = []
   warmed: set = set()
   flip = False
-  with make_progress(s.progress) as bar:
-    task = bar.add_task("bench", total=total, info="")
-    for unit_i, (b, cat, g, group) in enumerate(units):
-      order = names_at[b][::-1] if flip else names_at[b]
-      flip = not flip
-      unit_runs = {}
-      for name in order:
-        bar.update(task, description=f"b={b} {cat} #{g}", info=name)
-        if name in PEERS:
-          runner = runners[PEERS[name].library]
-          if (name, b) not in warmed:  # the first call of a library at a batch size is slow
-            _run_peer(runner, name, group, stops, s)
-            warmed.add((name, b))
-          rec = _run_peer(runner, name, group, stops, s)
-          rec["kind"] = "peer"
-        else:
-          rec = _run_jaxspec(target, drafters[name], METHODS[name], group, s)
-          rec["kind"] = "jaxspec"
-        rec.update(method=name, batch_size=b, category=cat, group=g, unit=unit_i,
-                   prompt_lengths=[len(p) for p in group])
-        unit_runs[name] = rec
-        runs.append(rec)
-        bar.advance(task)
-      plain = unit_runs["none"]["rows"]
-      for name, rec in unit_runs.items():
-        if name != "none" and s.temperature == 0:
-          rec["matches_plain"] = sum(a == p for a, p in zip(rec["rows"], plain)) / len(plain)
-      for rec in unit_runs.values():
-        del rec["rows"]  # the tokens themselves: not kept in the report
+  released0 = generate_mod.RELEASED
+  try:
+    with make_progress(s.progress) as bar:
+      task = bar.add_task("bench", total=total, info="")
+      for unit_i, (b, cat, g, group) in enumerate(units):
+        order = names_at[b][::-1] if flip else names_at[b]
+        flip = not flip
+        unit_runs = {}
+        for name in order:
+          bar.update(task, description=f"b={b} {cat} #{g}", info=name)
+          if name in PEERS:
+            runner = runners[PEERS[name].library]
+            if (name, b) not in warmed:  # the first call of a library at a batch size is slow
+              _run_peer(runner, name, group, stops, s)
+              warmed.add((name, b))
+            rec = _run_peer(runner, name, group, stops, s)
+            rec["kind"] = "peer"
+          else:
+            rec = _run_jaxspec(target, drafters[name], METHODS[name], group, s)
+            rec["kind"] = "jaxspec"
+          rec.update(method=name, batch_size=b, category=cat, group=g, unit=unit_i,
+                     prompt_lengths=[len(p) for p in group])
+          unit_runs[name] = rec
+          runs.append(rec)
+          bar.advance(task)
+        plain = unit_runs["none"]["rows"]
+        for name, rec in unit_runs.items():
+          if name != "none" and s.temperature == 0:
+            rec["matches_plain"] = sum(a == p for a, p in zip(rec["rows"], plain)) / len(plain)
+        for rec in unit_runs.values():
+          del rec["rows"]  # the tokens themselves: not kept in the report
+  except BaseException as e:  # an interrupt or a crash: keep the finished runs
+    if runs:
+      partial = out_dir / "bench.partial.json"
+      partial.write_text(to_json(dict(
+          schema=SCHEMA, incomplete=f"{type(e).__name__}: {e}",
+          command="jaxspec " + shlex.join(["bench"] if argv is None else argv),
+          date=time.strftime("%Y-%m-%d %H:%M:%S"), git=git, settings=dataclasses.asdict(s),
+          runs=runs)), encoding="utf-8")
+      print(f"jaxspec bench stopped ({type(e).__name__}); the {len(runs)} finished runs are in"
+            f" {partial}", file=sys.stderr)
+    raise
   wall = time.perf_counter() - t_start
 
   cats = list(encoded)
@@ -979,6 +999,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
       drafters=notes, peers_run=peers,
       peer_descriptions={p: PEERS[p].description for p in peers},
       peer_threads=nthreads if peers else None, skipped=skipped, stop_ids=stops,
+      programs_released=generate_mod.RELEASED - released0,
       wall_seconds=wall, definitions=DEFINITIONS, results=results, goals=None, runs=runs,
       files=[])
   report["goals"] = goals(results, s)

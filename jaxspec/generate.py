@@ -7,9 +7,12 @@ prefill and loop body in chunks of steps for interactive printing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import gc
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -224,7 +227,61 @@ _decode_jit = jax.jit(_decode_loop, static_argnums=(4, 5, 6), donate_argnums=(1,
 # ----------------------------------------------------------------------------------------------
 # Compilation cache with compile timing.
 
-_COMPILED: dict[Any, Any] = {}
+_COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # least recent first
+
+# An unrolled 30-layer speculative loop for SmolLM2 keeps about 6,000-7,500 memory mappings while
+# its executable lives (XLA CPU maps each kernel's code and data), and Linux refuses new mappings
+# past vm.max_map_count (default 65,530) with LLVM's "Cannot allocate memory" mid-compilation,
+# however much RAM is free. Past this fraction of the limit, the least recently used programs
+# are released before compiling another.
+MAP_PRESSURE = 0.5
+RELEASED = 0  # programs released so far (by release_compiled), for reports
+
+
+def map_usage() -> tuple[int, int] | None:
+  """(memory mappings of this process, vm.max_map_count) on Linux; None where unknown."""
+  try:
+    with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+      used = sum(1 for _ in f)
+  except (OSError, ValueError):
+    return None
+  return used, limit
+
+
+def release_compiled(keep: int = 0) -> int:
+  """Drops all but the `keep` most recently used compiled programs, and JAX's own caches (which
+  hold the same executables), so their memory and mappings are returned; a later call
+  compiles again. Returns the number dropped."""
+  global RELEASED
+  n = max(len(_COMPILED) - keep, 0)
+  RELEASED += n
+  for _ in range(n):
+    _COMPILED.popitem(last=False)
+  jax.clear_caches()
+  gc.collect()
+  return n
+
+
+def _relieve_map_pressure() -> None:
+  usage = map_usage()
+  if usage is None or usage[0] <= MAP_PRESSURE * usage[1]:
+    return
+  keep = len(_COMPILED) // 2
+  while True:
+    dropped = release_compiled(keep)
+    usage = map_usage()
+    if usage is None or usage[0] <= MAP_PRESSURE * usage[1] or keep == 0:
+      break
+    keep //= 2
+  if usage is not None and usage[0] > MAP_PRESSURE * usage[1]:
+    warnings.warn(
+        f"this process holds {usage[0]} memory mappings of vm.max_map_count={usage[1]} even after"
+        f" releasing jaxspec's compiled programs (the last release dropped {dropped}); compiling"
+        " more may fail with LLVM's 'Cannot allocate memory'. Raise the limit (`sudo sysctl -w"
+        " vm.max_map_count=262144`) or drop references to old outputs and executables.",
+        RuntimeWarning, stacklevel=3)
 
 
 def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
@@ -233,6 +290,10 @@ def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
   With `jit_kwargs` (in_shardings, out_shardings, donate_argnums for a sharded model), `fn` is
   the plain function and is jitted with them; `key_extra` must then name the layout (the
   `ModelSharding`), which is part of the cache key.
+
+  The programs are kept for reuse, least recently used first out: when the process nears
+  Linux's vm.max_map_count (`MAP_PRESSURE`), older programs are released before compiling
+  (`release_compiled`), so a long session that compiles many loops recompiles instead of failing.
   """
   leaves, treedef = jax.tree.flatten(args)
   sig = (fn, key_extra, treedef,
@@ -243,7 +304,9 @@ def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
   except TypeError:
     sig = repr(sig)
   if sig in _COMPILED:
+    _COMPILED.move_to_end(sig)
     return _COMPILED[sig], 0.0
+  _relieve_map_pressure()
   t0 = time.perf_counter()
   if jit_kwargs is not None:  # jit with shardings takes no keyword arguments: bind them
     exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile()

@@ -68,11 +68,8 @@ def _release_executables():
   the kernel's vm.max_map_count (65530), after which a compile crashes (a segfault in
   backend_compile, seen at the end of a full run). Modules compile what they need again."""
   yield
-  import gc
   import sys
 
   # jaxspec.generate is also the name of the function the package exports: go by module name.
-  sys.modules["jaxspec.generate"]._COMPILED.clear()
   sys.modules["jaxspec.speculative"]._PLACED.clear()
-  jax.clear_caches()
-  gc.collect()
+  sys.modules["jaxspec.generate"].release_compiled()

@@ -118,6 +118,27 @@ def test_plots_and_table_are_written(report):
   assert "## Batch 1" in md and "| ngram |" in md and "Speedup by category" in md
 
 
+def test_an_interrupted_run_keeps_its_finished_runs(tiny_dir, prompts_file, tmp_path, monkeypatch):
+  """A crash or Ctrl-C mid-run (e.g. LLVM out of memory mappings) loses nothing finished."""
+  from jaxspec import bench
+  real, calls = bench._run_jaxspec, []
+
+  def flaky(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(bench, "_run_jaxspec", flaky)
+  with pytest.raises(KeyboardInterrupt):
+    _bench(tiny_dir, prompts_file, tmp_path, "--methods", "none", "--per-category", "2")
+  assert not (tmp_path / "bench.json").exists()
+  partial = json.loads((tmp_path / "bench.partial.json").read_text())
+  assert partial["incomplete"].startswith("KeyboardInterrupt")
+  assert [r["category"] for r in partial["runs"]] == ["copy", "mixed"]
+  assert all(r["method"] == "none" and r["seconds"] > 0 for r in partial["runs"])
+
+
 def test_wrong_prompt_format_names_the_line_and_fields(tmp_path):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')

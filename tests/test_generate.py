@@ -88,3 +88,29 @@ def test_bad_input(tiny_target, kw, match):
   args.update(kw)
   with pytest.raises(ValueError, match=match):
     generate(tiny_target, args.pop("prompts"), **args)
+
+
+def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypatch):
+  """Past MAP_PRESSURE of vm.max_map_count the least recently used programs go before the next
+  compile (a long session recompiles instead of failing in LLVM); what they computed is kept."""
+  import sys
+  gen = sys.modules["jaxspec.generate"]
+  gen.release_compiled()
+  # A fake process: 10,000 mappings per kept program against the default limit of 65,530, so
+  # pressure starts at 4 programs (40,000 > 0.5 x 65,530).
+  monkeypatch.setattr(gen, "map_usage", lambda: (10_000 * len(gen._COMPILED), 65_530))
+  firsts = [generate(tiny_target, PROMPTS[:1], max_new_tokens=n, stop_ids=()) for n in (3, 4, 5, 6)]
+  assert len(gen._COMPILED) == 4 and all(o.stats["compile_seconds"] > 0 for o in firsts)
+  first_key = next(iter(gen._COMPILED))
+  again = generate(tiny_target, PROMPTS[:1], max_new_tokens=3, stop_ids=())  # a hit: most recent now
+  assert again.stats["compile_seconds"] == 0.0 and next(iter(gen._COMPILED)) != first_key
+  fresh = generate(tiny_target, PROMPTS[:1], max_new_tokens=7, stop_ids=())  # compiles: 4 -> 2 + 1
+  assert len(gen._COMPILED) == 3 and first_key in gen._COMPILED  # n=3 was used last: kept
+  again = generate(tiny_target, PROMPTS[:1], max_new_tokens=4, stop_ids=())  # released: compiles
+  assert again.stats["compile_seconds"] > 0 and again.row(0) == firsts[1].row(0)
+  assert fresh.row(0)[:6] == firsts[3].row(0)
+  # Mappings that releasing cannot lower (held elsewhere): compile anyway, with a warning.
+  monkeypatch.setattr(gen, "map_usage", lambda: (60_000, 65_530))
+  with pytest.warns(RuntimeWarning, match="vm.max_map_count=65530"):
+    generate(tiny_target, PROMPTS[:1], max_new_tokens=8, stop_ids=())
+  assert len(gen._COMPILED) == 1
