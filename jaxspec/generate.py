@@ -233,8 +233,8 @@ _COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # leas
 # its executable lives (XLA CPU maps each kernel's code and data), and Linux refuses new mappings
 # past vm.max_map_count (default 65,530) with LLVM's "Cannot allocate memory" mid-compilation,
 # however much RAM is free. Past this fraction of the limit, the least recently used programs
-# are released before compiling another.
-MAP_PRESSURE = 0.5
+# are released before compiling another (the rest leaves room for two such loops).
+MAP_PRESSURE = 0.75
 RELEASED = 0  # programs released so far (by release_compiled), for reports
 _WARNED_RELEASE: list[bool] = []
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxspec import peers
-from jaxspec.bench import (METHODS, Settings, _groups, _spec_kwargs, expected_tokens,
+from jaxspec.bench import (METHODS, Settings, _groups, _spec_kwargs, _units, expected_tokens,
                            latency_samples, predicted_times)
 from jaxspec.cli import main
 from jaxspec.models.hf_loader import save_hf
@@ -85,6 +85,16 @@ def test_batches_repeat_prompts_to_fill():
   assert _groups(["a", "b", "c"], 2) == [["a", "b"], ["c", "a"]]
   assert _groups(["a"], 3) == [["a", "a", "a"]]
   assert _groups(["a", "b"], 1) == [["a"], ["b"]]
+
+
+def test_units_run_by_batch_size_then_compiled_prompt_length():
+  """Each compiled loop is needed for one stretch of the run (few programs alive at once)."""
+  enc = {"a": [[1] * 70, [1] * 10], "b": [[1] * 20], "c": [[1] * 130, [1] * 60]}
+  units = _units(enc, [2, 1])
+  assert [(b, c, g) for b, c, g, _ in units] == [
+      (2, "b", 0), (2, "a", 0), (2, "c", 0),  # batch 2 first (as given), then 64 / 128 / 192
+      (1, "a", 1), (1, "b", 0), (1, "c", 1), (1, "a", 0), (1, "c", 0)]
+  assert all(len(group) == b for b, _, _, group in units)
 
 
 def test_speedups_are_against_the_plain_run_of_the_same_invocation(report):

@@ -96,9 +96,10 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   import sys
   gen = sys.modules["jaxspec.generate"]
   gen.release_compiled()
-  # A fake process: 10,000 mappings per kept program against the default limit of 65,530, so
-  # pressure starts at 4 programs (40,000 > 0.5 x 65,530).
-  monkeypatch.setattr(gen, "map_usage", lambda: (10_000 * len(gen._COMPILED), 65_530))
+  # A fake process: 10,000 mappings per kept program against a limit at which the pressure
+  # starts at 4 programs (MAP_PRESSURE x limit = 35,000).
+  limit = round(35_000 / gen.MAP_PRESSURE)
+  monkeypatch.setattr(gen, "map_usage", lambda: (10_000 * len(gen._COMPILED), limit))
   firsts = [generate(tiny_target, PROMPTS[:1], max_new_tokens=n, stop_ids=()) for n in (3, 4, 5, 6)]
   assert len(gen._COMPILED) == 4 and all(o.stats["compile_seconds"] > 0 for o in firsts)
   first_key = next(iter(gen._COMPILED))
@@ -112,7 +113,7 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   assert again.stats["compile_seconds"] > 0 and again.row(0) == firsts[1].row(0)
   assert fresh.row(0)[:6] == firsts[3].row(0)
   # Mappings that releasing cannot lower (held elsewhere): compile anyway, with a warning.
-  monkeypatch.setattr(gen, "map_usage", lambda: (60_000, 65_530))
-  with pytest.warns(RuntimeWarning, match="vm.max_map_count=65530"):
+  monkeypatch.setattr(gen, "map_usage", lambda: (limit, limit))
+  with pytest.warns(RuntimeWarning, match=f"vm.max_map_count={limit}"):
     generate(tiny_target, PROMPTS[:1], max_new_tokens=8, stop_ids=())
   assert len(gen._COMPILED) == 1
