@@ -706,8 +706,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(f"- {name}: {what}")
   if report.get("programs_released"):
     lines.append(f"- {report['programs_released']} compiled programs were released near the"
-                 " process's vm.max_map_count and compiled again when next used (compile time"
-                 " is never in the timings; raise the limit to avoid it)")
+                 " process's vm.max_map_count (one needed again compiles again; compile time is"
+                 " never in the timings; raising the limit keeps them)")
   if report.get("peer_threads"):
     lines.append(f"- peers run on {report['peer_threads']} CPU threads"
                  f" (torch.set_num_threads), as many as JAX's CPU backend uses")
