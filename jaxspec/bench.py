@@ -899,12 +899,11 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   out_dir = Path(s.out)
   out_dir.mkdir(parents=True, exist_ok=True)
 
-  import jaxspec.generate  # noqa: F401  (the module, not the function the package exports)
-  from jaxspec.generate import stop_ids_for
+  from jaxspec.generate import programs_released, stop_ids_for
   from jaxspec.models.errors import CheckpointError
   from jaxspec.models.loading import load
   from jaxspec.train.data import encode_prompts, make_progress
-  generate_mod = sys.modules["jaxspec.generate"]
+  command = "jaxspec " + shlex.join(["bench"] if argv is None else argv)
   t_start = time.perf_counter()
   load_start, git = _loadavg(), git_commit()  # as the run starts
   target = load(s.model, scan_layers=s.scan_layers)
@@ -942,14 +941,14 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
       skipped.setdefault(f"{p} at batch > 1", f"{PEERS[p].description} decodes one row at a"
                                               " time; it runs at batch 1 only")
 
-  units = _units(encoded, list(s.batch_sizes))
+  units = _units(encoded, s.batch_sizes)
   names_at = {b: list(s.methods) + [p for p in peers if PEERS[p].batched or b == 1]
               for b in s.batch_sizes}
   total = sum(len(names_at[b]) for b, *_ in units)
   runs: list[dict[str, Any]] = []
   warmed: set = set()
   flip = False
-  released0 = generate_mod.RELEASED
+  released0 = programs_released()
   try:
     with make_progress(s.progress) as bar:
       task = bar.add_task("bench", total=total, info="")
@@ -984,8 +983,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
     if runs:
       partial = out_dir / "bench.partial.json"
       partial.write_text(to_json(dict(
-          schema=SCHEMA, incomplete=f"{type(e).__name__}: {e}",
-          command="jaxspec " + shlex.join(["bench"] if argv is None else argv),
+          schema=SCHEMA, incomplete=f"{type(e).__name__}: {e}", command=command,
           date=time.strftime("%Y-%m-%d %H:%M:%S"), git=git, settings=dataclasses.asdict(s),
           runs=runs)), encoding="utf-8")
       print(f"jaxspec bench stopped ({type(e).__name__}); the {len(runs)} finished runs are in"
@@ -1003,7 +1001,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   settings["prompts"] = s.prompts or f"built-in demo set ({DEMO_PROMPTS.name})"
   settings["scan_layers"] = target.scan_layers  # the layout used (auto resolved)
   report = dict(
-      schema=SCHEMA, command="jaxspec " + shlex.join(["bench"] if argv is None else argv),
+      schema=SCHEMA, command=command,
       date=time.strftime("%Y-%m-%d %H:%M:%S"),
       machine=dict(machine(), load_average_at_start=load_start, load_average_at_end=_loadavg()),
       versions=vers,
@@ -1012,7 +1010,7 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
       drafters=notes, peers_run=peers,
       peer_descriptions={p: PEERS[p].description for p in peers},
       peer_threads=nthreads if peers else None, skipped=skipped, stop_ids=stops,
-      programs_released=generate_mod.RELEASED - released0,
+      programs_released=programs_released() - released0,
       wall_seconds=wall, definitions=DEFINITIONS, results=results, goals=None, runs=runs,
       files=[])
   report["goals"] = goals(results, s)

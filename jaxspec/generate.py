@@ -236,7 +236,12 @@ _COMPILED: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # leas
 # are released before compiling another (the rest leaves room for two such loops).
 MAP_PRESSURE = 0.75
 RELEASED = 0  # programs released so far (by release_compiled), for reports
-_WARNED_RELEASE: list[bool] = []
+_WARNED_RELEASE = False
+
+
+def programs_released() -> int:
+  """How many compiled programs this process has released so far (`release_compiled`)."""
+  return RELEASED
 
 
 def map_usage() -> tuple[int, int] | None:
@@ -265,32 +270,35 @@ def release_compiled(keep: int = 0) -> int:
   return n
 
 
+def _over_pressure(usage: tuple[int, int] | None) -> bool:
+  return usage is not None and usage[0] > MAP_PRESSURE * usage[1]
+
+
 def _relieve_map_pressure() -> None:
-  usage = map_usage()
-  if usage is None or usage[0] <= MAP_PRESSURE * usage[1]:
+  global _WARNED_RELEASE
+  if not _over_pressure(map_usage()):
     return
   keep, total = len(_COMPILED) // 2, 0
   while True:
     dropped = release_compiled(keep)
     total += dropped
     usage = map_usage()
-    if usage is None or usage[0] <= MAP_PRESSURE * usage[1] or keep == 0:
+    if not _over_pressure(usage) or keep == 0:
       break
     keep //= 2
-  if usage is not None and usage[0] <= MAP_PRESSURE * usage[1]:
-    if not _WARNED_RELEASE:  # once: the programs released will compile again when next used
-      _WARNED_RELEASE.append(True)
-      warnings.warn(
-          f"released {total} compiled programs: this process neared vm.max_map_count="
-          f"{usage[1]} (XLA CPU maps every kernel of a program); they compile again when next"
-          " used. To keep them, raise the limit (`sudo sysctl -w vm.max_map_count=262144`).",
-          RuntimeWarning, stacklevel=3)
-  elif usage is not None:
+  if _over_pressure(usage):
     warnings.warn(
         f"this process holds {usage[0]} memory mappings of vm.max_map_count={usage[1]} even after"
         f" releasing jaxspec's compiled programs (the last release dropped {dropped}); compiling"
         " more may fail with LLVM's 'Cannot allocate memory'. Raise the limit (`sudo sysctl -w"
         " vm.max_map_count=262144`) or drop references to old outputs and executables.",
+        RuntimeWarning, stacklevel=3)
+  elif usage is not None and not _WARNED_RELEASE:  # once: they compile again when next used
+    _WARNED_RELEASE = True
+    warnings.warn(
+        f"released {total} compiled programs: this process neared vm.max_map_count="
+        f"{usage[1]} (XLA CPU maps every kernel of a program); they compile again when next"
+        " used. To keep them, raise the limit (`sudo sysctl -w vm.max_map_count=262144`).",
         RuntimeWarning, stacklevel=3)
 
 

@@ -105,7 +105,7 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   first_key = next(iter(gen._COMPILED))
   again = generate(tiny_target, PROMPTS[:1], max_new_tokens=3, stop_ids=())  # a hit: most recent now
   assert again.stats["compile_seconds"] == 0.0 and next(iter(gen._COMPILED)) != first_key
-  monkeypatch.setattr(gen, "_WARNED_RELEASE", [])  # the first release in a process says so
+  monkeypatch.setattr(gen, "_WARNED_RELEASE", False)  # the first release in a process says so
   with pytest.warns(RuntimeWarning, match="released 2 compiled programs"):
     fresh = generate(tiny_target, PROMPTS[:1], max_new_tokens=7, stop_ids=())  # 4 -> 2 + 1
   assert len(gen._COMPILED) == 3 and first_key in gen._COMPILED  # n=3 was used last: kept
