@@ -132,6 +132,21 @@ def test_required_layers_and_options(tiny_target):
     heads.HEADS["eagle"].create(cfg, rngs=nnx.Rngs(0), draft_vocab_size=8)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_soft_labels_over_a_draft_vocabulary_are_the_full_logits_columns(tied):
+  """Training's soft labels over a reduced draft vocabulary are computed from those head rows
+  only; they must equal the full logits' columns (tied and untied heads)."""
+  from jaxspec.models.llama import logits_from_hidden
+  cfg = tiny_config(tie_embeddings=tied)
+  params = init_params(cfg, jax.random.key(1), scale=0.2)
+  h = jax.random.normal(jax.random.key(2), (2, 5, cfg.hidden_size))
+  ids = jnp.asarray([0, 3, 17, 40, cfg.vocab_size - 1])
+  full = logits_from_hidden(params, h)
+  np.testing.assert_allclose(heads.target_logits_over(params, h, ids), full[..., ids],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(heads.target_logits_over(params, h, None), full)
+
+
 # ----------------------------------------------------------------------------------------------
 # (a) Exact greedy decoding with every head.
 
