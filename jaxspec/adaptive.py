@@ -24,7 +24,11 @@ so the output distribution is still exactly the target's.
 The verify width is bucketed: each k in `AutoK.buckets` is its own branch of a `lax.switch`,
 compiled once, so a step pays for the width it uses (on CPUs a (k+1)-token verify costs far
 more than a decode step). The alternative, one width masked per row, is `AutoK(buckets=(0,
-k_max))`; `benchmarks/bench_adaptive.py` measures both.
+k_max))`; `benchmarks/bench_adaptive.py` measures both. While the controller keeps choosing
+k = 0, the loop runs those plain steps in an inner `lax.while_loop` as `generate`'s decode step
+(the forward writing its cache entry in place), so a batch that never drafts decodes at plain
+decoding's speed (a plain branch of the switch reads the cache and writes after it: at batch 16
+a step 96 ms against 90).
 """
 
 from __future__ import annotations

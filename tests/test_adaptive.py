@@ -243,6 +243,21 @@ def test_auto_without_drafts_is_plain_decoding(tiny_target, reference):
   assert out.stats["plain_steps"] == out.stats["target_passes"]
 
 
+def test_auto_stream_stops_plain_runs_at_each_chunk(tiny_target, poor_draft, reference):
+  """Steps the controller gives k = 0 run in an inner loop; it too stops at the chunk's bound,
+  so a stream yields every `chunk` passes, and the tokens are still generate's."""
+  from jaxspec.speculative import speculative_stream
+  chunk, toks, passes = 3, [], []
+  for new, info in speculative_stream(tiny_target, DraftModel(poor_draft), PROMPTS[0],
+                                      max_new_tokens=N_NEW, auto=AutoK(k_max=4), cost=CPU_LIKE,
+                                      stop_ids=(), chunk=chunk):
+    toks += new
+    passes.append(info["stats"]["target_passes"])
+  assert toks == reference.row(0)
+  assert all(p == chunk * i for i, p in enumerate(passes[:-1])), passes
+  assert info["stats"]["plain_steps"] >= len(info["stats"]["k_per_step"]) // 2
+
+
 def test_auto_sampling_distribution(small_vocab):  # noqa: F811
   """The first three tokens' joint under "auto" with a poor draft: chi-square at the 1e-4 tail."""
   target, draft = small_vocab
