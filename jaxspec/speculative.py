@@ -581,8 +581,8 @@ def _plain_step(tparams, dparams, s: SpecState, choice: _Choice, sp, *, cfg, dra
                 max_new_tokens, stop_ids):
   """A step the controller gave k = 0, as `generate`'s decode step runs it: the forward writes
   its one new cache entry in place. The same tokens, statistics and acceptance updates as the
-  switch's plain branch, whose read-only forward and separate write of a k_max + 1 block cost
-  a step at batch 16 96 ms against generate's 90 (with the choice's branching)."""
+  switch's plain branch, whose read-only forward and separate write of a k_max + 1 block (with
+  the switch around them) made a batch-16 step of SmolLM2 96 ms against `generate`'s 90."""
   _, _, kv, last = _step_inputs(s)
   b = last.shape[0]
   kmax = policy.k_max
@@ -648,7 +648,8 @@ def _commit_or_defer(drafter, dparams, new: SpecState, dw: Deferred, dstate, ctx
 
 
 def _spec_loop(tparams, dparams, s, sp, costs, until, force_idx, **static):
-  """Steps until every row is done or `until` target passes have run."""
+  """Steps until every row is done or `until` target passes have run: each iteration is one
+  `_spec_step`, then the plain steps that follow while the choice stays k = 0."""
   def body(s):
     s = _spec_step(tparams, dparams, s, sp, costs, force_idx, **static)
     return _plain_run(tparams, dparams, s, sp, costs, until, force_idx, **static)
