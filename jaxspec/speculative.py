@@ -303,8 +303,7 @@ def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter
   layers = None
   if hidden.layers is not None:
     layers = jnp.take_along_axis(hidden.layers, idx[None], axis=2)  # [n, B, 1, D]
-  first_hidden = _pad_hidden(Hidden(final=final, layers=layers), k + 1)
-  out = (z(b), _plain_block(first, k), first_hidden, None, z(b), jnp.int32(0))
+  out = _plain_outcome(first, Hidden(final=final, layers=layers), None, k)
   new, ctx = _finish_step(s, out, policy=policy, max_new_tokens=max_new_tokens,
                           stop_ids=stop_ids)
   return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
@@ -313,6 +312,14 @@ def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter
 def _plain_block(tok: jax.Array, kmax: int) -> jax.Array:
   """A plain step's emitted block [B, kmax + 1]: the token, then -1."""
   return jnp.full((tok.shape[0], kmax + 1), -1, jnp.int32).at[:, 0].set(tok)
+
+
+def _plain_outcome(tok: jax.Array, hidden: Hidden, kv_new, kmax: int):
+  """A plain step's outcome in `_finish_step`'s form: nothing drafted or accepted, the token
+  [B] emitted, its target features padded to kmax + 1, and kv_new (the new cache entries, or
+  None when they are written already)."""
+  z = jnp.zeros((tok.shape[0],), jnp.int32)
+  return (z, _plain_block(tok, kmax), _pad_hidden(hidden, kmax + 1), kv_new, z, jnp.int32(0))
 
 
 def _pad_axis(x, axis, width):
@@ -368,9 +375,7 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
   def plain(cache):  # as `generate`'s decode step: sampled from the logits, no [B, V] one-hot
     logits, hidden, kv_new = forward(tparams, last[:, None], cache, cfg,
                                      hidden_layers=hidden_layers, write=False)
-    z = jnp.zeros((b,), jnp.int32)
-    return (z, _plain_block(sampling_lib.sample(kv, logits[:, 0], sp), kmax),
-            _pad_hidden(hidden, kmax + 1), pad_kv(kv_new), z, jnp.int32(0))
+    return _plain_outcome(sampling_lib.sample(kv, logits[:, 0], sp), hidden, pad_kv(kv_new), kmax)
 
   if k == 0 or prop is None:
     return plain(cache)
@@ -584,14 +589,10 @@ def _plain_step(tparams, dparams, s: SpecState, choice: _Choice, sp, *, cfg, dra
   switch's plain branch, whose read-only forward and separate write of a k_max + 1 block (with
   the switch around them) made a batch-16 step of SmolLM2 96 ms against `generate`'s 90."""
   _, _, kv, last = _step_inputs(s)
-  b = last.shape[0]
-  kmax = policy.k_max
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   logits, hidden, written = forward(tparams, last[:, None], s.cache, cfg,
                                     hidden_layers=hidden_layers)
-  z = jnp.zeros((b,), jnp.int32)
-  out = (z, _plain_block(sampling_lib.sample(kv, logits[:, 0], sp), kmax),
-         _pad_hidden(hidden, kmax + 1), None, z, jnp.int32(0))
+  out = _plain_outcome(sampling_lib.sample(kv, logits[:, 0], sp), hidden, None, policy.k_max)
   # The entry is written; _finish_step rolls the length back from the old one.
   s1 = dataclasses.replace(s, cache=dataclasses.replace(written, length=s.cache.length))
   new, ctx = _finish_step(s1, out, policy=policy, max_new_tokens=max_new_tokens,
