@@ -9,7 +9,7 @@
 
 from jaxspec.adaptive import AutoK, CostModel
 from jaxspec.drafters import DraftContext, Drafter, DraftModel, NGram, resolve_drafter
-from jaxspec.generate import GenerateOutput, generate, generate_stream
+from jaxspec.generate import GenerateOutput, generate, generate_stream, release_cache_buffers
 from jaxspec.heads import load_head
 from jaxspec.models.loading import load
 from jaxspec.models.model import Model
@@ -21,5 +21,5 @@ __version__ = "0.1.0"
 
 __all__ = ["AutoK", "CostModel", "DraftContext", "DraftModel", "Drafter", "GenerateOutput",
            "Model", "NGram", "Sampling", "acceptance", "draft", "generate", "generate_stream",
-           "load", "load_head", "rejection_sample", "resolve_drafter", "speculative_generate",
-           "speculative_stream", "verify"]
+           "load", "load_head", "rejection_sample", "release_cache_buffers", "resolve_drafter",
+           "speculative_generate", "speculative_stream", "verify"]

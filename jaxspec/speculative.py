@@ -30,8 +30,9 @@ from jaxspec import adaptive
 from jaxspec.adaptive import AutoK, CostModel
 from jaxspec.drafters import DraftContext, Drafter, Proposal, resolve_drafter
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
-                              decode_texts, is_stop, prefill, prepare_prompts, put_global,
-                              stop_ids_for, to_host)
+                              decode_texts, is_stop, keep_cache_buffers, prefill,
+                              prepare_prompts, put_global, stop_ids_for, take_cache_buffers,
+                              to_host)
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import Hidden, KVCache, forward, write_cache
 from jaxspec.models.model import Model
@@ -259,12 +260,14 @@ def _write_tokens(seq, seq_len, emitted, n_emit):
   return seq.at[jnp.arange(b)[:, None], pos].set(emitted, mode="drop")
 
 
-def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len, seq_cap,
-               policy, max_new_tokens, stop_ids, max_steps):
-  """Prefill, the first new token and the drafter's state after it."""
+def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, buffers=None, *, cfg, drafter,
+               max_len, seq_cap, policy, max_new_tokens, stop_ids, max_steps):
+  """Prefill, the first new token and the drafter's state after it; with `buffers` (donated,
+  `take_cache_buffers`) the target's cache is written into them."""
   s, ctx = _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg=cfg, drafter=drafter,
                          max_len=max_len, seq_cap=seq_cap, policy=policy,
-                         max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_steps=max_steps)
+                         max_new_tokens=max_new_tokens, stop_ids=stop_ids, max_steps=max_steps,
+                         buffers=buffers)
   if _defers(drafter, policy):  # the first token is a plain step: kept pending too
     hidden = ctx.hidden if drafter.uses_target_hidden else None
     return dataclasses.replace(s, draft_state=Deferred(inner=s.draft_state, pending=ctx.n_new,
@@ -273,7 +276,7 @@ def _spec_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, m
 
 
 def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter, max_len,
-                  seq_cap, policy, max_new_tokens, stop_ids, max_steps):
+                  seq_cap, policy, max_new_tokens, stop_ids, max_steps, buffers=None):
   """The prefill and the first new token, sampled from its logits as plain decoding does (no
   extra target pass: the prefill computed them). Returns the state, whose draft_state is the
   drafter's `init` (after the prompt), and the `DraftContext` of the first token, the plain
@@ -282,7 +285,8 @@ def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter
   b, pw = prompt.shape
   want_hidden = drafter.uses_target_hidden
   logits, hidden, cache = prefill(tparams, prompt, prompt_len, cfg, max_len,
-                                  hidden_layers=drafter.hidden_layers if want_hidden else ())
+                                  hidden_layers=drafter.hidden_layers if want_hidden else (),
+                                  buffers=buffers)
   keys = sampling_lib.row_keys(key, b)
   seq = jnp.zeros((b, seq_cap), jnp.int32).at[:, :pw].set(prompt)
   dstate = drafter.init(dparams, prompt, prompt_len, max_len,
@@ -669,7 +673,7 @@ def _outputs(s: SpecState, max_new_tokens: int):
 _STATIC = ("cfg", "drafter", "max_len", "seq_cap", "policy", "max_new_tokens", "stop_ids",
            "max_steps")
 _LOOP_STATIC = ("cfg", "drafter", "policy", "max_new_tokens", "stop_ids")
-_spec_init_jit = jax.jit(_spec_init, static_argnames=_STATIC)
+_spec_init_jit = jax.jit(_spec_init, static_argnames=_STATIC, donate_argnums=(6,))
 _spec_loop_jit = jax.jit(_spec_loop, static_argnames=_LOOP_STATIC, donate_argnums=(2,))
 _outputs_jit = jax.jit(_outputs, static_argnums=(1,))
 
@@ -865,6 +869,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
   state = run.target_state(run.loop(state, run.max_steps))
   toks, n_out = jax.block_until_ready(_outputs_jit(state, int(max_new_tokens)))
   dt = time.perf_counter() - t0 - run.profile_seconds
+  run.finish(state)
   toks, n_out = to_host((toks, n_out))
   stats = run.stats(state.stats)
   new = int(n_out.sum())
@@ -931,6 +936,7 @@ class _Run:
 
   placement = None  # the Placement that chose this run, when one did
   failover = None  # what went wrong, when a host-orchestrated run fell back to plain steps
+  pooled = False  # the target's cache goes into kept buffers (unsharded fused runs)
 
   def __init__(self, target, drafter, prep, sp_user, policy, stops, max_new_tokens, key, cost):
     self.target, self.drafter, self.prep, self.policy = target, drafter, prep, policy
@@ -950,12 +956,20 @@ class _Run:
     # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
     init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + policy.k_max + 1,
                        max_steps=self.max_steps, **static)
-    state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *self.init_args)
+    # Unsharded, the target's cache is written into the previous call's buffers (donated):
+    # `take_cache_buffers` at start, `keep_cache_buffers` when the call ends.
+    self.pooled = sh is None
+    cache_shape = (target.cfg.num_layers, b, target.cfg.num_kv_heads, prep.max_len,
+                   target.cfg.head_dim)
+    bufs = (jax.ShapeDtypeStruct(cache_shape, target.cfg.jnp_dtype),) * 2 if self.pooled else None
+    state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *self.init_args,
+                            bufs)
     self.costs = _costs_array(policy, cost)
     loop_args = (self.tparams, self.dparams, state0, self.sp, self.costs, jnp.int32(0),
                  jnp.int32(-1))
     if sh is None:
-      self.init_exe, c1 = compiled(_spec_init_jit, "spec-init", *self.init_args, **init_static)
+      self.init_exe, c1 = compiled(_spec_init_jit, "spec-init", *self.init_args, bufs,
+                                   **init_static)
       self.loop_exe, c2 = compiled(_spec_loop_jit, "spec-loop", *loop_args, **static)
     else:
       sh.check_batch(b)
@@ -978,9 +992,18 @@ class _Run:
   def start(self) -> SpecState:
     """Prefill; with "auto" and no cost model, times every k from the prefilled state once
     (cached per shapes), excluded from the generation time."""
-    state = self.init_exe(*self.init_args)
+    if self.pooled:
+      b, ml = self.prep.tokens.shape[0], self.prep.max_len
+      state = self.init_exe(*self.init_args, take_cache_buffers(self.target.cfg, b, ml))
+    else:
+      state = self.init_exe(*self.init_args)
     self._ensure_costs(state, self.loop_exe, self.sp)
     return state
+
+  def finish(self, state: SpecState) -> None:
+    """Keeps the finished call's target cache for the next call of the same shapes."""
+    if self.pooled:
+      keep_cache_buffers(self.target.cfg, state.cache.k, state.cache.v)
 
   def _ensure_costs(self, state, loop, sp) -> None:
     """With "auto" and no cost model given: the cached one for these shapes, or `loop` (the
@@ -1049,6 +1072,7 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
     info["compile_seconds"] = run.compile_seconds
     info["profile_seconds"] = run.profile_seconds
     yield new, info
+  run.finish(s)
 
 
 def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:

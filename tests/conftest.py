@@ -73,3 +73,23 @@ def _release_executables():
   # jaxspec.generate is also the name of the function the package exports: go by module name.
   sys.modules["jaxspec.speculative"]._PLACED.clear()
   sys.modules["jaxspec.generate"].release_compiled()
+
+
+@pytest.fixture
+def garbage_cache_pool():
+  """fill(model, batch, max_len, seed): keeps large random values as the cache buffers the
+  next call of those shapes prefills into (`jaxspec.generate.take_cache_buffers`); returns
+  them. A call that read a kept entry beyond a row's length would change its tokens."""
+  from jaxspec.generate import keep_cache_buffers
+
+  def fill(model, batch, max_len, seed):
+    cfg = model.cfg
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    bufs = tuple(50.0 * jax.random.normal(k, shape, cfg.jnp_dtype) for k in (k1, k2))
+    keep_cache_buffers(cfg, *bufs)
+    return bufs
+
+  yield fill
+  from jaxspec.generate import release_cache_buffers
+  release_cache_buffers()

@@ -189,7 +189,7 @@ def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, samp
   drafter, sp_user, policy, prep = spec._prepare(target, drafter, prompts, n_new, sampling,
                                                  "auto", AutoK(k_max=k_max), CPU_LIKE, None, None)
   run = spec._Run(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
-  s = run.init_exe(*run.init_args)
+  s = run.start()  # the prefill (the cost model is given: nothing is timed)
   passes = 0
   for i, (k, steps) in enumerate(schedule):
     passes = 10 * n_new if i == len(schedule) - 1 else passes + steps

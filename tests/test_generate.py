@@ -117,3 +117,29 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   with pytest.warns(RuntimeWarning, match=f"vm.max_map_count={limit}"):
     generate(tiny_target, PROMPTS[:1], max_new_tokens=8, stop_ids=())
   assert len(gen._COMPILED) == 1
+
+
+
+def test_cache_buffers_are_reused_and_stale_entries_never_read(tiny_target, garbage_cache_pool):
+  """A call prefills into the previous call's cache buffers (donated, not copied); what they
+  held beyond each row's length never changes a token, greedy or sampled."""
+  from jaxspec.generate import _CACHE_POOL, prepare_prompts, release_cache_buffers
+  ml = prepare_prompts(tiny_target, PROMPTS, 12).max_len
+  release_cache_buffers()
+  kw = dict(max_new_tokens=12, stop_ids=())
+  hot = dict(sampling=Sampling(temperature=1.0), key=3)
+  greedy = generate(tiny_target, PROMPTS, **kw)
+  sampled = generate(tiny_target, PROMPTS, **hot, **kw)
+  kept = garbage_cache_pool(tiny_target, len(PROMPTS), ml, seed=1)
+  np.testing.assert_array_equal(generate(tiny_target, PROMPTS, **kw).tokens, greedy.tokens)
+  assert all(a.is_deleted() for a in kept)  # donated to the call, not copied
+  garbage_cache_pool(tiny_target, len(PROMPTS), ml, seed=2)
+  np.testing.assert_array_equal(generate(tiny_target, PROMPTS, **hot, **kw).tokens,
+                                sampled.tokens)
+  # The call kept its cache for the next call of its shapes; a call of other shapes drops it.
+  (key, (k, _)), = _CACHE_POOL.items()
+  cfg = tiny_target.cfg
+  assert k.shape == (cfg.num_layers, len(PROMPTS), cfg.num_kv_heads, ml, cfg.head_dim)
+  generate(tiny_target, PROMPTS[:1], **kw)
+  assert key not in _CACHE_POOL and len(_CACHE_POOL) == 1
+  assert release_cache_buffers() > 0 and not _CACHE_POOL

@@ -252,3 +252,24 @@ def test_drafter_on_other_devices_needs_a_placement(tiny_target):
   moved = Model(tiny_target.cfg, jax.device_put(tiny_target.params, devs[1]))
   with pytest.raises(ValueError, match="Placement"):
     speculative_generate(tiny_target, DraftModel(moved), PROMPTS, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["ngram", "poor-draft"])
+def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, garbage_cache_pool,
+                                            name):
+  """The target's cache goes into the previous call's buffers (donated); rejected drafts and
+  earlier calls leave entries past each row's length there, and none of them changes a token,
+  greedy or sampled (the draft model's own cache is allocated per call)."""
+  from jaxspec.generate import _CACHE_POOL, prepare_prompts
+  d = _drafter(name, tiny_target, poor_draft)
+  ml = prepare_prompts(tiny_target, PROMPTS, N_NEW, extra=3 + 1).max_len
+  kw = dict(max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=())
+  hot = dict(sampling=Sampling(temperature=1.0, top_p=0.9), key=5)
+  sampled = speculative_generate(tiny_target, d, PROMPTS, **hot, **kw)
+  for seed, extra, want in ((1, {}, reference.tokens), (2, hot, sampled.tokens)):
+    kept = garbage_cache_pool(tiny_target, len(PROMPTS), ml, seed)
+    out = speculative_generate(tiny_target, d, PROMPTS, **extra, **kw)
+    assert all(a.is_deleted() for a in kept)  # donated, not copied
+    np.testing.assert_array_equal(out.tokens, want)
+  (k, _), = _CACHE_POOL.values()  # kept for the next call
+  assert k.shape[1] == len(PROMPTS) and k.shape[3] == ml
