@@ -185,8 +185,8 @@ def prefill(params, prompt: jax.Array, lengths: jax.Array, cfg: LlamaConfig, max
 #
 # A cache that a program allocates is filled with zeros and its pages are faulted in on first
 # touch at every call: at batch 64 and 256 positions SmolLM2's cache is 755 MB, and a prefill
-# into a fresh one took 0.9 s longer (21.6 against 20.7 s on the 2-core Xeon VM) than one into
-# the buffers of the previous call, donated, where only the prompt's entries are written. So
+# into a fresh one took 0.9 s longer (21.6 against 20.7 s on the 2-core AMD EPYC VM) than one
+# into the buffers of the previous call, donated, where only the prompt's entries are written. So
 # `generate` and `speculative_generate` (unsharded) hand their final cache back here and the
 # next call of the same shapes prefills into it. Only the most recent call's buffers are kept
 # (a call of other shapes frees them before allocating its own), so between calls this holds
@@ -199,17 +199,16 @@ def _pool_key(cfg: LlamaConfig, batch_size: int, max_len: int, dtype) -> tuple:
   return (cfg, batch_size, max_len, str(dtype))
 
 
-def take_cache_buffers(cfg: LlamaConfig, batch_size: int, max_len: int,
-                       dtype=None) -> tuple[jax.Array, jax.Array]:
+def take_cache_buffers(cfg: LlamaConfig, batch_size: int,
+                       max_len: int) -> tuple[jax.Array, jax.Array]:
   """(k, v) buffers [L, B, G, max_len, K] for a prefill to donate: the kept ones of the last
-  call when the shapes match, else zeros (the kept ones are freed first)."""
-  dtype = cfg.jnp_dtype if dtype is None else dtype
-  bufs = _CACHE_POOL.pop(_pool_key(cfg, batch_size, max_len, dtype), None)
+  call when the shapes match, else `init_cache`'s zeros (the kept ones are freed first)."""
+  bufs = _CACHE_POOL.pop(_pool_key(cfg, batch_size, max_len, cfg.jnp_dtype), None)
   _CACHE_POOL.clear()
   if bufs is not None and not any(b.is_deleted() for b in bufs):
     return bufs
-  shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-  return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+  cache = init_cache(cfg, batch_size, max_len)
+  return cache.k, cache.v
 
 
 def keep_cache_buffers(cfg: LlamaConfig, k: jax.Array, v: jax.Array) -> None:

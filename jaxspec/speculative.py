@@ -34,7 +34,7 @@ from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _strea
                               prepare_prompts, put_global, stop_ids_for, take_cache_buffers,
                               to_host)
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Hidden, KVCache, forward, write_cache
+from jaxspec.models.llama import Hidden, KVCache, forward, init_cache, write_cache
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, SamplingArrays
 
@@ -959,9 +959,10 @@ class _Run:
     # Unsharded, the target's cache is written into the previous call's buffers (donated):
     # `take_cache_buffers` at start, `keep_cache_buffers` when the call ends.
     self.pooled = sh is None
-    cache_shape = (target.cfg.num_layers, b, target.cfg.num_kv_heads, prep.max_len,
-                   target.cfg.head_dim)
-    bufs = (jax.ShapeDtypeStruct(cache_shape, target.cfg.jnp_dtype),) * 2 if self.pooled else None
+    bufs = None
+    if self.pooled:
+      c = jax.eval_shape(functools.partial(init_cache, target.cfg, b, prep.max_len))
+      bufs = (c.k, c.v)
     state0 = jax.eval_shape(functools.partial(_spec_init_jit, **init_static), *self.init_args,
                             bufs)
     self.costs = _costs_array(policy, cost)

@@ -119,7 +119,6 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   assert len(gen._COMPILED) == 1
 
 
-
 def test_cache_buffers_are_reused_and_stale_entries_never_read(tiny_target, garbage_cache_pool):
   """A call prefills into the previous call's cache buffers (donated, not copied); what they
   held beyond each row's length never changes a token, greedy or sampled."""
