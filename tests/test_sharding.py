@@ -206,6 +206,7 @@ def test_failover_to_plain_decoding_keeps_every_token(target, placement, referen
   hist = out.stats["k_per_step"]
   assert all(k == 0 for k in hist[fo["step"]:])  # plain steps after the fault
   assert _CALLS["n"] >= 3
+  jax.effects_barrier()  # the handled fault is not raised again here (nor at interpreter exit)
 
 
 def test_bad_placements_fail_clearly(target, draft):

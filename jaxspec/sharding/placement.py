@@ -232,6 +232,20 @@ def _short_error(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}"
 
 
+def _forget_failed_runs(devices) -> None:
+  """JAX keeps the runtime token of the last computation with host callbacks on each device and
+  waits on it at interpreter exit; the drafter's failed one would print its (already handled)
+  error again there. The drafter's devices run nothing more after a failover, so their tokens are
+  dropped. A private JAX structure: where it is missing nothing is dropped (only the message)."""
+  try:
+    from jax._src import dispatch
+    tokens = dispatch.runtime_tokens.output_runtime_tokens
+  except (ImportError, AttributeError):
+    return
+  for d in devices:
+    tokens.pop(d, None)
+
+
 class HostRun(_Run):
   """The compiled programs of a host-orchestrated generation and its loop: `speculative._Run`'s
   start / loop / stats interface (its cost measurement and statistics are inherited), with
@@ -377,6 +391,7 @@ class HostRun(_Run):
           if not may_fail_over:
             raise
           self.failover = Failover(step=n, error=_short_error(e))
+          _forget_failed_runs(set(self.dsh.mesh.devices.flat) - set(self.tsh.mesh.devices.flat))
           state = self._plain_step(state, costs)
           n += 1
           continue
