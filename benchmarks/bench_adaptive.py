@@ -6,7 +6,8 @@ Part 1, batch 1: for every prompt, plain `generate`, each fixed k and "auto" run
 (interleaved, so machine drift cancels), all warmed up first (compile and the one-off cost
 measurement excluded). Per category and overall: tokens/s, speedup, tau, mean k chosen.
 Part 2, batch sweep: throughput of "auto" and plain `generate` on mixed-category batches of 1,
-4, 16 and 64 rows (prompts of at most 256 tokens), interleaved, best of `--repeats`.
+4, 16 and 64 rows (prompts of at most 256 tokens), interleaved: best of `--sweep-repeats` and the
+median of the paired (back-to-back) ratios.
 Part 3: bucketed widths (the default) vs one masked width (`AutoK(buckets=(0, k_max))`).
 
     .venv/bin/python benchmarks/bench_adaptive.py [--per-category 1] [--ks 1,2,3,4,6,8]
@@ -95,20 +96,27 @@ def part2(model, rows, batch_sizes, n, repeats, max_prompt_tokens=256):
       f()  # compile + cost measurement
     best = {m: float("inf") for m in runs}
     stats = {}
+    paired = []  # auto / plain of the two back-to-back runs of each repeat: drift cancels
     for r in range(repeats):
+      secs = {}
       for m in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
         o = runs[m]()
+        secs[m] = o.stats["seconds"]
         tps = int(o.lengths.sum()) / o.stats["seconds"]
         if o.stats["seconds"] < best[m]:
           best[m] = o.stats["seconds"]
           stats[m] = dict(tokens_per_second=tps, tokens=int(o.lengths.sum()),
                           mean_k=o.stats.get("mean_k"), tau=o.stats.get("tau"),
                           cost_model=o.stats.get("cost_model"))
+      paired.append(secs["plain"] / secs["auto"])  # same tokens (greedy): a throughput ratio
     out[b] = dict(stats, ratio=stats["auto"]["tokens_per_second"] /
-                  stats["plain"]["tokens_per_second"])
+                  stats["plain"]["tokens_per_second"],
+                  paired_ratios=paired, paired_ratio_median=float(np.median(paired)))
     print(f"batch {b:3d}: plain {stats['plain']['tokens_per_second']:6.1f} tok/s, auto"
-          f" {stats['auto']['tokens_per_second']:6.1f} tok/s ({out[b]['ratio']:.2f}x, mean k"
-          f" {stats['auto']['mean_k']:.2f}, tau {stats['auto']['tau']:.2f})", flush=True)
+          f" {stats['auto']['tokens_per_second']:6.1f} tok/s ({out[b]['ratio']:.3f}x best of"
+          f" {repeats}; paired median {out[b]['paired_ratio_median']:.3f}x, range"
+          f" {min(paired):.3f}-{max(paired):.3f}; mean k {stats['auto']['mean_k']:.2f},"
+          f" tau {stats['auto']['tau']:.2f})", flush=True)
   return out
 
 
