@@ -84,8 +84,6 @@ def main():
                 categories={})
   for cat, rows in cats.items():
     per_rule = {r: {k: [0, 0] for k in ks} for r in ("recent", "oracle")}
-    prefill = decode = 0.0
-    n_tok = n_prompts = 0
     times = []
     for p in chat_prompts(model, rows):
       kw = dict(stop_ids=[2])
@@ -108,12 +106,9 @@ def main():
           per_rule[r][k][1] += n
           rec[f"{r}_k{k}_seconds"] = t1 + n * step * cost[k]
       times.append(rec)
-      prefill += t1
-      decode += o.stats["seconds"] - t1
-      n_tok += len(out)
-      n_prompts += 1
-    plain = sum(r["plain_seconds"] for r in times)
-    res = dict(prompts=n_prompts, new_tokens=n_tok, prefill_share=prefill / plain, rules={})
+    plain = sum(x["plain_seconds"] for x in times)
+    res = dict(prompts=len(times), new_tokens=sum(x["new_tokens"] for x in times),
+               prefill_share=sum(x["prefill_seconds"] for x in times) / plain, rules={})
     for r in per_rule:
       best = min(ks, key=lambda k: sum(x[f"{r}_k{k}_seconds"] for x in times))
       res["rules"][r] = dict(
