@@ -161,6 +161,37 @@ def test_unrolled_layers_match_scanned(monkeypatch, output_major):
     np.testing.assert_array_equal(getattr(back.layers, name), getattr(params.layers, name))
 
 
+@pytest.mark.parametrize("layout", ["scanned", "unrolled", "output-major"])
+def test_float32_products_are_full_float32(monkeypatch, layout):
+  # A float32 model multiplies in float32 on every backend: every product of the forward asks
+  # for HIGHEST precision, or XLA's GPU/TPU default (TF32 / bfloat16 passes) makes a verify
+  # pass and a decode step round differently and greedy speculation depart from `generate`
+  # (seen on an H200). Checked in the lowered program, which is the same on every backend;
+  # bfloat16 models keep the backend's default.
+  from jaxspec.models import llama
+  monkeypatch.setattr(llama, "OUTPUT_MAJOR_ON_CPU", layout == "output-major")
+  cfg, params = _model(num_layers=2, tie_embeddings=True)
+  if layout != "scanned":
+    params = llama.with_scan_layers(params, False)
+  toks = jnp.ones((1, 3), jnp.int32)  # 3 rows: the blocked LM-head and dense forms on CPU
+
+  def dots(p, c, dtype):
+    text = jax.jit(functools.partial(forward, cfg=c)).lower(p, toks, init_cache(c, 1, 8, dtype)
+                                                            ).as_text()
+    lines = [ln for ln in text.splitlines() if "dot_general" in ln]
+    return lines, [ln for ln in lines if "HIGHEST" in ln]
+
+  lines, highest = dots(params, cfg, jnp.float32)
+  # q, k, v, o, gate, up, down and 4 attention products per layer (a scan's body once), the
+  # LM head
+  assert len(lines) >= 11 * (1 if layout == "scanned" else cfg.num_layers) + 1
+  assert len(highest) == len(lines), [ln for ln in lines if "HIGHEST" not in ln][:2]
+  cfg16 = dataclasses.replace(cfg, dtype="bfloat16")
+  p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
+  lines16, highest16 = dots(p16, cfg16, jnp.bfloat16)
+  assert lines16 and not highest16
+
+
 def test_unrolled_decode_loop_updates_the_cache_in_place():
   # Unrolled, the cache write must wait for every layer's read of the cache, or XLA copies the
   # whole [L, B, S, G, K] cache in every step of a decode loop.

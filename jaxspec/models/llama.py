@@ -361,6 +361,7 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
   qg = jnp.transpose(q.reshape(b, t, g, r, kd), (0, 2, 3, 1, 4)).reshape(b * g, r * t, kd)
   scale = 1.0 / math.sqrt(kd)
   bdot = lambda x, y, cx, cy: lax.dot_general(x, y, (((cx,), (cy,)), ((0,), (0,))),
+                                              precision=_precision(x, y),
                                               preferred_element_type=jnp.float32)
   fresh = k_cache is None  # an empty cache (prefill): attend within the new block only
   if fresh:
@@ -388,6 +389,25 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
          + bdot(p_new.astype(vn.dtype), vn, 2, 1)) / denom  # [BG, RT, K]
   out = jnp.transpose(out.reshape(b, g, r, t, kd), (0, 3, 1, 2, 4))
   return out.reshape(b, t, h, kd).astype(q.dtype)
+
+
+def _precision(*operands) -> lax.Precision | None:
+  """The precision of a product: full float32 (HIGHEST) when an operand is float32, the
+  backend's default otherwise.
+
+  XLA's default for float32 products on GPUs from Ampere on (and on TPUs) is a faster,
+  rounded form (TF32 or bfloat16 passes), whose error grows with the operands rather than
+  staying at float32's. A verify pass over k+1 tokens and a one-token decode step run
+  differently shaped products, so under that default greedy speculative decoding departed from
+  `generate` (measured on an H200, 2026-11-26: 1 of 8 MT-bench prompts diverged within 128
+  tokens for n-gram and EAGLE-tree drafting; with JAX_DEFAULT_MATMUL_PRECISION=highest none
+  did). A float32 model now means float32 arithmetic on every backend, as in PyTorch, whose
+  float32 matmuls do not use TF32 by default; for the fast form, load the model in bfloat16.
+  XLA's CPU backend computes float32 products in float32 either way.
+  """
+  if any(getattr(x, "dtype", None) == jnp.float32 for x in operands):
+    return lax.Precision.HIGHEST
+  return None
 
 
 def _is_quantized(w) -> bool:
@@ -419,7 +439,8 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   XLA's Eigen matmuls; on the later Intel Xeon VM, whose dots run through YNNPACK, the blocked
   and the one-product forms measure the same)."""
   if not isinstance(w, OutputMajor):
-    return jnp.einsum(spec, x, _weight(w, dtype))
+    wd = _weight(w, dtype)
+    return jnp.einsum(spec, x, wd, precision=_precision(x, wd))
   wt = w.w  # [*out, *in]
   out_shape = wt.shape[:w.n_out]
   lead = x.shape[:x.ndim - n_in]
@@ -428,10 +449,11 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   x2 = x.reshape(rows, i)
   w2 = wt.reshape(o, i)
   if rows <= _DENSE_BLOCKED_MAX_ROWS and o % _DENSE_BLOCK == 0 and o > _DENSE_BLOCK:
-    y = jnp.einsum("xi,nci->nxc", x2, w2.reshape(o // _DENSE_BLOCK, _DENSE_BLOCK, i))
+    y = jnp.einsum("xi,nci->nxc", x2, w2.reshape(o // _DENSE_BLOCK, _DENSE_BLOCK, i),
+                   precision=_precision(x2, w2))
     y = jnp.swapaxes(y, 0, 1)
   else:
-    y = jnp.einsum("xi,oi->xo", x2, w2)
+    y = jnp.einsum("xi,oi->xo", x2, w2, precision=_precision(x2, w2))
   return y.reshape(*lead, *out_shape)
 
 
@@ -480,10 +502,12 @@ def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
     if _blocked_head(v, d, rows):
       out = jnp.einsum("xd,ncd->nxc", hidden.reshape(rows, d),
                        w.reshape(v // _VOCAB_BLOCK, _VOCAB_BLOCK, d),
-                       preferred_element_type=jnp.float32)
+                       precision=_precision(hidden, w), preferred_element_type=jnp.float32)
       return jnp.swapaxes(out, 0, 1).reshape(*lead, v)
-    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
-  return jnp.einsum("...d,dv->...v", hidden, _weight(params.lm_head, hidden.dtype),
+    return jnp.einsum("...d,vd->...v", hidden, w, precision=_precision(hidden, w),
+                      preferred_element_type=jnp.float32)
+  w = _weight(params.lm_head, hidden.dtype)
+  return jnp.einsum("...d,dv->...v", hidden, w, precision=_precision(hidden, w),
                     preferred_element_type=jnp.float32)
 
 
