@@ -161,7 +161,7 @@ def test_unrolled_layers_match_scanned(monkeypatch, output_major):
     np.testing.assert_array_equal(getattr(back.layers, name), getattr(params.layers, name))
 
 
-@pytest.mark.parametrize("layout", ["scanned", "unrolled", "output-major"])
+@pytest.mark.parametrize("layout", ["scanned", "unrolled", "output-major", "int8"])
 def test_float32_products_are_full_float32(monkeypatch, layout):
   # A float32 model multiplies in float32 on every backend: every product of the forward asks
   # for HIGHEST precision, or XLA's GPU/TPU default (TF32 / bfloat16 passes) makes a verify
@@ -171,8 +171,11 @@ def test_float32_products_are_full_float32(monkeypatch, layout):
   from jaxspec.models import llama
   monkeypatch.setattr(llama, "OUTPUT_MAJOR_ON_CPU", layout == "output-major")
   cfg, params = _model(num_layers=2, tie_embeddings=True)
-  if layout != "scanned":
+  if layout in ("unrolled", "output-major"):
     params = llama.with_scan_layers(params, False)
+  elif layout == "int8":  # weights dequantized to float32 inside the pass
+    from jaxspec.models.quant import quantize
+    params = quantize(params, "int8")
   toks = jnp.ones((1, 3), jnp.int32)  # 3 rows: the blocked LM-head and dense forms on CPU
 
   def dots(p, c, dtype):
@@ -184,8 +187,10 @@ def test_float32_products_are_full_float32(monkeypatch, layout):
   lines, highest = dots(params, cfg, jnp.float32)
   # q, k, v, o, gate, up, down and 4 attention products per layer (a scan's body once), the
   # LM head
-  assert len(lines) >= 11 * (1 if layout == "scanned" else cfg.num_layers) + 1
+  assert len(lines) >= 11 * (cfg.num_layers if "-" in layout or layout == "unrolled" else 1) + 1
   assert len(highest) == len(lines), [ln for ln in lines if "HIGHEST" not in ln][:2]
+  if layout == "int8":
+    return
   cfg16 = dataclasses.replace(cfg, dtype="bfloat16")
   p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
   lines16, highest16 = dots(p16, cfg16, jnp.bfloat16)
