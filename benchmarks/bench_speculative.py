@@ -101,7 +101,7 @@ def main():
     tokens, emitted, passes = 0, 0.0, 0.0
     acc_pos = np.zeros(k)
     for p in prompts:
-      kw = dict(max_new_tokens=n, stop_ids=[2])
+      kw = dict(max_new_tokens=n)  # EOS-stopping: the default stop ids are the model's EOS ids
       generate(model, [p], **kw)  # warm-up compiles (cached per shape)
       speculative_generate(model, drafter, [p], num_draft_tokens=k, **kw)
       plains, specs = [], []

@@ -86,11 +86,11 @@ def main():
     per_rule = {r: {k: [0, 0] for k in ks} for r in ("recent", "oracle")}
     times = []
     for p in chat_prompts(model, rows):
-      kw = dict(stop_ids=[2])
-      generate(model, [p], max_new_tokens=1, **kw)
-      generate(model, [p], max_new_tokens=args.max_new_tokens, **kw)  # compile both first
-      t1 = min(generate(model, [p], max_new_tokens=1, **kw).stats["seconds"] for _ in range(2))
-      o = min((generate(model, [p], max_new_tokens=args.max_new_tokens, **kw) for _ in range(2)),
+      # EOS-stopping: generate's default stop ids are the model's EOS ids
+      generate(model, [p], max_new_tokens=1)
+      generate(model, [p], max_new_tokens=args.max_new_tokens)  # compile both first
+      t1 = min(generate(model, [p], max_new_tokens=1).stats["seconds"] for _ in range(2))
+      o = min((generate(model, [p], max_new_tokens=args.max_new_tokens) for _ in range(2)),
               key=lambda o: o.stats["seconds"])
       out = np.asarray(o.row(0))
       step = (o.stats["seconds"] - t1) / max(len(out) - 1, 1)
