@@ -308,6 +308,9 @@ def _add_train_parser(sub) -> None:
                       " response, so the LM head runs on fewer positions (0 = whole rows)")
   t.add_argument("--max-prompts", type=int, default=320,
                  help="prompts the target answers, drawn evenly from the files")
+  t.add_argument("--self-instructions", type=int, default=0, metavar="N",
+                 help="also have the target write N user instructions itself (Magpie: sampled"
+                      " after its chat template's bare user-turn prefix) and answer them")
   t.add_argument("--max-new-tokens", type=int, default=128, help="response tokens per prompt")
   t.add_argument("--max-prompt-len", type=int, default=256,
                  help="longer prompts (after the chat template) are skipped")
@@ -344,7 +347,8 @@ def _training_data(args, target, layers, progress):
   """The dataset: --data-dir, or out/data when a finished one is there, else written now."""
   from pathlib import Path
 
-  from jaxspec.train.data import DataConfig, Dataset, read_prompts, write_dataset
+  from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, Dataset, make_progress,
+                                  read_prompts, target_instructions, write_dataset)
   data_dir = Path(args.data_dir) if args.data_dir else Path(args.out) / "data"
   if args.data_dir or (data_dir / "meta.json").is_file():
     ds = Dataset(data_dir)
@@ -356,8 +360,16 @@ def _training_data(args, target, layers, progress):
   cfg = DataConfig(max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                    temperatures=tuple(args.temperature), batch_size=args.gen_batch_size,
                    hidden_layers=tuple(layers), chat=not args.no_chat, seed=args.seed)
-  prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
-                                 allow_eval=args.allow_eval_prompts)
+  prompts, counts = [], {}
+  if args.prompts:
+    prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
+                                   allow_eval=args.allow_eval_prompts)
+  if args.self_instructions:
+    with make_progress(progress) as bar:
+      own = target_instructions(target, args.self_instructions, seed=args.seed,
+                                batch_size=args.gen_batch_size, progress=bar)
+    prompts = prompts + own
+    counts[SELF_INSTRUCTIONS] = len(own)
   write_dataset(target, prompts, data_dir, cfg, prompt_files=counts, progress=progress)
   return Dataset(data_dir, layers=layers, window=args.window or None)
 
@@ -377,9 +389,13 @@ def cmd_train(args) -> int:
     if args.kind != "draft-model" and options.get("draft_vocab") is not None:
       raise ValueError("--option draft_vocab is not supported on the command line: use"
                        " draft_vocab_size=N (the N most frequent response tokens)")
-    if not (args.prompts or args.data_dir or (Path(args.out) / "data" / "meta.json").is_file()):
-      raise ValueError("no training data: pass --prompts FILE... (the target answers them) or"
-                       " --data-dir DIR (a dataset written earlier)")
+    if args.self_instructions < 0:
+      raise ValueError(f"--self-instructions must be >= 0, got {args.self_instructions}")
+    if not (args.prompts or args.self_instructions or args.data_dir
+            or (Path(args.out) / "data" / "meta.json").is_file()):
+      raise ValueError("no training data: pass --prompts FILE... (the target answers them),"
+                       " --self-instructions N (the target writes N instructions and answers"
+                       " them) or --data-dir DIR (a dataset written earlier)")
     target = load(args.model, dtype=args.dtype)
     if args.kind == "draft-model":
       if options:

