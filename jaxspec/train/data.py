@@ -246,7 +246,7 @@ def user_turn_prefix(tokenizer) -> tuple[list[int], int]:
 
 
 def target_instructions(target: Model, n: int, *, seed: int = 0, temperature: float = 1.0,
-                        top_p: float = 1.0, max_tokens: int = 48, min_tokens: int = 4,
+                        top_p: float = 0.95, max_tokens: int = 48, min_tokens: int = 4,
                         batch_size: int = 32, max_batches: int | None = None,
                         progress=None) -> list[str]:
   """`n` user instructions written by the target itself (Magpie, Xu et al. 2024).
