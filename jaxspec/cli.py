@@ -360,17 +360,20 @@ def _training_data(args, target, layers, progress):
   cfg = DataConfig(max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                    temperatures=tuple(args.temperature), batch_size=args.gen_batch_size,
                    hidden_layers=tuple(layers), chat=not args.no_chat, seed=args.seed)
-  prompts, counts = [], {}
+  prompts, counts, seconds = [], {}, {}
   if args.prompts:
     prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
                                    allow_eval=args.allow_eval_prompts)
   if args.self_instructions:
+    t0 = time.perf_counter()
     with make_progress(progress) as bar:
       own = target_instructions(target, args.self_instructions, seed=args.seed,
                                 batch_size=args.gen_batch_size, progress=bar)
+    seconds["instructions"] = time.perf_counter() - t0
     prompts = prompts + own
     counts[SELF_INSTRUCTIONS] = len(own)
-  write_dataset(target, prompts, data_dir, cfg, prompt_files=counts, progress=progress)
+  write_dataset(target, prompts, data_dir, cfg, prompt_files=counts, seconds=seconds,
+                progress=progress)
   return Dataset(data_dir, layers=layers, window=args.window or None)
 
 
@@ -468,7 +471,7 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
           "offline_tau": tau, "offline_tau_k": k,
           "options": {key: v for key, v in options.items() if key != "token_counts"},
           # What it cost: the training run (this process; a resumed run counts its last part)
-          # and writing the data (the target's responses and hidden states).
+          # and writing the data (target-written instructions, responses and hidden states).
           "train_seconds": round(train_s, 1),
           "data_seconds": round(sum(data_s.values()), 1) if data_s else None,
           "train_rows": int(len(rows)),

@@ -28,7 +28,7 @@ def data_dir(tiny_target, tmp_path_factory):
   prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
   prompts, counts = read_prompts([prompts_file])
   return write_dataset(tiny_target, prompts, path / "ds", CFG, prompt_files=counts,
-                       progress=False)
+                       seconds={"instructions": 12.5}, progress=False)
 
 
 def test_round_trip_ids_masks_and_meta(tiny_target, data_dir):
@@ -37,6 +37,10 @@ def test_round_trip_ids_masks_and_meta(tiny_target, data_dir):
   assert len(ds) == 2 * len(PROMPTS)
   assert ds.meta["target"]["fingerprint"] == target_fingerprint(tiny_target)
   assert ds.meta["hidden_layers"] == [1, 0]  # each layer stored once
+  # The caller's stage times are recorded beside the pipeline's own (a head's data_seconds sums
+  # them, so target-written instructions count in what the data cost).
+  assert ds.meta["seconds"]["instructions"] == 12.5
+  assert set(ds.meta["seconds"]) == {"instructions", "generate", "hidden"}
   stored_prompts = {}
   for row in range(len(ds)):
     pl, n = int(ds.prompt_lengths[row]), int(ds.lengths[row])

@@ -489,7 +489,7 @@ def _store_hidden(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndar
 
 def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
                   cfg: DataConfig = DataConfig(), *, prompt_files: dict[str, int] | None = None,
-                  progress: bool = True) -> Path:
+                  seconds: dict[str, float] | None = None, progress: bool = True) -> Path:
   """Has the target answer `prompts` and stores tokens, loss masks and hidden states.
 
   Args:
@@ -498,6 +498,8 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     out_dir: directory to create (must not already hold a dataset).
     cfg: generation and storage settings.
     prompt_files: {file: prompts taken from it}, recorded in meta.json.
+    seconds: {stage: seconds} the caller spent making the prompts (e.g. the target writing
+      instructions), recorded in meta.json beside the generate and hidden-state times.
     progress: show rich progress bars on stderr.
   Returns:
     out_dir as a Path. Open it with `Dataset(out_dir)`.
@@ -576,7 +578,8 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
                      "temperatures": list(cfg.temperatures), "batch_size": cfg.batch_size,
                      "chat": cfg.chat, "seed": cfg.seed},
       "response_tokens": int(gen_stats["response_tokens"]), "stopped_rows": stopped,
-      "seconds": {"generate": round(gen_stats["generate_seconds"], 2),
+      "seconds": {**{k: round(v, 2) for k, v in (seconds or {}).items()},
+                  "generate": round(gen_stats["generate_seconds"], 2),
                   "hidden": round(hidden_s, 2)},
       "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
   }
