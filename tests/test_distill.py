@@ -152,3 +152,45 @@ def test_cli_train_head_on_stored_data(target_dir, data, tmp_path):
   with pytest.raises(SystemExit, match="unknown MedusaConfig options"):
     main(["train", "medusa", "--model", str(target_dir), "--data-dir", str(data.path), "--out",
           str(tmp_path / "m2"), "--option", "heads=2", "--no-progress"])
+
+
+def test_cli_self_instructions(target_dir, tmp_path, monkeypatch):
+  """--self-instructions through the CLI: the target's own requests are answered beside the
+  prompt files', counted under their own name, and the minutes spent writing them count in the
+  head's data_seconds; a negative count and a target without a chat template are refused."""
+  import sys
+  import time
+
+  from jaxspec.train.data import SELF_INSTRUCTIONS
+  base = ["train", "medusa", "--model", str(target_dir), "--steps", "2", "--batch-size", "4",
+          "--option", "num_heads=1", "--max-new-tokens", "12", "--max-prompt-len", "8",
+          "--gen-batch-size", "32", "--temperature", "0", "--no-progress"]
+  with pytest.raises(SystemExit, match="--self-instructions must be >= 0"):
+    main(base + ["--self-instructions", "-1", "--out", str(tmp_path / "neg")])
+  # The tiny target is saved without a tokenizer, so it has no chat template to write after.
+  with pytest.raises(SystemExit, match="chat template"):
+    main(base + ["--self-instructions", "3", "--out", str(tmp_path / "no_template")])
+
+  asked = []
+
+  def fake_instructions(target, n, *, seed, batch_size, progress):
+    asked.append(n)
+    time.sleep(0.2)  # the time the CLI must record
+    return [[7, 8, 9 + i] for i in range(n)]  # token-id prompts: the tiny target has no tokenizer
+
+  monkeypatch.setattr(sys.modules["jaxspec.train.data"], "target_instructions",
+                      fake_instructions)
+  rng = np.random.default_rng(4)
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt_ids": rng.integers(3, 128, size=5).tolist()})
+                             + "\n" for _ in range(6)))
+  out = tmp_path / "own"
+  assert main(base + ["--prompts", str(prompts), "--self-instructions", "10",
+                      "--out", str(out)]) == 0
+  assert asked == [10]
+  meta = json.loads((out / "data" / "meta.json").read_text())
+  assert meta["prompt_files"] == {str(prompts): 6, SELF_INSTRUCTIONS: 10}
+  assert meta["num_examples"] == 16 and meta["seconds"]["instructions"] >= 0.2
+  record = json.loads((out / "config.json").read_text())["meta"]
+  assert record["data_seconds"] == pytest.approx(sum(meta["seconds"].values()), abs=0.2)
+  assert record["data_seconds"] >= meta["seconds"]["instructions"] + meta["seconds"]["generate"]
