@@ -311,6 +311,12 @@ def _add_train_parser(sub) -> None:
   t.add_argument("--self-instructions", type=int, default=0, metavar="N",
                  help="also have the target write N user instructions itself (Magpie: sampled"
                       " after its chat template's bare user-turn prefix) and answer them")
+  t.add_argument("--responses", choices=["target", "given"], default="target",
+                 help="target (default): the target writes the responses (self-distillation);"
+                      " given: the prompt files' own answers, teacher-forced (GSM8K 'answer',"
+                      " HumanEval 'canonical_solution', self-instruct 'output', 'response'),"
+                      " the target's hidden states and distribution still the labels; only a"
+                      " forward runs, no generation")
   t.add_argument("--max-new-tokens", type=int, default=128, help="response tokens per prompt")
   t.add_argument("--max-prompt-len", type=int, default=256,
                  help="longer prompts (after the chat template) are skipped")
@@ -360,10 +366,13 @@ def _training_data(args, target, layers, progress):
   cfg = DataConfig(max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                    temperatures=tuple(args.temperature), batch_size=args.gen_batch_size,
                    hidden_layers=tuple(layers), chat=not args.no_chat, seed=args.seed)
-  prompts, counts, seconds = [], {}, {}
+  prompts, counts, seconds, responses = [], {}, {}, None
   if args.prompts:
     prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
-                                   allow_eval=args.allow_eval_prompts)
+                                   allow_eval=args.allow_eval_prompts,
+                                   answers=args.responses == "given")
+    if args.responses == "given":
+      prompts, responses = [p for p, _ in prompts], [r for _, r in prompts]
   if args.self_instructions:
     t0 = time.perf_counter()
     with make_progress(progress) as bar:
@@ -372,8 +381,8 @@ def _training_data(args, target, layers, progress):
     seconds["instructions"] = time.perf_counter() - t0
     prompts = prompts + own
     counts[SELF_INSTRUCTIONS] = len(own)
-  write_dataset(target, prompts, data_dir, cfg, prompt_files=counts, seconds=seconds,
-                progress=progress)
+  write_dataset(target, prompts, data_dir, cfg, responses=responses, prompt_files=counts,
+                seconds=seconds, progress=progress)
   return Dataset(data_dir, layers=layers, window=args.window or None)
 
 
@@ -394,6 +403,9 @@ def cmd_train(args) -> int:
                        " draft_vocab_size=N (the N most frequent response tokens)")
     if args.self_instructions < 0:
       raise ValueError(f"--self-instructions must be >= 0, got {args.self_instructions}")
+    if args.self_instructions and args.responses == "given":
+      raise ValueError("--self-instructions has no given responses to go with --responses"
+                       " given: the target answers its own instructions (--responses target)")
     if not (args.prompts or args.self_instructions or args.data_dir
             or (Path(args.out) / "data" / "meta.json").is_file()):
       raise ValueError("no training data: pass --prompts FILE... (the target answers them),"
@@ -478,6 +490,7 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
           "train_tokens": int(np.asarray(ds.loss_mask[rows]).sum()),
           "data_prompt_files": ds.meta.get("prompt_files"),
           "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),
+          "data_responses": ds.meta.get("responses", "target"),
           "recipe": "jaxspec train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"]
                     else None}
   save_head(out, args.kind, model, target.cfg, meta=meta, dtype=args.save_dtype,

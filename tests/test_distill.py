@@ -194,3 +194,35 @@ def test_cli_self_instructions(target_dir, tmp_path, monkeypatch):
   record = json.loads((out / "config.json").read_text())["meta"]
   assert record["data_seconds"] == pytest.approx(sum(meta["seconds"].values()), abs=0.2)
   assert record["data_seconds"] >= meta["seconds"]["instructions"] + meta["seconds"]["generate"]
+
+
+def test_cli_given_responses(target_dir, tmp_path):
+  """--responses given: the prompt files' own answers are stored teacher-forced (no generation)
+  and train a head whose record says so; a file line without an answer, and target-written
+  instructions (which have none), are refused."""
+  base = ["train", "medusa", "--model", str(target_dir), "--steps", "2", "--batch-size", "4",
+          "--option", "num_heads=1", "--max-new-tokens", "6", "--max-prompt-len", "8",
+          "--responses", "given", "--no-progress"]
+  rng = np.random.default_rng(5)
+  rows = [{"prompt_ids": rng.integers(3, 128, size=4).tolist(),
+           "response_ids": rng.integers(3, 128, size=int(n)).tolist()}
+          for n in rng.integers(2, 9, size=8)]
+  prompts = tmp_path / "pairs.jsonl"
+  prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "given"
+  assert main(base + ["--prompts", str(prompts), "--out", str(out)]) == 0
+  meta = json.loads((out / "data" / "meta.json").read_text())
+  assert meta["responses"] == "given" and meta["num_examples"] == 8
+  tokens = np.load(out / "data" / "tokens.npy")
+  lengths = np.load(out / "data" / "lengths.npy")
+  by_prompt = {tuple(r["prompt_ids"]): r["response_ids"][:6] for r in rows}
+  for t, n in zip(tokens, lengths):
+    assert t[4:n].tolist() == by_prompt[tuple(t[:4].tolist())]
+  assert json.loads((out / "config.json").read_text())["meta"]["data_responses"] == "given"
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt_ids": [4, 5]}) + "\n")
+  with pytest.raises(SystemExit, match=r"bad\.jsonl:2: no answer field"):
+    main(base + ["--prompts", str(bad), "--out", str(tmp_path / "bad")])
+  with pytest.raises(SystemExit, match="--self-instructions has no given responses"):
+    main(base + ["--prompts", str(prompts), "--self-instructions", "2",
+                 "--out", str(tmp_path / "own")])

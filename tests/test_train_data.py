@@ -211,6 +211,75 @@ def test_read_prompts_interleaves_files(tmp_path):
   assert sorted(everything) == sorted([f"a{i}" for i in range(10)] + ["b0", "b1"])
 
 
+def test_answer_formats(tmp_path):
+  """Given responses: each training file's answer field, GSM8K's cleaned up, HumanEval's stub
+  and body in a code block."""
+  f = _write(tmp_path / "mixed.jsonl", [
+      json.dumps({"question": "6*7?", "answer": "6*7 = <<6*7=42>>42 apples.\n#### 42"}) + "\n",
+      json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f",
+                  "canonical_solution": "    return 1\n"}) + "\n",
+      json.dumps({"instruction": "Say hi.", "instances": [{"input": "", "output": "hi"}]}) + "\n",
+      json.dumps({"prompt": "p", "response": "r"}) + "\n",
+      json.dumps({"prompt": "p2", "completion": "c"}) + "\n",
+      json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4, 5]}) + "\n"])
+  got = read_prompt_file(f, answers=True)
+  assert got[0] == ("6*7?", "6*7 = 42 apples.\nThe answer is 42.")
+  assert got[1][0].startswith("Complete the following Python function")
+  assert got[1][1] == "```python\ndef f():\n    return 1\n```"
+  assert got[2:] == [("Say hi.", "hi"), ("p", "r"), ("p2", "c"), ([1, 2], [3, 4, 5])]
+  pairs, counts = read_prompts([f], answers=True, max_prompts=3, seed=2)
+  assert counts == {str(f): 3} and all(pair in got for pair in pairs)
+  assert read_prompts([f], max_prompts=3, seed=2)[0] == [q for q, _ in pairs]  # same draw
+
+
+@pytest.mark.parametrize("lines,match", [
+    (['{"prompt": "a", "response": "b"}\n', '{"question": "q"}\n'],
+     r"bad\.jsonl:2: no answer field for given responses"),
+    (['{"question": "q", "answer": "  "}\n'], r"bad\.jsonl:1: field 'answer' must be"),
+    (['{"prompt": "p", "response_ids": []}\n'], r"bad\.jsonl:1: 'response_ids' must be"),
+    (['{"instruction": "i", "instances": [{"input": ""}]}\n'], r"bad\.jsonl:1: no answer"),
+])
+def test_missing_or_bad_answers_name_the_line(tmp_path, lines, match):
+  f = _write(tmp_path / "bad.jsonl", lines)
+  read_prompt_file(f)  # as prompts alone the file is fine
+  with pytest.raises(DataError, match=match):
+    read_prompt_file(f, answers=True)
+
+
+def test_given_responses_are_stored_teacher_forced(tiny_target, tmp_path):
+  """One row per prompt holding the given response (cut at max_new_tokens), the loss mask on
+  it, the hidden states of a forward over it, and meta saying the responses were given."""
+  prompts = [[5, 9, 11], [7, 3], [60, 61, 62, 63]]
+  given = [[20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [50]]
+  cfg = DataConfig(max_prompt_len=12, max_new_tokens=10, hidden_batch_size=2,
+                   hidden_layers=(1,), chat=False)
+  ds = Dataset(write_dataset(tiny_target, prompts, tmp_path / "ds", cfg, responses=given,
+                             progress=False))
+  assert len(ds) == 3 and ds.meta["responses"] == "given"
+  assert ds.meta["generation"]["temperatures"] is None and ds.meta["seconds"]["generate"] == 0
+  assert ds.meta["response_tokens"] == 3 + 10 + 1
+  for row in range(3):
+    i = int(ds.prompt_index[row])
+    pl, n = int(ds.prompt_lengths[row]), int(ds.lengths[row])
+    assert ds.tokens[row, :pl].tolist() == prompts[i]
+    assert ds.tokens[row, pl:n].tolist() == given[i][:10]
+    assert ds.loss_mask[row, pl:n].all() and not ds.loss_mask[row, :pl].any()
+    c = tiny_target.cfg
+    _, hidden, _ = forward(tiny_target.params, jnp.asarray(ds.tokens[row:row + 1, :n]),
+                           init_cache(c, 1, n), c)
+    np.testing.assert_allclose(ds.hidden_final[row, :n], np.asarray(hidden.final[0]),
+                               rtol=2e-3, atol=2e-3)
+  with pytest.raises(DataError, match="2 given responses for 3 prompts"):
+    write_dataset(tiny_target, prompts, tmp_path / "x", cfg, responses=given[:2], progress=False)
+  with pytest.raises(DataError, match="has no tokenizer"):
+    write_dataset(tiny_target, prompts, tmp_path / "y", cfg, responses=["a", "b", "c"],
+                  progress=False)
+  with pytest.raises(DataError, match="given response 1 .*token id 99999"):
+    write_dataset(tiny_target, prompts, tmp_path / "z", cfg, responses=[[1], [99999], [2]],
+                  progress=False)
+  assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
+
+
 def test_shared_training_files_parse():
   for name in ("gsm8k_train.jsonl", "humaneval.jsonl", "self_instruct_seed_tasks.jsonl"):
     path = SHARED / "data" / name
@@ -270,6 +339,25 @@ def test_user_turn_prefix_is_the_template_before_a_user_message(smol_tokenizer):
                      ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "ends a user")]:
     with pytest.raises(DataError, match=match):
       user_turn_prefix(Tokenizer(smol_tokenizer.backend, chat_template=tpl))
+
+
+def test_given_text_responses_end_their_turn(smol_tokenizer):
+  """A text answer is encoded without BOS and closed by the template's end of turn, the token
+  the target's own responses end with (SmolLM2: <|im_end|>); without the chat template, by the
+  first stop token."""
+  from types import SimpleNamespace
+
+  from jaxspec.models import tiny_config
+  from jaxspec.train.data import _given_responses
+  target = SimpleNamespace(tokenizer=smol_tokenizer, name="smol",
+                           cfg=tiny_config(vocab_size=49152, eos_token_ids=(7,)))
+  text = smol_tokenizer.encode("The answer is 4.", add_bos=False)
+  got = _given_responses(target, ["x", "The answer is 4."], [1], DataConfig(max_new_tokens=64))
+  assert got == [(0, 0, text + [smol_tokenizer.token_to_id("<|im_end|>")])]
+  got = _given_responses(target, ["The answer is 4."], [0], DataConfig(chat=False))
+  assert got == [(0, 0, text + [7])]
+  got = _given_responses(target, ["The answer is 4."], [0], DataConfig(max_new_tokens=2))
+  assert got == [(0, 0, text[:2])]
 
 
 def test_target_instructions_keeps_finished_distinct_turns(smol_tokenizer, monkeypatch):

@@ -28,6 +28,16 @@ Prompt files are JSON lines; each line is one object holding a prompt in one of 
 `prompt_ids` (token ids, used as is), `turns` (Spec-Bench: the first turn), `question` (GSM8K),
 `instruction` (self-instruct, plus the first instance's input), `prompt` (plain, or HumanEval,
 wrapped in a request to complete the function).
+
+Given responses (`write_dataset(..., responses=...)`, `jaxspec train --responses given`): the
+rows hold the files' own answers instead of the target's, teacher-forced, as EAGLE trains on
+fixed dialogues; the labels are still the target's (heads read the target's hidden states and
+distribution at every position), and only the hidden-state forward runs, about five times
+faster per token than generation on a CPU. Answers come from `response_ids` (token ids), or the
+text fields `response`, `completion`, `answer` (GSM8K: its `<<...>>` calculator notes removed
+and the closing `#### N` written as "The answer is N."), `canonical_solution` (HumanEval: the
+stub and its body in a Python code block) or `output` / the first instance's `output`
+(self-instruct).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -100,6 +111,37 @@ def _line_prompt(obj: Any, where: str) -> Prompt:
   return text
 
 
+def _line_answer(obj: dict, where: str) -> Prompt:
+  """The given response of one parsed JSON line (see the module docstring for the fields)."""
+  if "response_ids" in obj:
+    ids = obj["response_ids"]
+    if (not isinstance(ids, list) or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      raise DataError(f"{where}: 'response_ids' must be a non-empty list of token ids (ints >= 0)")
+    return list(ids)
+  inst = obj.get("instances")
+  first = inst[0] if isinstance(inst, list) and inst and isinstance(inst[0], dict) else {}
+  for field in ("response", "completion", "answer", "canonical_solution", "output"):
+    if field in obj:
+      text = obj[field]
+      break
+  else:
+    field, text = "instances[0].output", first.get("output")
+    if "output" not in first:
+      raise DataError(f"{where}: no answer field for given responses: each line needs one of"
+                      " 'response', 'completion', 'answer', 'canonical_solution', 'output',"
+                      " 'instances[0].output' or 'response_ids', or let the target write the"
+                      " responses (--responses target)")
+  if not isinstance(text, str) or not text.strip():
+    raise DataError(f"{where}: field {field!r} must be a non-empty string")
+  if field == "answer":  # GSM8K: drop the calculator notes, spell out the final answer
+    text = re.sub(r"<<[^>]*>>", "", text).strip()
+    text = re.sub(r"\n?#### *(.+)$", lambda m: f"\nThe answer is {m.group(1).strip()}.", text)
+  elif field == "canonical_solution" and isinstance(obj.get("prompt"), str):
+    text = f"```python\n{obj['prompt']}{text.rstrip()}\n```"
+  return text
+
+
 def is_eval_file(path: str | os.PathLike) -> bool:
   """Whether `path` is one of the evaluation prompt sets (Spec-Bench), never to be trained on."""
   return "spec_bench" in Path(path).name.lower()
@@ -126,12 +168,14 @@ def json_lines(path: Path, expected: str, error: type[Exception] | None = None):
       yield where, obj
 
 
-def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
+def read_prompt_file(path: str | os.PathLike, *, answers: bool = False) -> list:
   """All prompts of one JSON-lines file, in file order (blank lines are skipped).
 
+  Args:
+    answers: return (prompt, given response) pairs (see the module docstring for the fields).
   Raises:
     DataError: the file is missing, holds no prompts, or a line is not a JSON object with a
-      prompt field (the message names the file and line number).
+      prompt field (or, with `answers`, an answer field); the message names the file and line.
   """
   path = Path(path)
   if not path.is_file():
@@ -139,7 +183,8 @@ def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
     raise DataError(f"prompt file {path} {what}: pass JSON-lines files (training prompts are in"
                     " ../shared/data/: gsm8k_train.jsonl, humaneval.jsonl,"
                     " self_instruct_seed_tasks.jsonl)")
-  prompts = [_line_prompt(obj, where)
+  prompts = [(_line_prompt(obj, where), _line_answer(obj, where)) if answers
+             else _line_prompt(obj, where)
              for where, obj in json_lines(path, "every line must be one JSON object")]
   if not prompts:
     raise DataError(f"prompt file {path} is empty: it needs one JSON object per line")
@@ -147,7 +192,8 @@ def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
 
 
 def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None = None,
-                 seed: int = 0, allow_eval: bool = False) -> tuple[list[Prompt], dict[str, int]]:
+                 seed: int = 0, allow_eval: bool = False, answers: bool = False,
+                 ) -> tuple[list, dict[str, int]]:
   """Prompts of several files, interleaved so that `max_prompts` draws evenly from each.
 
   Each file's prompts are shuffled (deterministically from `seed`) and the files are taken
@@ -160,6 +206,7 @@ def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None 
     seed: shuffling seed.
     allow_eval: allow evaluation prompt sets (Spec-Bench); training on them makes every
       benchmark number on them meaningless.
+    answers: return (prompt, given response) pairs (`read_prompt_file`).
   Returns:
     (prompts, {file: prompts taken from it}).
   """
@@ -178,7 +225,7 @@ def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None 
                         " --allow-eval-prompts")
       warnings.warn(f"TRAINING ON THE EVALUATION SET {p}: benchmark results on it are no longer"
                     " a fair measure", stacklevel=2)
-    prompts = read_prompt_file(p)
+    prompts = read_prompt_file(p, answers=answers)
     order = np.random.default_rng([seed, i]).permutation(len(prompts))
     per_file.append((str(p), [prompts[j] for j in order]))
   out: list[Prompt] = []
@@ -487,8 +534,39 @@ def _store_hidden(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndar
   return time.perf_counter() - t0
 
 
+def _given_responses(target: Model, responses: Sequence[Prompt], keep: list[int],
+                     cfg: DataConfig) -> list[tuple[int, int, list[int]]]:
+  """(prompt index, 0, response ids) of the given responses: text encoded and closed by the
+  token that ends an assistant turn (what the target's own rows end with), cut at
+  cfg.max_new_tokens; token-id responses are used as they are (cut the same way)."""
+  end = None
+  if any(isinstance(r, str) for r in responses):
+    if target.tokenizer is None:
+      raise DataError(f"given responses are text but the target {target.name!r} has no"
+                      " tokenizer: load it with its tokenizer, or give 'response_ids'")
+    if cfg.chat and getattr(target.tokenizer, "chat_template", None) is not None:
+      end = user_turn_prefix(target.tokenizer)[1]  # the end of a turn (SmolLM2: <|im_end|>)
+    else:
+      stops = tuple(target.cfg.eos_token_ids) or tuple(target.tokenizer.eos_token_ids)
+      end = stops[0] if stops else None
+  out = []
+  for j, i in enumerate(keep):
+    r = responses[i]
+    if isinstance(r, str):
+      ids = target.tokenizer.encode(r, add_bos=False) + ([end] if end is not None else [])
+    else:
+      ids = [int(t) for t in r]
+    bad = [t for t in ids if not 0 <= t < target.cfg.vocab_size]
+    if not ids or bad:
+      raise DataError(f"given response {i} is empty or has token id {bad[0] if bad else None}"
+                      f" outside the target's vocabulary [0, {target.cfg.vocab_size})")
+    out.append((j, 0, ids[:cfg.max_new_tokens]))
+  return out
+
+
 def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
-                  cfg: DataConfig = DataConfig(), *, prompt_files: dict[str, int] | None = None,
+                  cfg: DataConfig = DataConfig(), *, responses: Sequence[Prompt] | None = None,
+                  prompt_files: dict[str, int] | None = None,
                   seconds: dict[str, float] | None = None, progress: bool = True) -> Path:
   """Has the target answer `prompts` and stores tokens, loss masks and hidden states.
 
@@ -497,6 +575,9 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     prompts: user messages (chat-templated when cfg.chat) or token-id lists.
     out_dir: directory to create (must not already hold a dataset).
     cfg: generation and storage settings.
+    responses: given responses, one per prompt (text or token ids): stored instead of the
+      target's own (one row per prompt, cfg.temperatures unused), teacher-forced; the target
+      only computes the hidden states over them (see the module docstring).
     prompt_files: {file: prompts taken from it}, recorded in meta.json.
     seconds: {stage: seconds} the caller spent making the prompts (e.g. the target writing
       instructions), recorded in meta.json beside the generate and hidden-state times.
@@ -507,6 +588,9 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     DataError: bad settings or prompts, raised before the target runs.
   """
   out = Path(out_dir)
+  if responses is not None and len(responses) != len(prompts):
+    raise DataError(f"{len(responses)} given responses for {len(prompts)} prompts: give one"
+                    " response per prompt")
   if (out / "meta.json").exists():
     raise DataError(f"{out} already holds a dataset: reuse it (--data-dir {out}) or choose"
                     " another directory")
@@ -530,12 +614,17 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     warnings.warn(f"skipped {skipped} of {len(all_ids)} prompts longer than"
                   f" {cfg.max_prompt_len} tokens", stacklevel=2)
   prompt_ids = [all_ids[i] for i in keep]
+  given = None if responses is None else _given_responses(target, responses, keep, cfg)
   out.mkdir(parents=True, exist_ok=True)
   for stale in ("meta.json", "hidden_final.npy", "hidden_layers.npy"):
     (out / stale).unlink(missing_ok=True)
 
   with make_progress(progress) as bar:
-    responses, gen_stats = _generate_responses(target, prompt_ids, cfg, bar)
+    if given is None:
+      responses, gen_stats = _generate_responses(target, prompt_ids, cfg, bar)
+    else:
+      responses = given
+      gen_stats = dict(response_tokens=sum(len(r) for _, _, r in given), generate_seconds=0.0)
     responses.sort(key=lambda r: (r[0], r[1]))
     n = len(responses)
     lengths = np.array([len(prompt_ids[p]) + len(r) for p, _, r in responses], np.int32)
@@ -562,7 +651,8 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
   if target.tokenizer is not None:
     with open(out / "responses.jsonl", "w", encoding="utf-8") as f:
       for row, (p, ti, r) in enumerate(responses):
-        f.write(json.dumps({"row": row, "temperature": cfg.temperatures[ti],
+        f.write(json.dumps({"row": row,
+                            "temperature": None if given else cfg.temperatures[ti],
                             "prompt": target.tokenizer.decode(prompt_ids[p],
                                                               skip_special_tokens=False),
                             "response": target.tokenizer.decode(r)}, ensure_ascii=False) + "\n")
@@ -574,9 +664,11 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
       "seq_len": width, "hidden_size": target.cfg.hidden_size,
       "hidden_final": cfg.store_hidden, "hidden_layers": list(cfg.hidden_layers),
       "hidden_dtype": "float16", "prompt_files": dict(prompt_files or {}),
+      # "target": the target wrote the responses; "given": the prompt files' own, teacher-forced.
+      "responses": "target" if given is None else "given",
       "generation": {"max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,
-                     "temperatures": list(cfg.temperatures), "batch_size": cfg.batch_size,
-                     "chat": cfg.chat, "seed": cfg.seed},
+                     "temperatures": list(cfg.temperatures) if given is None else None,
+                     "batch_size": cfg.batch_size, "chat": cfg.chat, "seed": cfg.seed},
       "response_tokens": int(gen_stats["response_tokens"]), "stopped_rows": stopped,
       "seconds": {**{k: round(v, 2) for k, v in (seconds or {}).items()},
                   "generate": round(gen_stats["generate_seconds"], 2),
