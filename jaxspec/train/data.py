@@ -75,16 +75,21 @@ class DataError(ValueError):
 # Prompt files.
 
 
+def _line_ids(obj: dict, field: str, where: str) -> list[int]:
+  """obj[field] checked to be a non-empty list of token ids."""
+  ids = obj[field]
+  if (not isinstance(ids, list) or not ids
+      or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+    raise DataError(f"{where}: {field!r} must be a non-empty list of token ids (ints >= 0)")
+  return list(ids)
+
+
 def _line_prompt(obj: Any, where: str) -> Prompt:
   """The prompt of one parsed JSON line (see the module docstring for the fields)."""
   if not isinstance(obj, dict):
     raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
   if "prompt_ids" in obj:
-    ids = obj["prompt_ids"]
-    if (not isinstance(ids, list) or not ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
-      raise DataError(f"{where}: 'prompt_ids' must be a non-empty list of token ids (ints >= 0)")
-    return list(ids)
+    return _line_ids(obj, "prompt_ids", where)
   if "turns" in obj:
     turns = obj["turns"]
     text = turns[0] if isinstance(turns, list) and turns else None
@@ -114,11 +119,7 @@ def _line_prompt(obj: Any, where: str) -> Prompt:
 def _line_answer(obj: dict, where: str) -> Prompt:
   """The given response of one parsed JSON line (see the module docstring for the fields)."""
   if "response_ids" in obj:
-    ids = obj["response_ids"]
-    if (not isinstance(ids, list) or not ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
-      raise DataError(f"{where}: 'response_ids' must be a non-empty list of token ids (ints >= 0)")
-    return list(ids)
+    return _line_ids(obj, "response_ids", where)
   inst = obj.get("instances")
   first = inst[0] if isinstance(inst, list) and inst and isinstance(inst[0], dict) else {}
   for field in ("response", "completion", "answer", "canonical_solution", "output"):
