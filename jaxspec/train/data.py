@@ -253,13 +253,18 @@ def encode_prompts(target: Model, prompts: Sequence[Prompt], *, chat: bool = Tru
         raise DataError(f"prompt {i} is text but the target {target.name!r} has no tokenizer:"
                         " load it with its tokenizer, or give prompts as 'prompt_ids'")
       p = target.tokenizer.encode_chat(p) if chat else target.tokenizer.encode(p)
-    ids = [int(t) for t in p]
-    bad = [t for t in ids if not 0 <= t < target.cfg.vocab_size]
-    if bad:
-      raise DataError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary"
-                      f" [0, {target.cfg.vocab_size})")
-    out.append(ids)
+    out.append(_in_vocab(p, f"prompt {i}", target))
   return out
+
+
+def _in_vocab(ids, what: str, target: Model) -> list[int]:
+  """ids as a list of ints, checked to lie inside the target's vocabulary."""
+  ids = [int(t) for t in ids]
+  bad = [t for t in ids if not 0 <= t < target.cfg.vocab_size]
+  if bad:
+    raise DataError(f"{what} has token id {bad[0]} outside the target's vocabulary"
+                    f" [0, {target.cfg.vocab_size})")
+  return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,13 +559,10 @@ def _given_responses(target: Model, responses: Sequence[Prompt], keep: list[int]
   for j, i in enumerate(keep):
     r = responses[i]
     if isinstance(r, str):
-      ids = target.tokenizer.encode(r, add_bos=False) + ([end] if end is not None else [])
-    else:
-      ids = [int(t) for t in r]
-    bad = [t for t in ids if not 0 <= t < target.cfg.vocab_size]
-    if not ids or bad:
-      raise DataError(f"given response {i} is empty or has token id {bad[0] if bad else None}"
-                      f" outside the target's vocabulary [0, {target.cfg.vocab_size})")
+      r = target.tokenizer.encode(r, add_bos=False) + ([end] if end is not None else [])
+    ids = _in_vocab(r, f"given response {i}", target)
+    if not ids:
+      raise DataError(f"given response {i} is empty: give at least one token")
     out.append((j, 0, ids[:cfg.max_new_tokens]))
   return out
 
@@ -622,18 +624,18 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
 
   with make_progress(progress) as bar:
     if given is None:
-      responses, gen_stats = _generate_responses(target, prompt_ids, cfg, bar)
+      rows, gen_stats = _generate_responses(target, prompt_ids, cfg, bar)
     else:
-      responses = given
+      rows = given
       gen_stats = dict(response_tokens=sum(len(r) for _, _, r in given), generate_seconds=0.0)
-    responses.sort(key=lambda r: (r[0], r[1]))
-    n = len(responses)
-    lengths = np.array([len(prompt_ids[p]) + len(r) for p, _, r in responses], np.int32)
-    prompt_lengths = np.array([len(prompt_ids[p]) for p, _, _ in responses], np.int32)
+    rows.sort(key=lambda r: (r[0], r[1]))
+    n = len(rows)
+    lengths = np.array([len(prompt_ids[p]) + len(r) for p, _, r in rows], np.int32)
+    prompt_lengths = np.array([len(prompt_ids[p]) for p, _, _ in rows], np.int32)
     width = int(lengths.max())
     tokens = np.zeros((n, width), np.int32)
     mask = np.zeros((n, width), np.uint8)
-    for row, (p, _, r) in enumerate(responses):
+    for row, (p, _, r) in enumerate(rows):
       pl = len(prompt_ids[p])
       tokens[row, :pl] = prompt_ids[p]
       tokens[row, pl:pl + len(r)] = r
@@ -642,16 +644,16 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     np.save(out / "loss_mask.npy", mask)
     np.save(out / "lengths.npy", lengths)
     np.save(out / "prompt_lengths.npy", prompt_lengths)
-    np.save(out / "prompt_index.npy", np.array([p for p, _, _ in responses], np.int32))
+    np.save(out / "prompt_index.npy", np.array([p for p, _, _ in rows], np.int32))
     hidden_s = 0.0
     if cfg.store_hidden:
       hidden_s = _store_hidden(target, out, tokens, lengths, cfg, bar)
 
   stops = set(target.cfg.eos_token_ids) | set(getattr(target.tokenizer, "eos_token_ids", ()) or ())
-  stopped = sum(1 for _, _, r in responses if r and r[-1] in stops)
+  stopped = sum(1 for _, _, r in rows if r and r[-1] in stops)
   if target.tokenizer is not None:
     with open(out / "responses.jsonl", "w", encoding="utf-8") as f:
-      for row, (p, ti, r) in enumerate(responses):
+      for row, (p, ti, r) in enumerate(rows):
         f.write(json.dumps({"row": row,
                             "temperature": None if given else cfg.temperatures[ti],
                             "prompt": target.tokenizer.decode(prompt_ids[p],
