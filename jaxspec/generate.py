@@ -359,6 +359,17 @@ def _relieve_map_pressure() -> None:
         RuntimeWarning, stacklevel=3)
 
 
+# XLA options for the programs `compiled` builds, by backend (`compiler_options`); a caller may
+# replace an entry, e.g. to measure another setting. Per program, so a user's own programs and
+# flags are untouched.
+COMPILER_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def compiler_options() -> dict[str, Any]:
+  """The XLA options `compiled` passes for the default backend (empty: XLA's defaults)."""
+  return dict(COMPILER_OPTIONS.get(jax.default_backend(), {}))
+
+
 def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
   """AOT-compiles `fn` for these argument shapes once; returns (executable, compile seconds).
 
@@ -371,7 +382,8 @@ def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
   (`release_compiled`), so a long session that compiles many loops recompiles instead of failing.
   """
   leaves, treedef = jax.tree.flatten(args)
-  sig = (fn, key_extra, treedef,
+  options = compiler_options()
+  sig = (fn, key_extra, tuple(sorted(options.items())), treedef,
          tuple((a.shape, str(a.dtype)) if hasattr(a, "shape") else a for a in leaves),
          tuple(sorted(static.items())))
   try:
@@ -384,9 +396,10 @@ def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
   _relieve_map_pressure()
   t0 = time.perf_counter()
   if jit_kwargs is not None:  # jit with shardings takes no keyword arguments: bind them
-    exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile()
+    exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile(
+        compiler_options=options or None)
   else:
-    exe = fn.lower(*args, **static).compile()
+    exe = fn.lower(*args, **static).compile(compiler_options=options or None)
   dt = time.perf_counter() - t0
   _COMPILED[sig] = exe
   return exe, dt
