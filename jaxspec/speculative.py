@@ -364,7 +364,7 @@ def _room(s: SpecState, max_new_tokens: int) -> jax.Array:
 
 
 def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, live, forced, *,
-                   cfg, drafter, kmax):
+                   cfg, drafter, kmax, known_drafts=False):
   """Verifies k drafts (k = 0 or prop None: a plain one-token step) and rejection-samples.
 
   Reads the target cache only; returns (n_acc [B], emitted [B, kmax+1], hidden padded to
@@ -392,6 +392,10 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
     return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
             pad_kv(kv_new), n_valid, jnp.int32(k))
 
+  if known_drafts:
+    # A fixed k chosen after seeing these proposals (`_choose`): some live row has a real
+    # draft, or the step is forced. A conditional would only add a host round trip on GPUs.
+    return verify_drafts(cache)
   # No live row has a real draft: a one-token pass costs less than verifying filler.
   return lax.cond(forced | jnp.any(live & (n_valid > 0)), verify_drafts, plain, cache)
 
@@ -551,7 +555,8 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
                    max_new_tokens=max_new_tokens)
   idx, prop_all, dstate_all, nv_all = choice.idx, choice.prop, choice.dstate, choice.n_valid
   forced = force_idx >= 0
-  vb = functools.partial(_verify_branch, cfg=cfg, drafter=drafter, kmax=kmax)
+  vb = functools.partial(_verify_branch, cfg=cfg, drafter=drafter, kmax=kmax,
+                         known_drafts=drafter.free_proposals and not policy.auto)
 
   # Branches only read the target cache and return the new block's keys and values padded to
   # k_max + 1; the one write after the switch keeps XLA from passing the whole cache through

@@ -225,22 +225,39 @@ def with_scan_layers(params: Params, scan: bool) -> Params:
   return dataclasses.replace(params, layers=tuple(take(params.layers, i) for i in range(n)))
 
 
-# Whether the unrolled layout on CPU holds its matmul weights output-major (benchmarks turn it
-# off to measure the difference).
-OUTPUT_MAJOR_ON_CPU = True
+# Where the unrolled layout holds its matmul weights output-major (benchmarks change these to
+# measure the difference). CPU: every float weight, see `OutputMajor`. GPU: float32 weights
+# only. There a float32 decode step's matrix-vector products (full float32 precision) lower to
+# reductions; over the contiguous input axis XLA's row reduction reads a weight at close to
+# the memory's bandwidth, where the column reduction of the logical [in, out] layout did not
+# (H200, Llama-3.2-1B shape: the tied LM head, a row reduction, 4.6 TB/s; the MLP's column
+# reductions 3.0-3.7 TB/s; a step 2.08 -> 1.73 ms with this layout, 2D products and shared
+# rotary tables). bfloat16 weights stay logical on GPUs, the layout of the fastest bfloat16
+# steps measured (4.67 ms at the Llama-3.1-8B shape); output-major bfloat16 with bfloat16
+# products is unmeasured there (`benchmarks/bench_synthetic.py --output-major on` compares).
+OUTPUT_MAJOR_PLATFORMS = {"cpu", "gpu"}
+OUTPUT_MAJOR_DTYPES = {"cpu": None, "gpu": {"float32"}}  # None: every float dtype
+OUTPUT_MAJOR_ON_CPU = True  # kept for callers that switch the CPU's alone
 
 
 def _output_major_for(tree) -> bool:
-  """Whether every weight of `tree` is a concrete array on one CPU device (a sharded model
-  keeps the logical layout, which the sharding rules and XLA's partitioner expect)."""
+  """Whether every weight of `tree` is a concrete array on one device of a platform in
+  `OUTPUT_MAJOR_PLATFORMS` (a sharded model keeps the logical layout, which the sharding rules
+  and XLA's partitioner expect)."""
   leaves = jax.tree.leaves(tree)
-  if not (OUTPUT_MAJOR_ON_CPU and leaves):
+  if not leaves:
     return False
   for x in leaves:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
       return False
     devices = x.devices()
-    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+    if len(devices) != 1:
+      return False
+    platform = next(iter(devices)).platform
+    if platform not in OUTPUT_MAJOR_PLATFORMS or (platform == "cpu" and not OUTPUT_MAJOR_ON_CPU):
+      return False
+    dtypes = OUTPUT_MAJOR_DTYPES.get(platform)
+    if dtypes is not None and x.ndim > 1 and str(x.dtype) not in dtypes:
       return False
   return True
 
@@ -263,11 +280,20 @@ _stack_layers = jax.jit(lambda layers: jax.tree.map(
     lambda *a: jnp.stack(a), *(_to_input_major(lp) for lp in layers)))
 
 
-def default_scan_layers() -> bool:
-  """The layout `jaxspec.load` picks: unrolled on the CPU backend (faster steps, slower
-  compiles), stacked elsewhere (compile time stays flat in depth; the copy was measured on CPU
-  only)."""
-  return jax.default_backend() != "cpu"
+# The layer layout `jaxspec.load` picks per backend (`default_scan_layers`), from measurements:
+#   cpu: unrolled. A scan copies every layer's weights out of the stacked arrays at every step;
+#     unrolled decodes and verifies about 1.4x faster on this project's CPUs.
+#   gpu: unrolled. The same copies on an H200 (JAX 0.11.2, batch 1, bfloat16): Llama-3.1-8B
+#     shape 11.9 ms a step stacked against 4.67 ms unrolled, Llama-3.2-1B 2.39 against 1.30.
+#   tpu: stacked, unmeasured here (MaxText's default; TPU XLA fuses the per-layer slice into
+#     the matmul). Compile time stays flat in depth.
+DEFAULT_SCAN_LAYERS = {"cpu": False, "gpu": False, "cuda": False, "rocm": False, "tpu": True}
+
+
+def default_scan_layers(backend: str | None = None) -> bool:
+  """Whether `jaxspec.load` stacks the layers (`lax.scan`) on `backend` (default: JAX's default
+  backend): see `DEFAULT_SCAN_LAYERS`. A backend not listed gets the stacked layout."""
+  return DEFAULT_SCAN_LAYERS.get(backend or jax.default_backend(), True)
 
 
 def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
@@ -324,11 +350,19 @@ def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
   return jnp.where(is_mid, mid, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotates x [B, T, N, K] by positions [B, T] in the rotate-half layout."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [B, T, 1, K/2] of the rotary angles at positions [B, T]: computed once per
+  forward and shared by every layer (a decode step otherwise ran two small kernels per layer
+  for them)."""
   angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, K/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
+  return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               tables: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+  """Rotates x [B, T, N, K] by positions [B, T] in the rotate-half layout (`tables`: the
+  positions' `rope_tables`, when already computed)."""
+  cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -432,15 +466,26 @@ _DENSE_BLOCKED_MAX_ROWS = 64
 def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   """x [..., *in] times a logical [*in, *out] weight -> [..., *out].
 
-  `spec` is the einsum for a weight in its logical layout (plain arrays, or int8 ones
-  dequantized to `dtype`); an `OutputMajor` weight runs as [rows, I] x [O, I] -> [rows, O],
-  in blocks of 64 output rows for up to 64 rows. SmolLM2's 30 layers, 3 rows (a k = 2
+  `spec` names the product for readers (the weight's logical layout); it runs as one
+  [rows, I] x [I, O] matrix product (plain arrays, or int8 ones dequantized to `dtype`), or as
+  [rows, I] x [O, I] for an `OutputMajor` weight, on the CPU in blocks of 64 output rows for up
+  to 64 rows. Products return the operands' dtype: on an H200 a bfloat16 decode step whose
+  products returned float32 (`preferred_element_type`) ran slower (Llama-3.1-8B shape,
+  5.30-5.66 ms a step against 4.67 before), its Triton matrix-vector kernels reading the
+  weights at about 3 TB/s. The blocked CPU form: SmolLM2's 30 layers, 3 rows (a k = 2
   verify) 33 -> 20 ms, 16 rows 49 -> 31 ms, one row 15 -> 14 ms (the 2-core AMD EPYC VM with
   XLA's Eigen matmuls; on the later Intel Xeon VM, whose dots run through YNNPACK, the blocked
   and the one-product forms measure the same)."""
   if not isinstance(w, OutputMajor):
     wd = _weight(w, dtype)
-    return jnp.einsum(spec, x, wd, precision=_precision(x, wd))
+    lead = x.shape[:x.ndim - n_in]
+    i = math.prod(x.shape[x.ndim - n_in:])
+    out_shape = wd.shape[n_in:]
+    # One contracting and one output axis (free reshapes of contiguous axes): XLA GPU turned
+    # the two-axis contraction of wo into a materialised product plus a reduction (three
+    # passes over the weight) where one matrix product reads it once.
+    y = jnp.dot(x.reshape(-1, i), wd.reshape(i, -1), precision=_precision(x, wd))
+    return y.reshape(*lead, *out_shape)
   wt = w.w  # [*out, *in]
   out_shape = wt.shape[:w.n_out]
   lead = x.shape[:x.ndim - n_in]
@@ -448,7 +493,8 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   rows = math.prod(lead)
   x2 = x.reshape(rows, i)
   w2 = wt.reshape(o, i)
-  if rows <= _DENSE_BLOCKED_MAX_ROWS and o % _DENSE_BLOCK == 0 and o > _DENSE_BLOCK:
+  if (rows <= _DENSE_BLOCKED_MAX_ROWS and o % _DENSE_BLOCK == 0 and o > _DENSE_BLOCK
+      and jax.default_backend() == "cpu"):
     y = jnp.einsum("xi,nci->nxc", x2, w2.reshape(o // _DENSE_BLOCK, _DENSE_BLOCK, i),
                    precision=_precision(x2, w2))
     y = jnp.swapaxes(y, 0, 1)
@@ -563,6 +609,7 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   if block_mask is None:
     block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   inv_freq = rope_inv_freq(cfg)
+  tables = rope_tables(positions, inv_freq)
   x = _embed(params.embed, tokens, cfg.jnp_dtype)  # [B, T, D]
   eps = cfg.rms_norm_eps
   want = tuple(hidden_layers)
@@ -576,8 +623,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     v = _dense(h, lp.wv, 1, "btd,dgk->btgk", dt)
     if lp.bq is not None:
       q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, tables)
+    k = apply_rope(k, positions, inv_freq, tables)
     attn = _attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
                       positions, block_mask, cfg)
     x = x + _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
@@ -589,8 +636,12 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
 
   if not is_scanned(params):  # one tree per layer (`with_scan_layers`): unrolled
     outs = [None] * len(params.layers)
+    on_cpu = jax.default_backend() == "cpu"
     for i, lp in enumerate(params.layers):
-      j = _after(x, i)
+      # On the CPU, a slice at an index computed after the layer's input keeps XLA from
+      # copying out every layer's cache before the first layer (`_after`); elsewhere a static
+      # slice of the leading axis is a view the attention reads in place.
+      j = _after(x, i) if on_cpu else i
       x, outs[i] = layer(x, (lp, lax.dynamic_index_in_dim(cache.k, j, keepdims=False),
                              lax.dynamic_index_in_dim(cache.v, j, keepdims=False)))
     k_new, v_new, per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs)
