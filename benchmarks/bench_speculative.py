@@ -12,51 +12,23 @@ relative to one decode step for k = 1..8 at batch 1, 8, 32 (the adaptive control
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from common import ROOT, by_category, chat_prompts, load_spec_bench, machine, write_json
+from common import (ROOT, by_category, chat_prompts, forward_costs, load_spec_bench, machine,
+                    write_json)
 from jaxspec import NGram, generate, load, speculative_generate
-from jaxspec.models.llama import forward, init_cache
 
 
 def verify_cost(model, batch_sizes=(1, 8, 32), ks=range(1, 9), context=256, iters=8, rounds=4):
   """Seconds of one target pass over T = k+1 tokens relative to T = 1, with `context` cached
   tokens per row and the cache written in place (as in the loop)."""
-  cfg = model.cfg
-
-  @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(1,))
-  def passes(params, cache, t):
-    toks = jnp.ones((cache.batch_size, t), jnp.int32)
-
-    def body(i, carry):
-      c, acc = carry
-      logits, _, c2 = forward(params, toks + i, c, cfg)
-      # The argmax keeps the LM head live; rolling back keeps every pass the same work.
-      return dataclasses.replace(c2, length=c.length), acc + logits.argmax(-1).sum()
-    return lax.fori_loop(0, iters, body, (cache, jnp.int32(0)))[0]
-
   out = {}
   for b in batch_sizes:
     widths = [1] + [k + 1 for k in ks]
-    caches = {}
-    for t in widths:  # compile and warm every width first
-      cache = init_cache(cfg, b, context + 16)
-      caches[t] = passes(model.params, dataclasses.replace(
-          cache, length=jnp.full((b,), context, jnp.int32)), t)
-    times = {t: float("inf") for t in widths}
-    for _ in range(rounds):  # widths interleaved in every round, so machine drift cancels
-      for t in widths:
-        t0 = time.perf_counter()
-        caches[t] = jax.block_until_ready(passes(model.params, caches[t], t))
-        times[t] = min(times[t], (time.perf_counter() - t0) / iters)
+    times = forward_costs(model, b, context, widths, iters, rounds)
     out[b] = {"decode_step_seconds": times[1],
               "verify_over_decode": {k: times[k + 1] / times[1] for k in ks}}
     print(f"batch {b}: decode step {times[1] * 1e3:.1f} ms; verify(k)/decode: "

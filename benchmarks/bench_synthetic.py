@@ -31,10 +31,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, write_json  # noqa: E402
+from common import ROOT, forward_costs, machine, write_json  # noqa: E402
 
 import importlib  # noqa: E402
 
@@ -44,7 +43,7 @@ spec_lib = importlib.import_module("jaxspec.speculative")
 llama_lib = importlib.import_module("jaxspec.models.llama")
 from jaxspec.drafters import Oracle  # noqa: E402
 from jaxspec.generate import prepare_prompts  # noqa: E402
-from jaxspec.models.llama import forward, init_cache, is_scanned, with_scan_layers  # noqa: E402
+from jaxspec.models.llama import is_scanned, with_scan_layers  # noqa: E402
 from jaxspec.models.synthetic import random_model  # noqa: E402
 from jaxspec.sampling import GREEDY  # noqa: E402
 
@@ -144,35 +143,6 @@ class Spec:
     return dt, spec_lib.summarize_stats(st.stats, self.k), np.asarray(toks)
 
 
-def forward_costs(model, batch, context, widths, iters, rounds):
-  """Seconds of one target pass over T tokens (cache written in place, rolled back), for every
-  T in `widths`, interleaved over `rounds`, best round each."""
-  cfg = model.cfg
-
-  @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(1,))
-  def passes(params, cache, t):
-    toks = jnp.ones((cache.batch_size, t), jnp.int32)
-
-    def body(i, carry):
-      c, acc = carry
-      logits, _, c2 = forward(params, toks + i, c, cfg)
-      return dataclasses.replace(c2, length=c.length), acc + logits.argmax(-1).sum()
-    return lax.fori_loop(0, iters, body, (cache, jnp.int32(0)))
-
-  caches = {}
-  for t in widths:
-    cache = init_cache(cfg, batch, context + max(widths) + 8)
-    cache = dataclasses.replace(cache, length=jnp.full((batch,), context, jnp.int32))
-    caches[t] = jax.block_until_ready(passes(model.params, cache, t))[0]
-  best = {t: float("inf") for t in widths}
-  for _ in range(rounds):
-    for t in widths:
-      t0 = time.perf_counter()
-      caches[t] = jax.block_until_ready(passes(model.params, caches[t], t))[0]
-      best[t] = min(best[t], (time.perf_counter() - t0) / iters)
-  return best
-
-
 def _layout(model) -> str:
   if is_scanned(model.params):
     return "stacked"
@@ -251,22 +221,24 @@ def bench_one(model, batch, args, bw, log):
   return res
 
 
-def plot(results, path):
+def plot(results, path, limit_gbs=None):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  labels = [f"{r['shape']}\n{r['dtype'][:4]} b{r['batch']}" for r in results]
+  labels = [f"{r['shape'].replace('llama-', '')} {r['dtype'][:4]}\nb{r['batch']}"
+            f" {r.get('layout', '')}" for r in results]
   x = np.arange(len(results))
   fig, ax = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(results)), 4))
   ax[0].bar(x, [r["fraction_of_limit"] for r in results])
   ax[0].axhline(0.8, ls="--", c="gray")
-  ax[0].set_title("plain decode: fraction of the bandwidth limit")
+  ax[0].set_title("plain decode: fraction of the bandwidth limit"
+                  + (f"\n(bytes per step / {limit_gbs / 1e3:.2f} TB/s)" if limit_gbs else ""))
   ax[1].bar(x - 0.2, [r["speedup"] for r in results], 0.4, label="achieved")
   ax[1].bar(x + 0.2, [r["ideal_speedup"] for r in results], 0.4, label="ideal tau / verify cost")
   ax[1].set_title("speculative speedup (oracle drafter)")
   ax[1].legend()
   for a in ax:
-    a.set_xticks(x, labels, fontsize=7)
+    a.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   print(f"wrote {path}")
@@ -306,7 +278,19 @@ def main(argv=None):
                   help="write the first configuration's compiled loops (HLO text) here")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "synthetic.json"))
   ap.add_argument("--plot", action="store_true")
+  ap.add_argument("--limit-gbs", type=float, default=None,
+                  help="with --replot: the bandwidth (GB/s) the fractions are taken against")
+  ap.add_argument("--replot", nargs="*", default=None, metavar="JSON",
+                  help="only plot the results of these earlier runs into --out's .png")
   args = ap.parse_args(argv)
+  if args.replot:
+    rows = [r for f in args.replot for r in json.load(open(f))["results"] if "speedup" in r]
+    if args.limit_gbs:  # the fractions against a given bandwidth instead of each run's probe
+      for r in rows:
+        gb = r["weight_gb"] + r["cache_gb_avg"]
+        r["fraction_of_limit"] = gb / args.limit_gbs / r["plain_ms_per_step"] * 1e3
+    plot(rows, Path(args.out).with_suffix(".png"), args.limit_gbs)
+    return dict(results=rows)
   args.widths = [int(w) for w in args.widths.split(",") if w]
   args._profiled = args._dumped = False
   backend = jax.default_backend()

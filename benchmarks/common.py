@@ -10,9 +10,13 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -93,3 +97,33 @@ def write_json(path: Path, data: dict) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(data, indent=1, default=float))
   print(f"wrote {path}")
+
+
+def forward_costs(model, batch, context, widths, iters, rounds):
+  """Seconds of one target pass over T tokens (cache written in place, rolled back), for every
+  T in `widths`, interleaved over `rounds`, best round each."""
+  from jaxspec.models.llama import forward, init_cache
+  cfg = model.cfg
+
+  @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(1,))
+  def passes(params, cache, t):
+    toks = jnp.ones((cache.batch_size, t), jnp.int32)
+
+    def body(i, carry):
+      c, acc = carry
+      logits, _, c2 = forward(params, toks + i, c, cfg)
+      return dataclasses.replace(c2, length=c.length), acc + logits.argmax(-1).sum()
+    return lax.fori_loop(0, iters, body, (cache, jnp.int32(0)))
+
+  caches = {}
+  for t in widths:
+    cache = init_cache(cfg, batch, context + max(widths) + 8)
+    cache = dataclasses.replace(cache, length=jnp.full((batch,), context, jnp.int32))
+    caches[t] = jax.block_until_ready(passes(model.params, cache, t))[0]
+  best = {t: float("inf") for t in widths}
+  for _ in range(rounds):
+    for t in widths:
+      t0 = time.perf_counter()
+      caches[t] = jax.block_until_ready(passes(model.params, caches[t], t))[0]
+      best[t] = min(best[t], (time.perf_counter() - t0) / iters)
+  return best

@@ -45,6 +45,11 @@ from jaxspec.models.llama import pytree_dataclass as _pytree
 _DEFAULT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
+# The most drafts a step may verify (AutoK.k_max, a fixed num_draft_tokens): every bucket is a
+# compiled branch over k + 1 tokens; past a few hundred no drafter gains anything.
+MAX_K = 256
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoK:
   """Configuration of `num_draft_tokens="auto"`.
@@ -69,8 +74,8 @@ class AutoK:
 
   def __post_init__(self):
     if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, np.integer)) \
-        or self.k_max < 1:
-      raise ValueError(f"AutoK.k_max must be an integer >= 1, got {self.k_max!r}")
+        or not 1 <= self.k_max <= MAX_K:
+      raise ValueError(f"AutoK.k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
     if self.buckets is not None:
       b = tuple(self.buckets)
       if not b or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or

@@ -1033,7 +1033,7 @@ def to_json(report: dict[str, Any]) -> str:
 
 
 def add_bench_parser(sub) -> None:
-  from jaxspec.cli import _add_sampling, _add_scan_layers, _draft_count, add_compile_cache
+  from jaxspec.cli import _add_sampling, _add_scan_layers, _count, _draft_count, add_compile_cache
   from jaxspec.peers import PEERS
   p = sub.add_parser(
       "bench", help="measure methods side by side (and peer libraries) on a prompt set",
@@ -1045,7 +1045,7 @@ def add_bench_parser(sub) -> None:
                       " prompts for each MT-bench category")
   p.add_argument("--categories", default=None,
                  help="comma-separated categories to keep ('mt-bench' = its 8); default all")
-  p.add_argument("--per-category", type=int, default=1, help="prompts per category")
+  p.add_argument("--per-category", type=_count, default=1, help="prompts per category")
   p.add_argument("--methods", default=DEFAULT_METHODS,
                  help=f"comma-separated, of: {', '.join(METHODS)} (none, plain decoding, is"
                       f" always run: it is every speedup's baseline); default {DEFAULT_METHODS}")
@@ -1054,13 +1054,13 @@ def add_bench_parser(sub) -> None:
                       f" {', '.join(PEERS)} (needs `pip install 'jaxspec[compare]'`)")
   p.add_argument("--batch-sizes", default="1", help="e.g. 1,8,32 (prompts repeat to fill a"
                                                     " batch)")
-  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=_count, default=64)
   p.add_argument("--num-draft-tokens", type=_draft_count, default="auto",
                  help="k, or 'auto' (default; the cost model's prediction needs it)")
-  p.add_argument("--k-max", type=int, default=None,
+  p.add_argument("--k-max", type=_count, default=None,
                  help="the most drafts per step with 'auto' (default 8, capped at a head's"
                       " limit)")
-  p.add_argument("--tree-size", type=int, default=8,
+  p.add_argument("--tree-size", type=_count, default=8,
                  help="nodes of the eagle-tree and medusa-tree methods' trees (default 8, the"
                       " fastest size on a 2-core CPU; 16 was the fastest of 8, 16 and 64 for"
                       " SmolLM2 on an H200; EAGLE-2 uses 60 for 7B+ targets on GPUs)")
@@ -1071,7 +1071,7 @@ def add_bench_parser(sub) -> None:
                  help="draft model (Hugging Face directory or .gguf) for the draft-model"
                       " method and transformers' assisted generation; default: the target in"
                       " int8 for jaxspec, and no assisted generation")
-  p.add_argument("--lookup-tokens", type=int, default=10,
+  p.add_argument("--lookup-tokens", type=_count, default=10,
                  help="prompt-lookup tokens of the peers (prompt_lookup_num_tokens)")
   p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   p.add_argument("--no-latency", action="store_true",

@@ -108,6 +108,22 @@ def _draft_count(text: str):
   return k
 
 
+def _count(text: str) -> int:
+  """An argparse type: an integer in [1, 2**24] (sizes past that cannot be held anyway)."""
+  try:
+    n = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if not 1 <= n <= 2**24:
+    raise argparse.ArgumentTypeError(f"expected an integer in [1, {2**24}], got {n}")
+  return n
+
+
+def _count0(text: str) -> int:
+  """An argparse type: an integer in [0, 2**24]."""
+  return 0 if text.strip() == "0" else _count(text)
+
+
 def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="jaxspec", description="Exact speculative decoding in JAX.")
   sub = ap.add_subparsers(dest="command", required=True)
@@ -117,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="a .gguf file, a Hugging Face directory, or a bundled name"
                       " (default: the bundled SmolLM2-135M-Instruct)")
   g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-  g.add_argument("--max-new-tokens", type=int, default=128)
+  g.add_argument("--max-new-tokens", type=_count, default=128)
   g.add_argument("--draft", default="default",
                  help="default | none | ngram | eagle | medusa | mlp | a head directory | PATH of"
                       " a draft model (.gguf or HF directory); default: the bundled EAGLE head"
@@ -125,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--num-draft-tokens", type=_draft_count, default="auto",
                  help="k, drafts per step, or 'auto' (default: chosen every step from measured"
                       " acceptance and cost, 0 = a plain step)")
-  g.add_argument("--k-max", type=int, default=None,
+  g.add_argument("--k-max", type=_count, default=None,
                  help="the most drafts per step with 'auto' (default 8, or fewer when the"
                       " drafter proposes fewer: a Medusa head drafts at most its head count)")
   g.add_argument("--tree", default=None, metavar="SPEC",
@@ -135,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                       " ([[0],[1],[0,0]]) or a .json file of one")
   g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   _add_scan_layers(g)
-  g.add_argument("--chunk", type=int, default=8, help="decode steps between printed chunks")
+  g.add_argument("--chunk", type=_count, default=8, help="decode steps between printed chunks")
   add_compile_cache(g)
   _add_sampling(g)
   _add_train_parser(sub)
@@ -188,6 +204,9 @@ def cmd_generate(args) -> int:
       raise SystemExit(f"error: --tree: {e}")
   load_s = time.perf_counter() - t_load
   tok = model.tokenizer
+  if tok is None:
+    raise SystemExit(f"error: {args.model} has no tokenizer (tokenizer.json or GGUF tokenizer"
+                     " metadata): the CLI takes text; use the Python API with token ids")
   ids = tok.encode(args.prompt) if args.no_chat else tok.encode_chat(args.prompt)
   common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed)
   try:
@@ -291,24 +310,24 @@ def _add_train_parser(sub) -> None:
                  help="reuse a dataset written earlier (skips running the target)")
   t.add_argument("--resume", action="store_true",
                  help="continue an interrupted run in --out from its latest checkpoint")
-  t.add_argument("--steps", type=int, default=None, help="optimizer steps (default per kind)")
-  t.add_argument("--batch-size", type=int, default=None)
+  t.add_argument("--steps", type=_count, default=None, help="optimizer steps (default per kind)")
+  t.add_argument("--batch-size", type=_count, default=None)
   t.add_argument("--lr", type=float, default=None, help="peak learning rate")
-  t.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps / 10)")
+  t.add_argument("--warmup", type=_count0, default=None, help="warmup steps (default steps / 10)")
   t.add_argument("--weight-decay", type=float, default=0.01)
   t.add_argument("--clip-norm", type=float, default=1.0)
-  t.add_argument("--save-every", type=int, default=50)
-  t.add_argument("--keep-last", type=int, default=2, help="checkpoints kept")
-  t.add_argument("--eval-every", type=int, default=100,
+  t.add_argument("--save-every", type=_count, default=50)
+  t.add_argument("--keep-last", type=_count, default=2, help="checkpoints kept")
+  t.add_argument("--eval-every", type=_count, default=100,
                  help="held-out evaluation every this many steps (and at the end)")
-  t.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+  t.add_argument("--eval-batches", type=_count, default=4, help="held-out batches per evaluation")
   t.add_argument("--seed", type=int, default=0)
-  t.add_argument("--window", type=int, default=128,
+  t.add_argument("--window", type=_count0, default=128,
                  help="tokens per training row: each row is cropped to a window over its"
                       " response, so the LM head runs on fewer positions (0 = whole rows)")
-  t.add_argument("--max-prompts", type=int, default=320,
+  t.add_argument("--max-prompts", type=_count, default=320,
                  help="prompts the target answers, drawn evenly from the files")
-  t.add_argument("--self-instructions", type=int, default=0, metavar="N",
+  t.add_argument("--self-instructions", type=_count0, default=0, metavar="N",
                  help="also have the target write N user instructions itself (Magpie: sampled"
                       " after its chat template's bare user-turn prefix) and answer them")
   t.add_argument("--responses", choices=["target", "given"], default="target",
@@ -317,16 +336,16 @@ def _add_train_parser(sub) -> None:
                       " HumanEval 'canonical_solution', self-instruct 'output', 'response'),"
                       " the target's hidden states and distribution still the labels; only a"
                       " forward runs, no generation")
-  t.add_argument("--max-new-tokens", type=int, default=128, help="response tokens per prompt")
-  t.add_argument("--max-prompt-len", type=int, default=256,
+  t.add_argument("--max-new-tokens", type=_count, default=128, help="response tokens per prompt")
+  t.add_argument("--max-prompt-len", type=_count, default=256,
                  help="longer prompts (after the chat template) are skipped")
   t.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7],
                  help="one response per prompt per value (0 = greedy)")
-  t.add_argument("--gen-batch-size", type=int, default=32, help="rows per generate call")
+  t.add_argument("--gen-batch-size", type=_count, default=32, help="rows per generate call")
   t.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   t.add_argument("--allow-eval-prompts", action="store_true",
                  help="allow training on an evaluation set (spec_bench): contaminates it")
-  t.add_argument("--num-layers", type=int, default=4,
+  t.add_argument("--num-layers", type=_count, default=4,
                  help="draft-model: target layers the draft keeps")
   t.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                  help="head option (JSON value), e.g. --option num_heads=3; defaults: eagle"
@@ -499,6 +518,29 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
 
 
 def main(argv=None) -> int:
+  """The console script: ordinary bad input (a missing or malformed file, an impossible size,
+  an unwritable path, undecodable text) ends with one `error:` line on stderr and exit code 2,
+  never a Python traceback."""
+  try:
+    return _main(argv)
+  except SystemExit as e:
+    if isinstance(e.code, str):  # the commands' own "error: ..." exits
+      msg = e.code if e.code.startswith("error:") else f"error: {e.code}"
+      print(msg, file=sys.stderr)
+      return 2
+    raise
+  except KeyboardInterrupt:
+    print("error: interrupted", file=sys.stderr)
+    return 130
+  except ValueError as e:  # CheckpointError, DataError and every argument check
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except (OSError, UnicodeError, RecursionError, OverflowError, MemoryError) as e:
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
+
+
+def _main(argv=None) -> int:
   args = _parser().parse_args(argv)
   if hasattr(args, "compile_cache"):
     enable_compile_cache(args.compile_cache)

@@ -21,6 +21,14 @@ A `Proposal` holds the k drafts, their distribution q processed with the same sa
 parameters as the target (None for a deterministic drafter: one-hot q, still exact), and how
 many of the k are real proposals per row (an n-gram drafter with no match has none): when no
 live row has any, the loop runs a plain one-token step instead of a (k+1)-token verify.
+
+The rule that keeps a custom drafter's `n_valid` exact: whether draft i counts (i < n_valid)
+may depend only on what was known before draft i was drawn (the context, drafts 1..i-1, the
+distribution q_i itself), never on the drawn token x_i. The target samples position i from
+p_i whenever draft i does not count, so any such rule leaves the output distribution p; a rule
+that looks at x_i (say, "stop where q_i(x_i) is small") drops unlikely draws selectively and
+biases sampled output. `DraftModel(p_min=...)` stops on the top probability of q_i for this
+reason (for greedy drafts the two are the same).
 """
 
 from __future__ import annotations
@@ -159,15 +167,16 @@ class DraftModel(Drafter):
   def _key(self):
     # The weights' structure and dtypes belong to the identity: an int8 copy of a model keeps
     # its cfg but is a different drafter (another compiled program, another cost model).
+    # The actual class: a subclass (another propose, say) is another compiled program.
     leaves = tuple(f"{x.dtype}{x.shape}" for x in jax.tree.leaves(self.model.params))
-    return (DraftModel, self.model.cfg, self.p_min, leaves,
+    return (type(self), self.model.cfg, self.p_min, leaves,
             str(jax.tree.structure(self.model.params)))
 
   def __hash__(self):
     return hash(self._key())
 
   def __eq__(self, other):
-    return isinstance(other, DraftModel) and other._key() == self._key()
+    return type(other) is type(self) and other._key() == self._key()
 
   @property
   def cfg(self) -> LlamaConfig:
@@ -189,9 +198,9 @@ class DraftModel(Drafter):
     return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(prompt_len - 2, 0)))
 
   def propose(self, params, state: DraftModelState, ctx, k, sp, keys):
-    """k drafts per row; with p_min > 0 a row stops (n_valid) at the first draft whose
-    probability under the draft model's own softmax is below p_min, and drafting ends as soon
-    as no row is still confident (llama.cpp's --draft-p-min)."""
+    """k drafts per row; with p_min > 0 a row stops (n_valid) at the first position whose
+    most likely token, under the draft model's own softmax, has probability below p_min, and
+    drafting ends as soon as no row is still confident (llama.cpp's --draft-p-min)."""
     cfg = self.cfg
     b = ctx.seq.shape[0]
     two = _last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
@@ -207,8 +216,10 @@ class DraftModel(Drafter):
     def pick(logits_i, key_i):
       q = sampling_lib.probs(logits_i, sp)
       tok = sampling_lib.sample_from_probs(key_i, q, sp.temperature == 0)
-      conf = jnp.take_along_axis(jax.nn.softmax(logits_i.astype(jnp.float32), -1),
-                                 tok[:, None], axis=1)[:, 0]
+      # Whether this draft is proposed is decided before it is drawn: from the draft model's
+      # top probability (llama.cpp's --draft-p-min), not the drawn token's, whose use would
+      # select against unlikely draws and bias a sampled output. Greedy: the same value.
+      conf = jnp.max(jax.nn.softmax(logits_i.astype(jnp.float32), -1), axis=-1)
       return tok, q, conf >= self.p_min
 
     d0, q0, ok0 = pick(jnp.where(single[:, None], logits[:, 0], logits[:, 1]), step_keys[:, 0])
@@ -303,6 +314,10 @@ class NoState:
   pass
 
 
+# The longest n-gram NGram looks up: the lookup is unrolled over the lengths (quadratic in it).
+MAX_NGRAM = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class NGram(Drafter):
   """Prompt-lookup decoding: copy what followed the most recent earlier occurrence of the
@@ -319,9 +334,14 @@ class NGram(Drafter):
   free_proposals = True  # a lookup, not a model pass
 
   def __post_init__(self):
-    if not 1 <= self.min_ngram <= self.max_ngram:
-      raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram},"
-                       f" max_ngram={self.max_ngram}")
+    for name in ("min_ngram", "max_ngram"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"NGram.{name} must be an integer, got {v!r}")
+    if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:
+      raise ValueError(f"need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got min_ngram="
+                       f"{self.min_ngram}, max_ngram={self.max_ngram} (the lookup is traced"
+                       " once per n-gram length)")
 
   def init(self, params, prompt, prompt_len, max_len, hidden=None):
     return NoState()
@@ -405,13 +425,13 @@ class Oracle(Drafter):
                        f" {shape}")
 
   def _key(self):
-    return (Oracle, self.vocab, tuple(self.reference.shape))
+    return (type(self), self.vocab, tuple(self.reference.shape))
 
   def __hash__(self):
     return hash(self._key())
 
   def __eq__(self, other):
-    return type(other) is Oracle and other._key() == self._key()
+    return type(other) is type(self) and other._key() == self._key()
 
   @property
   def params(self) -> OracleParams:

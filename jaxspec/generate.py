@@ -96,9 +96,14 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
     max_len: cache size; by default the padded prompt length plus what decoding needs, rounded
       up to a multiple of 64.
   """
+  check_model(model)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+      or not 1 <= max_new_tokens <= MAX_POSITIONS:
+    raise ValueError(f"max_new_tokens must be an integer in [1, {MAX_POSITIONS}], got"
+                     f" {max_new_tokens!r}")
+  if max_len is not None and (isinstance(max_len, bool) or not isinstance(
+      max_len, (int, np.integer)) or not 1 <= max_len <= MAX_POSITIONS):
+    raise ValueError(f"max_len must be an integer in [1, {MAX_POSITIONS}], got {max_len!r}")
   if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                   and isinstance(prompts[0], (int, np.integer))):
     prompts = [prompts]
@@ -134,6 +139,7 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
   padded_len = min(padded_len, max_len)
   if max_len > model.cfg.max_position_embeddings:
     pass  # rotary extrapolates; Hugging Face does not refuse either
+  check_cache_fits(model.cfg, len(rows), int(max_len))
   toks = np.zeros((len(rows), padded_len), np.int32)
   for i, p in enumerate(rows):
     toks[i, : len(p)] = p
@@ -146,7 +152,50 @@ def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...
     if model.tokenizer is not None:
       ids |= set(getattr(model.tokenizer, "eos_token_ids", ()))
     return tuple(sorted(ids))
-  return tuple(int(t) for t in stop_ids)
+  if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)):
+    raise ValueError(f"stop_ids must be a list of token ids, got {type(stop_ids).__name__}")
+  out = []
+  for t in stop_ids:
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
+      raise ValueError(f"stop_ids must be token ids in [0, 2**31), got {t!r}")
+    out.append(int(t))
+  return tuple(out)
+
+
+# The largest cache, in positions per row, that any call may ask for: far beyond any model's
+# context, still a shape XLA accepts (its shape checks abort the process on overflow).
+MAX_POSITIONS = 2**24
+
+
+def _memory_budget() -> int | None:
+  """Bytes the default device may hold: its allocator's limit where it reports one (GPUs,
+  TPUs), the host's physical memory for the CPU; None where unknown."""
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+      return int(stats["bytes_limit"])
+  except Exception:  # noqa: BLE001 - backends without memory stats
+    pass
+  try:
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_cache_fits(cfg: LlamaConfig, batch: int, max_len: int) -> None:
+  """Raises ValueError (before anything compiles) when a [batch, max_len] KV cache cannot be
+  held: past `MAX_POSITIONS` positions, or larger than the device's memory."""
+  if max_len > MAX_POSITIONS:
+    raise ValueError(f"a cache of {max_len} positions per row is past jaxspec's limit of"
+                     f" {MAX_POSITIONS}: lower max_new_tokens or max_len")
+  need = 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim \
+      * cfg.jnp_dtype.itemsize
+  budget = _memory_budget()
+  if budget is not None and need > budget:
+    raise ValueError(f"the KV cache for {batch} rows of {max_len} positions needs"
+                     f" {need / 2**30:.1f} GiB, more than the device's {budget / 2**30:.1f} GiB:"
+                     " lower max_new_tokens, max_len or the batch")
 
 
 def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -518,11 +567,34 @@ def in_shardings_for(sh, args):
 
 
 def _as_key(key) -> jax.Array:
+  """A PRNG key from None (seed 0), an integer seed or a key (typed, or a raw uint32 [2])."""
   if key is None:
     return jax.random.key(0)
-  if isinstance(key, (int, np.integer)):
-    return jax.random.key(int(key))
-  return key
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    if not -2**63 <= int(key) < 2**64:
+      raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
+    return jax.random.key(int(key) % 2**64 if int(key) >= 2**63 else int(key))
+  if isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                     and key.shape == ()):
+    return key
+  if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
+    return jax.random.wrap_key_data(jnp.asarray(key))
+  raise ValueError(f"key must be an integer seed or a single PRNG key (jax.random.key(seed)),"
+                   f" got {type(key).__name__}{getattr(key, 'shape', '')}")
+
+
+def check_chunk(chunk) -> int:
+  """A stream's chunk: an integer >= 1 (0 would never advance)."""
+  if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+    raise ValueError(f"chunk must be an integer >= 1 (steps between yields), got {chunk!r}")
+  return int(chunk)
+
+
+def check_model(model) -> None:
+  """Raises ValueError unless `model` is a jaxspec `Model`."""
+  if not isinstance(model, Model):
+    raise ValueError(f"the model must be a jaxspec Model (jaxspec.load(path) or"
+                     f" Model(cfg, params)), got {type(model).__name__}")
 
 
 def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
@@ -535,6 +607,7 @@ def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
   streaming costs one host round-trip per chunk, not per token.
   """
   sp_user = _resolve_sampling(sampling)
+  chunk = check_chunk(chunk)
   prep = prepare_prompts(model, prompt, max_new_tokens)
   stops = stop_ids_for(model, stop_ids)
   b = prep.tokens.shape[0]

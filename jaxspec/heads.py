@@ -961,7 +961,14 @@ def check_target(config: Mapping[str, Any], target, where: str,
           f" ({getattr(target, 'name', 'model')}) has {key}={value}: a head only works with the"
           " target it was trained on; load that target or train a head for this one")
   fp = rec.get("fingerprint")
-  if check_fingerprint and fp is not None:
+  if check_fingerprint and not isinstance(fp, str):
+    raise CheckpointError(
+        f"{where} records no fingerprint of the target it was trained for ({fp!r}), so it"
+        " cannot be checked against this target: save it with jaxspec.heads.save_head(...,"
+        " target_params=<the target's weights>) or the target Model, or pass"
+        " check_fingerprint=False to load it anyway (outputs stay exact; a head trained for"
+        " another target only accepts less)")
+  if check_fingerprint:
     mine_fp = target_fingerprint(target.params, target.cfg)
     if fp != mine_fp:
       raise CheckpointError(

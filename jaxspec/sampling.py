@@ -5,9 +5,10 @@ Plain decoding, the drafters and the target's verification all call `process_log
 same code with the same temperature, top-k, top-p and min-p — which the exactness of rejection
 sampling depends on.
 
-Order of the filters (as Hugging Face's warpers and vLLM): temperature, then top-k, then top-p
-over what top-k kept, then min-p. Temperature 0 means greedy: the distribution is a one-hot on
-the argmax.
+Order of the filters: temperature, then top-k, then top-p over what top-k kept, then min-p, as
+Hugging Face's warpers and vLLM v0 apply them (vLLM v1 applies min-p first; min-p compares
+with the most likely token, which every filter keeps, so the order changes only what top-p
+sees). Temperature 0 means greedy: the distribution is a one-hot on the argmax.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class Sampling:
 
   def __post_init__(self):
     t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
-    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
-      raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-      raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+      raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
+      raise ValueError(f"top_k must be an integer in [0, 2**31) (0 disables it; a value past the"
+                       f" vocabulary keeps all), got {k!r}")
     if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
       raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
     if not isinstance(m, (int, float)) or math.isnan(m) or not 0 <= m <= 1:
@@ -83,23 +85,33 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
 
 
 def _filter_sorted(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
-  """Masks (to -inf) what top-k, top-p and min-p drop; logits are already temperature-scaled."""
+  """Masks (to -inf) what top-k, top-p and min-p drop; logits are already temperature-scaled.
+
+  As Hugging Face's warpers (and vLLM): top-k keeps every token at least as likely as the k-th
+  (ties at the k-th value included); top-p keeps the smallest prefix of the descending order
+  whose probability reaches top_p (ties at its edge broken by token id, lower first), each row
+  skipping it at top_p >= 1; min-p keeps tokens whose probability is at least min_p times the
+  most likely one's."""
   nd = logits.ndim
-  srt = -jnp.sort(-logits, axis=-1)  # descending
-  idx = jnp.arange(logits.shape[-1])
+  v = logits.shape[-1]
+  iota = lax.broadcasted_iota(jnp.int32, logits.shape, nd - 1)
+  neg, order = lax.sort((-logits, iota), dimension=nd - 1, num_keys=1, is_stable=True)
+  srt = -neg  # descending; order[..., i] is the token at sorted position i
   k = _expand(sp.top_k, nd)
-  keep = (k == 0) | (idx < k)
+  kth = jnp.take_along_axis(srt, jnp.clip(k - 1, 0, v - 1), axis=-1)
+  keep = (k == 0) | (srt >= kth)
   masked = jnp.where(keep, srt, -jnp.inf)
   pr = jax.nn.softmax(masked, axis=-1)
-  before = jnp.cumsum(pr, axis=-1) - pr  # probability mass strictly before each token
-  keep = keep & (before < _expand(sp.top_p, nd))
+  before = jnp.cumsum(pr, axis=-1) - pr  # probability mass strictly before each position
+  top_p = _expand(sp.top_p, nd)
+  keep = keep & ((top_p >= 1) | (before < top_p))
   min_p = _expand(sp.min_p, nd)
   # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p).
   keep = keep & ((min_p <= 0) | (srt >= srt[..., :1] + jnp.log(jnp.maximum(min_p, 1e-30))))
   keep = keep.at[..., 0].set(True)  # the most likely token always survives
-  n_keep = keep.sum(-1, keepdims=True)
-  threshold = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-  return jnp.where(logits >= threshold, logits, -jnp.inf)
+  # Back to vocabulary order: sort the keep flags by token id.
+  _, keep_v = lax.sort((order, keep), dimension=nd - 1, num_keys=1)
+  return jnp.where(keep_v, logits, -jnp.inf)
 
 
 def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:

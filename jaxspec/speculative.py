@@ -29,8 +29,9 @@ from jaxspec import sampling as sampling_lib
 from jaxspec import adaptive
 from jaxspec.adaptive import AutoK, CostModel
 from jaxspec.drafters import DraftContext, Drafter, Proposal, resolve_drafter
-from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop, compiled,
-                              decode_texts, is_stop, keep_cache_buffers, prefill,
+from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop,
+                              check_chunk, check_model, compiled, decode_texts, is_stop,
+                              keep_cache_buffers, prefill,
                               prepare_prompts, put_global, stop_ids_for, take_cache_buffers,
                               to_host)
 from jaxspec.models.config import LlamaConfig
@@ -383,7 +384,8 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
 
   if k == 0 or prop is None:
     return plain(cache)
-  n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
+  prop = in_vocabulary(prop, cfg.vocab_size)
+  n_valid = prop.n_valid
 
   def verify_drafts(cache):
     p, hidden, kv_new = verify(tparams, cache, last, prop.tokens, cfg, sp,
@@ -398,6 +400,19 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
     return verify_drafts(cache)
   # No live row has a real draft: a one-token pass costs less than verifying filler.
   return lax.cond(forced | jnp.any(live & (n_valid > 0)), verify_drafts, plain, cache)
+
+
+def in_vocabulary(prop: Proposal, vocab_size: int) -> Proposal:
+  """The proposal with every draft from the first one outside [0, vocab_size) on not counted
+  (n_valid cut there) and replaced by token 0, so no drafter, however wrong, can feed the
+  target an id whose embedding lookup would read NaN into the pass and the cache. Exact: a
+  draft that does not count leaves its position to the target's own distribution."""
+  b, k = prop.tokens.shape
+  bad = (prop.tokens < 0) | (prop.tokens >= vocab_size)
+  first_bad = jnp.where(jnp.any(bad, axis=1), jnp.argmax(bad, axis=1), k).astype(jnp.int32)
+  n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
+  return dataclasses.replace(prop, tokens=jnp.where(bad, 0, prop.tokens).astype(jnp.int32),
+                             n_valid=jnp.minimum(n_valid, first_bad))
 
 
 def _slice_proposal(prop: Proposal, k: int, n_valid_all: jax.Array) -> Proposal:
@@ -474,13 +489,16 @@ def _tree_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, policy, max_
   _, kd, kv, last = _step_inputs(s)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
   prop, dstate = drafter.propose_tree(dparams, s.draft_state, ctx, sp, kd)
-  tokens = prop.tokens.at[:, 0].set(last)
+  # A node outside the vocabulary is never accepted, and runs through the target as token 0
+  # (an out-of-range id would read a NaN embedding into the pass and the cache).
+  in_vocab = (prop.tokens >= 0) & (prop.tokens < cfg.vocab_size)
+  tokens = jnp.where(in_vocab, prop.tokens, 0).at[:, 0].set(last)
   depth = policy.k_max
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   p, hidden, kv_new = tree_lib.verify_tree(tparams, s.cache, tokens, prop.parents, prop.depth,
                                            cfg, sp, max_depth=depth, hidden_layers=hidden_layers)
   n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, kv, depth,
-                                              greedy=sp.temperature == 0)
+                                              greedy=sp.temperature == 0, valid=in_vocab)
   hidden, kv_path = tree_lib.gather_path(path, hidden, kv_new)
   b = last.shape[0]
   out = (n_acc, emitted, hidden, kv_path, jnp.full((b,), depth, jnp.int32), jnp.int32(depth))
@@ -715,6 +733,11 @@ def _devices(tree) -> set:
   return out
 
 
+# The most drafts one step may verify: a verify pass is one forward over k + 1 tokens with a
+# [k+1, k+1] mask, traced and compiled per k; past a few hundred no drafter gains anything.
+MAX_DRAFT_TOKENS = adaptive.MAX_K
+
+
 def resolve_policy(num_draft_tokens, auto: AutoK | None = None, drafter=None) -> Policy:
   """`num_draft_tokens` (an integer k >= 1 or "auto") as the loop's static policy.
 
@@ -742,9 +765,9 @@ def resolve_policy(num_draft_tokens, auto: AutoK | None = None, drafter=None) ->
                        f" AutoK(k_max={limit}) or less")
     return Policy.from_auto(auto)
   if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
-      or num_draft_tokens < 1:
-    raise ValueError(f"num_draft_tokens must be \"auto\" or an integer >= 1, got"
-                     f" {num_draft_tokens!r}")
+      or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+    raise ValueError(f"num_draft_tokens must be \"auto\" or an integer in [1,"
+                     f" {MAX_DRAFT_TOKENS}], got {num_draft_tokens!r}")
   if auto is not None:
     raise ValueError(f"auto= configures num_draft_tokens=\"auto\" but num_draft_tokens is"
                      f" {num_draft_tokens}: pass num_draft_tokens=\"auto\" or drop auto=")
@@ -808,6 +831,7 @@ def _costs_array(policy: Policy, cost: CostModel | None) -> jax.Array:
 def _prepare(target, drafter, prompts, max_new_tokens, sampling, num_draft_tokens, auto, cost,
              max_len, temperature):
   """Everything `speculative_generate` checks before compiling; the drafter resolved by name."""
+  check_model(target)
   drafter = resolve_drafter(target, drafter)
   if temperature is not None:
     sampling = dataclasses.replace(_resolve_sampling(sampling), temperature=temperature)
@@ -1059,6 +1083,7 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
   text as it is produced; `info["stats"]` holds the statistics once the row is done.
   """
+  chunk = check_chunk(chunk)
   drafter, sp_user, policy, prep = _prepare(target, drafter, prompt, max_new_tokens, sampling,
                                             num_draft_tokens, auto, cost, None, None)
   run = _Run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),

@@ -339,6 +339,18 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
   with pytest.raises(CheckpointError, match="another target of the same shapes"):
     heads.load_head(path, twin)
   heads.load_head(path, twin, check_fingerprint=False)  # allowed on request
+  # A record whose fingerprint was deleted or nulled no longer passes for any target.
+  saved = json.loads((path / "config.json").read_text())
+  for edit in ("delete", "null"):
+    rec = json.loads(json.dumps(saved))
+    if edit == "delete":
+      del rec["target"]["fingerprint"]
+    else:
+      rec["target"]["fingerprint"] = None
+    (path / "config.json").write_text(json.dumps(rec))
+    with pytest.raises(CheckpointError, match="records no fingerprint"):
+      heads.load_head(path, tiny_target)
+  (path / "config.json").write_text(json.dumps(saved))
   with pytest.raises(ValueError, match="built for a target"):
     heads.HEADS["eagle"].drafter(model, other)
 
@@ -364,8 +376,11 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
   t.pop("b")
   write_safetensors(path2 / "head.safetensors", t)
   with pytest.raises(CheckpointError, match="no tensor 'b'"):
-    heads.load_head(path2, tiny_target)
+    heads.load_head(path2, tiny_target, check_fingerprint=False)
   assert json.loads((path2 / "config.json").read_text())["target"]["fingerprint"] is None
+  # Saved without the target's weights, it names no target: refused unless asked not to check.
+  with pytest.raises(CheckpointError, match="records no fingerprint"):
+    heads.load_head(path2, tiny_target)
 
 
 def test_bundled_head_names(tiny_target):

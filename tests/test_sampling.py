@@ -39,6 +39,46 @@ def test_probs_match_reference(t, k, p, m):
     np.testing.assert_allclose(got[r], _ref_probs(np.asarray(logits[r]), t, k, p, m), atol=1e-6)
 
 
+def _tied_logits(rows, v, seed):
+  """Logits with many exact ties: values on a coarse grid, so top-k's k-th value and top-p's
+  edge fall inside runs of equal logits."""
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(-6, 6, (rows, v)).astype(np.float32) * 0.5)
+
+
+@pytest.mark.parametrize("t,k,p,m", [(1.0, 5, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (0.8, 7, 0.7, 0.1),
+                                     (1.0, 0, 1.0, 0.3)])
+def test_probs_match_reference_with_ties(t, k, p, m):
+  """top-k keeps the whole run tied at the k-th value; top-p keeps exactly the smallest prefix
+  of the descending order (lower token id first among ties) reaching top_p."""
+  logits = _tied_logits(4, 32, seed=int(10 * t + k + 100 * p))
+  sp = Sampling(temperature=t, top_k=k, top_p=p, min_p=m).arrays(4)
+  got = np.asarray(probs(logits, sp))
+  for r in range(4):
+    np.testing.assert_allclose(got[r], _ref_probs(np.asarray(logits[r]), t, k, p, m), atol=1e-6)
+
+
+def test_probs_per_row_settings_match_each_row_alone():
+  """Rows with different settings in one batch: each row gets what it gets alone, and a row
+  with top_p = 1 beside filtering rows keeps all of its mass (no cumulative-sum rounding)."""
+  settings = [(1.0, 0, 1.0, 0.0), (0.7, 4, 0.9, 0.0), (1.3, 0, 0.5, 0.05), (1.0, 9, 1.0, 0.2)]
+  logits = jnp.concatenate([_tied_logits(2, 48, seed=3),
+                            jax.random.normal(jax.random.key(4), (2, 48)) * 4])
+  sp = Sampling().arrays(4)
+  sp.temperature = jnp.array([s[0] for s in settings], jnp.float32)
+  sp.top_k = jnp.array([s[1] for s in settings], jnp.int32)
+  sp.top_p = jnp.array([s[2] for s in settings], jnp.float32)
+  sp.min_p = jnp.array([s[3] for s in settings], jnp.float32)
+  got = np.asarray(probs(logits, sp))
+  for r, (t, k, p, m) in enumerate(settings):
+    alone = np.asarray(probs(logits[r:r + 1], Sampling(temperature=t, top_k=k, top_p=p,
+                                                           min_p=m).arrays(1)))[0]
+    np.testing.assert_array_equal(got[r], alone)
+    np.testing.assert_allclose(got[r], _ref_probs(np.asarray(logits[r]), t, k, p, m), atol=1e-6)
+  np.testing.assert_array_equal(got[0], np.asarray(jax.nn.softmax(logits[0])))
+  assert (got[0] > 0).all()
+
+
 def test_greedy_is_one_hot_and_rows_can_differ():
   logits = jax.random.normal(jax.random.key(1), (2, 16))
   sp = Sampling().arrays(2)
@@ -63,6 +103,8 @@ def test_sample_frequencies():
 @pytest.mark.parametrize("kw,match", [({"temperature": -0.1}, "temperature"),
                                       ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                                       ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+                                      ({"top_k": 2**31}, "top_k"),
+                                      ({"temperature": float("inf")}, "temperature"),
                                       ({"min_p": 1.5}, "min_p")])
 def test_bad_sampling_values(kw, match):
   with pytest.raises(ValueError, match=match):

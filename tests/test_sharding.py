@@ -209,6 +209,44 @@ def test_failover_to_plain_decoding_keeps_every_token(target, placement, referen
   jax.effects_barrier()  # the handled fault is not raised again here (nor at interpreter exit)
 
 
+def test_failover_while_timing_auto_keeps_every_token(target, placement, reference):
+  """With "auto" and no cost model the loop is timed first; a drafter that fails then falls
+  back to plain steps instead of raising out of speculative_generate."""
+  _CALLS["n"] = 0
+  out = speculative_generate(target, _FailingNGram(fail_at=1), PROMPTS, max_new_tokens=N_NEW,
+                             num_draft_tokens="auto", stop_ids=(), placement=placement)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  assert out.stats["failover"] is not None and "injected fault" in out.stats["failover"]["error"]
+  jax.effects_barrier()
+
+
+def test_failover_when_the_commit_fails_to_dispatch(target, placement, reference, monkeypatch):
+  """A commit that fails as it is dispatched (not inside its computation): the verified
+  tokens are kept and the rest of the generation runs plain steps."""
+  from jaxspec.sharding import placement as placement_lib
+  init = placement_lib.HostRun.__init__
+  calls = {"n": 0}
+
+  def patched(self, *a, **kw):
+    init(self, *a, **kw)
+    exe = self.commit_exe
+
+    def commit(*args):
+      calls["n"] += 1
+      if calls["n"] >= 3:
+        raise RuntimeError("injected fault: commit dispatch failed")
+      return exe(*args)
+    self.commit_exe = commit
+
+  monkeypatch.setattr(placement_lib.HostRun, "__init__", patched)
+  out = speculative_generate(target, NGram(), PROMPTS, max_new_tokens=N_NEW, num_draft_tokens=3,
+                             stop_ids=(), placement=placement)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  fo = out.stats["failover"]
+  assert fo is not None and "commit dispatch" in fo["error"], fo
+  assert any(k > 0 for k in out.stats["k_per_step"][:fo["step"]])
+
+
 def test_bad_placements_fail_clearly(target, draft):
   with pytest.raises(ValueError, match="device index 99"):
     Placement(target=[0, 1], drafter=[99])

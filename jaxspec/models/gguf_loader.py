@@ -180,6 +180,24 @@ def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
                           f" {vtype}; re-download or re-convert it")
 
 
+# Metadata arrays jaxspec does not read (outside tokenizer.*) are bounded: the gguf package's
+# reader walks every element in Python, so a million-element array took 34 s and 950 MB to load.
+MAX_UNNEEDED_ARRAY = 65536
+
+
+def _check_unneeded_array(cur: _Cursor, key: str, path: Path) -> None:
+  """Peeks at an array's length (the cursor does not move) and refuses one past the bound."""
+  pos = cur.pos
+  cur.u32(f"array type of {key!r}")
+  count = cur.u64(f"array length of {key!r}")
+  cur.pos = pos
+  if count > MAX_UNNEEDED_ARRAY:
+    raise CheckpointError(
+        f"{path}: metadata array {key!r} has {count} items; jaxspec reads no such array and"
+        f" bounds them at {MAX_UNNEEDED_ARRAY} to keep loading fast: remove it (gguf's"
+        " gguf_new_metadata.py --remove-metadata) and load again")
+
+
 def _scan_gguf(path: Path) -> None:
   """Validates the GGUF header and that every tensor's bytes lie inside the file."""
   size = path.stat().st_size
@@ -214,6 +232,8 @@ def _scan_gguf(path: Path) -> None:
           raise CheckpointError(f"{path} is corrupt: general.alignment {alignment} is not a"
                                 " power of two")
       else:
+        if vtype == _ARRAY and not key.startswith("tokenizer."):
+          _check_unneeded_array(cur, key, path)
         _skip_value(cur, vtype, key)
     sizes = _quant_sizes()
     infos = []
@@ -402,6 +422,10 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
       raise CheckpointError(f"{path} is truncated: tensor {t.name!r} runs past the end")
 
   n_layers = meta.int(f"{arch}.block_count")
+  if n_layers > len(tensors) // 9:  # each block holds at least 9 tensors
+    raise CheckpointError(
+        f"{path}: block_count {n_layers} is more than its {len(tensors)} tensors can hold (9"
+        " per block); the file is corrupt: re-download or re-convert it")
   d = meta.int(f"{arch}.embedding_length")
   n_heads = meta.int(f"{arch}.attention.head_count")
   n_kv = meta.int(f"{arch}.attention.head_count_kv", n_heads)
@@ -430,13 +454,22 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     raise CheckpointError(f"{path}: the tokenizer has {len(tokens)} tokens but the embedding"
                           f" only {vocab} rows; the file is inconsistent")
   theta = meta.float(f"{arch}.rope.freq_base", 10000.0)
+  if not math.isfinite(theta) or theta <= 0:
+    raise CheckpointError(f"{path}: rope.freq_base {theta} must be a finite number > 0; the file"
+                          " is corrupt")
 
   scaling = None
   scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
   if "rope_freqs.weight" in tensors:
     t = tensors["rope_freqs.weight"]
     factors = dequantize(t.data, t.tensor_type, tuple(int(x) for x in reversed(t.shape)))
-    scaling = _scaling_from_rope_factors(factors, theta, head_dim, path)
+    try:
+      scaling = _scaling_from_rope_factors(factors, theta, head_dim, path)
+    except (ValueError, ZeroDivisionError, FloatingPointError, OverflowError) as e:
+      if isinstance(e, CheckpointError):
+        raise
+      raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' is not a Llama-3 rope scaling"
+                            f" ({type(e).__name__}: {e}); the file is corrupt") from e
   elif scaling_type not in ("none", None):
     raise CheckpointError(
         f"{path}: rope scaling type {scaling_type!r} (factor"
@@ -458,7 +491,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
         bos_token_id=meta.int("tokenizer.ggml.bos_token_id", None), eos_token_ids=eos_ids or (2,),
         dtype=dtype, architecture=arch)
   except ValueError as e:
-    raise CheckpointError(f"{path}: inconsistent model metadata: {e}") from e
+    raise CheckpointError(f"{path}: invalid or inconsistent model metadata: {e}") from e
 
   params = _read_params(tensors, cfg, path)
   from jaxspec.models.tokenizer import Tokenizer

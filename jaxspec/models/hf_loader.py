@@ -141,6 +141,16 @@ def _ids(value: Any) -> list[int]:
   return list(values)
 
 
+def _flag(config: Mapping[str, Any], name: str, default: bool, where: str) -> bool:
+  """A boolean field: JSON true/false only (the string "false" is not False)."""
+  value = config.get(name, default)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise CheckpointError(f"{where}: {name} must be true or false, got {value!r}")
+  return value
+
+
 def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
                    where: str = "config.json") -> LlamaConfig:
   """A `LlamaConfig` from a Hugging Face config.json dict."""
@@ -148,7 +158,8 @@ def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
     return _parse_config(config, dtype, where)
   except CheckpointError:
     raise
-  except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+  except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError,
+          ZeroDivisionError, RecursionError) as e:
     raise CheckpointError(f"{where} has a malformed value ({type(e).__name__}: {e}); compare it"
                           " with the config.json that transformers writes") from e
 
@@ -213,7 +224,7 @@ def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaCon
               f" {n_layers}) is not supported; jaxspec applies one window to all layers")
         window = config.get("sliding_window")
   else:
-    attention_bias = bool(config.get("attention_bias", False))
+    attention_bias = _flag(config, "attention_bias", False, where)
     window = None
   layer_types = config.get("layer_types")
   if layer_types and len(set(layer_types)) > 1:
@@ -229,7 +240,7 @@ def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaCon
         vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=n_layers,
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rope_theta=theta,
         rope_scaling=scaling, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(config, "tie_word_embeddings", False, where),
         attention_bias=attention_bias, sliding_window=None if window is None else int(window),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         bos_token_id=None if bos is None else int(bos),

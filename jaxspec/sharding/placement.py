@@ -346,11 +346,16 @@ class HostRun(_Run):
   def start(self) -> HostState:
     tstate, hidden, first = self.tinit_exe(*self.tinit_args)
     b = self.prep.tokens.shape[0]
-    hid_d = jax.device_put(hidden, self.dsh.state(hidden, b))
-    dstate = self.dinit_exe(self.dparams, self._tok, self._lens, hid_d)
-    dstate = self.commit_exe(self.dparams, dstate, jax.device_put(first, self.ctx_sh_d))
     ctx = DraftContext(seq=tstate.seq, seq_len=tstate.seq_len, prompt_len=tstate.prompt_len)
-    ctx = jax.device_put(ctx, self.dsh.state(ctx, b))
+    try:  # the drafter's half: a failure here falls back to plain steps too
+      hid_d = jax.device_put(hidden, self.dsh.state(hidden, b))
+      dstate = self.dinit_exe(self.dparams, self._tok, self._lens, hid_d)
+      dstate = jax.block_until_ready(
+          self.commit_exe(self.dparams, dstate, jax.device_put(first, self.ctx_sh_d)))
+      ctx = jax.device_put(ctx, self.dsh.state(ctx, b))
+    except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
+      self._fail_over(0, e)
+      dstate = None
     # idx is chosen below, once the costs are known (timing forces every bucket itself).
     state = HostState(t=tstate, d=dstate, ctx=ctx, keys=jax.device_put(tstate.keys, self.d_batch1),
                       idx=jnp.int32(0))
@@ -362,7 +367,15 @@ class HostRun(_Run):
     return state.t
 
   def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
-    return self._run(state, int(until), int(force_idx), costs, may_fail_over=False)
+    # A drafter that fails while the cost model is timed fails over as in the loop: the
+    # generation then runs plain steps, and the timings (of plain steps) go unused.
+    return self._run(state, int(until), int(force_idx), costs, may_fail_over=True)
+
+  def _fail_over(self, step: int, e: BaseException) -> None:
+    """Records the drafter's failure; from now on every step is a plain target step."""
+    if self.failover is None:
+      self.failover = Failover(step=step, error=_short_error(e))
+      _forget_failed_runs(set(self.dsh.mesh.devices.flat) - set(self.tsh.mesh.devices.flat))
 
   def loop(self, state: HostState, until) -> HostState:
     return self._run(state, int(until), -1, self.costs, may_fail_over=True)
@@ -371,7 +384,7 @@ class HostRun(_Run):
     force = jnp.int32(force_idx)
     n = int(state.t.stats.target_passes)
     while n < until and not bool(np.asarray(state.t.done).all()):
-      if self.failover is not None and may_fail_over:
+      if self.failover is not None:
         state = self._plain_step(state, costs)
       else:
         # The bucket is read on the host (the verify that chose it has finished: the drafter's
@@ -390,16 +403,23 @@ class HostRun(_Run):
         except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
           if not may_fail_over:
             raise
-          self.failover = Failover(step=n, error=_short_error(e))
-          _forget_failed_runs(set(self.dsh.mesh.devices.flat) - set(self.tsh.mesh.devices.flat))
+          self._fail_over(n, e)
           state = self._plain_step(state, costs)
           n += 1
           continue
         prop_t = jax.device_put(prop, self.prop_sh_t)
         tstate, ctx, nxt = self.verify_exe(self.tparams, state.t, prop_t, idx_t, self.sp_t, costs,
                                            force)
-        ctx_d = jax.device_put(ctx, self.ctx_sh_d)
-        dstate = self.commit_exe(self.dparams, dstate, ctx_d)
+        try:  # the commit's dispatch can fail too: the verified tokens are kept either way
+          ctx_d = jax.device_put(ctx, self.ctx_sh_d)
+          dstate = self.commit_exe(self.dparams, dstate, ctx_d)
+        except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
+          if not may_fail_over:
+            raise
+          self._fail_over(n + 1, e)
+          state = dataclasses.replace(state, t=tstate)
+          n += 1
+          continue
         state = HostState(t=tstate, d=dstate,
                           ctx=DraftContext(seq=ctx_d.seq, seq_len=ctx_d.seq_len,
                                            prompt_len=ctx_d.prompt_len),
