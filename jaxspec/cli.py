@@ -67,8 +67,14 @@ def enable_compile_cache(spec: str | None) -> str | None:
                      " directory or --compile-cache none")
   jax.config.update("jax_compilation_cache_dir", str(path))
   # The programs worth keeping take seconds to compile; the many small ones are cheaper to
-  # compile than to look up.
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  # compile than to look up. JAXSPEC_COMPILE_CACHE_MIN_SECONDS changes the threshold (0 keeps
+  # every program: what a test needs, since which programs pass 1 s depends on the load).
+  try:
+    min_secs = float(os.environ.get("JAXSPEC_COMPILE_CACHE_MIN_SECONDS", "1.0"))
+  except ValueError:
+    raise SystemExit("error: JAXSPEC_COMPILE_CACHE_MIN_SECONDS must be a number of seconds,"
+                     f" got {os.environ['JAXSPEC_COMPILE_CACHE_MIN_SECONDS']!r}") from None
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", max(min_secs, 0.0))
   if jax.config.jax_compilation_cache_max_size < 0:  # unbounded by default: keep 2 GiB at most
     jax.config.update("jax_compilation_cache_max_size", 2 << 30)
   if not CACHE_EVENTS:
@@ -518,26 +524,29 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
 
 
 def main(argv=None) -> int:
-  """The console script: ordinary bad input (a missing or malformed file, an impossible size,
-  an unwritable path, undecodable text) ends with one `error:` line on stderr and exit code 2,
-  never a Python traceback."""
+  """Runs a command; ordinary bad input (a missing or malformed file, an impossible size, an
+  unwritable path, undecodable text) raises SystemExit("error: ...") naming it."""
   try:
     return _main(argv)
+  except ValueError as e:  # CheckpointError, DataError and every argument check
+    raise SystemExit(f"error: {e}") from e
+  except (OSError, UnicodeError, RecursionError, OverflowError, MemoryError) as e:
+    raise SystemExit(f"error: {type(e).__name__}: {e}") from e
+
+
+def console_main(argv=None) -> int:
+  """The `jaxspec` console script: `main`, with an error as one `error:` line on stderr and
+  exit code 2 (argparse's code for bad usage), never a Python traceback."""
+  try:
+    return main(argv)
   except SystemExit as e:
-    if isinstance(e.code, str):  # the commands' own "error: ..." exits
-      msg = e.code if e.code.startswith("error:") else f"error: {e.code}"
-      print(msg, file=sys.stderr)
+    if isinstance(e.code, str):
+      print(e.code if e.code.startswith("error:") else f"error: {e.code}", file=sys.stderr)
       return 2
     raise
   except KeyboardInterrupt:
     print("error: interrupted", file=sys.stderr)
     return 130
-  except ValueError as e:  # CheckpointError, DataError and every argument check
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except (OSError, UnicodeError, RecursionError, OverflowError, MemoryError) as e:
-    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-    return 2
 
 
 def _main(argv=None) -> int:
@@ -554,4 +563,4 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(console_main())

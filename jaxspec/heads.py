@@ -979,7 +979,18 @@ def check_target(config: Mapping[str, Any], target, where: str,
 
 def load_head_model(dir_or_name: str | os.PathLike, target,
                     check_fingerprint: bool = True) -> tuple[str, nnx.Module, dict[str, Any]]:
-  """Reads a saved head: (kind, module with float32 weights, config dict)."""
+  """Reads a saved head: (kind, module with float32 weights, config dict); a malformed
+  config.json or weights file comes out as a `CheckpointError` naming the file."""
+  from jaxspec.models.errors import is_reader_failure, malformed
+  try:
+    return _load_head_model(dir_or_name, target, check_fingerprint)
+  except Exception as e:  # noqa: BLE001 - converted below, or re-raised
+    if is_reader_failure(e):
+      raise malformed(dir_or_name, e) from e
+    raise
+
+
+def _load_head_model(dir_or_name, target, check_fingerprint):
   from jaxspec.models.hf_loader import read_safetensors
   path = resolve_head_path(dir_or_name)
   config = _read_config(path)

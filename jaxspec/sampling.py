@@ -176,6 +176,21 @@ def sample_from_probs(keys: jax.Array, p: jax.Array, one_hot: jax.Array | None =
                   lambda p: jnp.where(one_hot, top, draw(p)), p)
 
 
+def sample_positions(keys: jax.Array, p: jax.Array, greedy: jax.Array | None = None) -> jax.Array:
+  """[B, T] tokens drawn from p [B, T, V] with keys [B, T] (`generate`'s draw: a Gumbel-max
+  over log p); greedy rows (one-hot p) take the argmax, and an all-greedy batch draws nothing."""
+  top = jnp.argmax(p, axis=-1).astype(jnp.int32)
+
+  def draw(p):
+    logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
+    y = jax.vmap(jax.vmap(jax.random.categorical))(keys, logp).astype(jnp.int32)
+    return y if greedy is None else jnp.where(greedy[:, None], top, y)
+
+  if greedy is None:
+    return draw(p)
+  return lax.cond(jnp.all(greedy), lambda p: top, draw, p)
+
+
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
   """Independent per-row keys [B]: row b's stream depends only on (key, b)."""
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch_size))

@@ -127,6 +127,14 @@ def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Arra
   return n_acc.astype(jnp.int32), resid
 
 
+def position_keys(row_keys: jax.Array, start: jax.Array, width: int) -> jax.Array:
+  """[B, width] keys of new-token indices start .. start + width - 1 of every row: row b's
+  token j is drawn with fold_in(row_keys[b], j), as `generate` draws it, whatever step, batch
+  or draft count produces it."""
+  idx = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+  return jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(row_keys, idx)
+
+
 def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array,
                      n_valid: jax.Array | None = None, greedy: jax.Array | None = None):
   """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per row.
@@ -136,11 +144,18 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
   drawn from p_{k+1}. With one-hot p (greedy) this accepts exactly while the draft equals the
   target's argmax and then emits the argmax. Float32 throughout.
 
+  With position keys ([B, k+1]: `position_keys`, the loop's form) every draw for token j uses
+  token j's key, and deterministic drafts (q None) take the coupled form of the same rule: the
+  target's token y_j is drawn from p_j with that key, as `generate` would draw it, and draft j
+  is accepted iff it equals y_j (probability p_j(x_j), the one-hot rule's). The emitted text is
+  then `generate`'s for the same key, whatever drafted it and however many per step.
+
   Args:
     p: [B, k+1, V] target probabilities.
     q: [B, k, V] draft probabilities, or None for deterministic drafts (one-hot q).
     drafts: [B, k] int32.
-    keys: [B] per-row PRNG keys for this step.
+    keys: [B, k+1] the keys of the k+1 positions (`position_keys`), or [B] one key per row for
+      the step (split into the acceptance uniforms and the last draw).
     n_valid: [B] real drafts per row (None: all k); later drafts are never accepted.
     greedy: [B] bool rows decoded greedily (one-hot p): their token is the argmax of the
       one-hot residual, and an all-greedy batch draws no random numbers over the vocabulary.
@@ -149,15 +164,40 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
     the correction or bonus token at index n_accepted (entries after it are -1).
   """
   b, k1, _ = p.shape
-  ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
-  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k1 - 1,), jnp.float32))(ku)  # [B, k]
-  n_acc, resid = acceptance(p, q, drafts, u, n_valid)
-  final = sampling_lib.sample_from_probs(ks, resid, greedy)
+  k = k1 - 1
+  rows = jnp.arange(b)
+  if keys.ndim == 2:
+    limit = jnp.full((b,), k, jnp.int32) if n_valid is None else jnp.clip(n_valid, 0, k)
+    if q is None:
+      y = sampling_lib.sample_positions(keys, p.astype(jnp.float32), greedy)  # [B, k+1]
+      hit = (drafts == y[:, :k]) & (jnp.arange(k)[None, :] < limit[:, None])
+      n_acc = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+      final = y[rows, n_acc]
+    else:
+      u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 1))))(
+          keys[:, :k])  # [B, k]
+      n_acc, resid = acceptance(p, q, drafts, u, n_valid)
+      # A rejection draws from the residual with its own stream; otherwise (past the drafts)
+      # the token comes from p itself, drawn with the position's key as `generate` draws it.
+      final = _draw_final(keys[rows, n_acc], n_acc < limit, resid, greedy)
+  else:
+    ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(ku)  # [B, k]
+    n_acc, resid = acceptance(p, q, drafts, u, n_valid)
+    final = sampling_lib.sample_from_probs(ks, resid, greedy)
   idx = jnp.arange(k1)[None, :]
   d_pad = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
   emitted = jnp.where(idx < n_acc[:, None], d_pad,
                       jnp.where(idx == n_acc[:, None], final[:, None], -1))
   return n_acc, emitted.astype(jnp.int32)
+
+
+def _draw_final(key_at: jax.Array, rejected: jax.Array, resid: jax.Array,
+                greedy: jax.Array | None) -> jax.Array:
+  """The token after the accepted drafts: from the residual at a rejection (the position key's
+  stream 2), else from p itself with the position's key (`generate`'s draw)."""
+  streamed = jax.vmap(jax.random.fold_in)(key_at, jnp.full(rejected.shape, 2, jnp.int32))
+  return sampling_lib.sample_from_probs(jnp.where(rejected, streamed, key_at), resid, greedy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,8 +341,9 @@ def _spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, *, cfg, drafter
   s = SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
                 done=jnp.zeros((b,), bool), cache=dataclasses.replace(cache, length=prompt_len - 1),
                 draft_state=dstate, keys=keys, counts=adaptive.init_counts(b, k), stats=stats)
-  _, kv = step_keys(keys, prompt_len)  # the keys a step at this length would use
-  first = sampling_lib.sample(kv, logits, sp)
+  # New token 0 of every row, drawn with its position's key as `generate` draws it.
+  first = sampling_lib.sample(position_keys(keys, jnp.zeros_like(prompt_len), 1)[:, 0], logits,
+                              sp)
   idx = (prompt_len - 1)[:, None, None]
   final = jnp.take_along_axis(hidden.final, idx, axis=1)  # [B, 1, D]: f_{P-1}
   layers = None
@@ -352,10 +393,12 @@ def step_keys(keys: jax.Array, seq_len: jax.Array):
   return kd, kv
 
 
-def _step_inputs(s: SpecState):
-  """What every step derives from the state: live rows, the step's draft and verify keys and
-  the last accepted token."""
-  kd, kv = step_keys(s.keys, s.seq_len)
+def _step_inputs(s: SpecState, width: int = 1):
+  """What every step derives from the state: live rows, the step's draft keys [B], the keys of
+  the next `width` token positions [B, width] (`position_keys`: the target's draws) and the
+  last accepted token."""
+  kd, _ = step_keys(s.keys, s.seq_len)
+  kv = position_keys(s.keys, s.seq_len - s.prompt_len, width)
   last = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)[:, 0]
   return ~s.done, kd, kv, last
 
@@ -380,7 +423,8 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
   def plain(cache):  # as `generate`'s decode step: sampled from the logits, no [B, V] one-hot
     logits, hidden, kv_new = forward(tparams, last[:, None], cache, cfg,
                                      hidden_layers=hidden_layers, write=False)
-    return _plain_outcome(sampling_lib.sample(kv, logits[:, 0], sp), hidden, pad_kv(kv_new), kmax)
+    return _plain_outcome(sampling_lib.sample(kv[:, 0], logits[:, 0], sp), hidden,
+                          pad_kv(kv_new), kmax)
 
   if k == 0 or prop is None:
     return plain(cache)
@@ -390,7 +434,7 @@ def _verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, kv, 
   def verify_drafts(cache):
     p, hidden, kv_new = verify(tparams, cache, last, prop.tokens, cfg, sp,
                                hidden_layers=hidden_layers, write=False)
-    n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv, n_valid, greedy)
+    n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, kv[:, :k + 1], n_valid, greedy)
     return (n_acc, _pad_to(emitted, kmax + 1, -1), _pad_hidden(hidden, kmax + 1),
             pad_kv(kv_new), n_valid, jnp.int32(k))
 
@@ -486,7 +530,7 @@ def _tree_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, policy, max_
   """One tree step: the drafter's tree, one target pass over all its nodes, the tree rule,
   and the accepted path committed as a chain of the same length would be."""
   from jaxspec import tree as tree_lib
-  _, kd, kv, last = _step_inputs(s)
+  _, kd, kv, last = _step_inputs(s, policy.k_max + 1)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
   prop, dstate = drafter.propose_tree(dparams, s.draft_state, ctx, sp, kd)
   # A node outside the vocabulary is never accepted, and runs through the target as token 0
@@ -498,7 +542,8 @@ def _tree_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, policy, max_
   p, hidden, kv_new = tree_lib.verify_tree(tparams, s.cache, tokens, prop.parents, prop.depth,
                                            cfg, sp, max_depth=depth, hidden_layers=hidden_layers)
   n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, kv, depth,
-                                              greedy=sp.temperature == 0, valid=in_vocab)
+                                              greedy=sp.temperature == 0, valid=in_vocab,
+                                              depth=prop.depth)
   hidden, kv_path = tree_lib.gather_path(path, hidden, kv_new)
   b = last.shape[0]
   out = (n_acc, emitted, hidden, kv_path, jnp.full((b,), depth, jnp.int32), jnp.int32(depth))
@@ -567,7 +612,7 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
     return _tree_step(tparams, dparams, s, sp, cfg=cfg, drafter=drafter, policy=policy,
                       max_new_tokens=max_new_tokens, stop_ids=stop_ids)
   kmax = policy.k_max
-  live, kd, kv, last = _step_inputs(s)
+  live, kd, kv, last = _step_inputs(s, kmax + 1)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
   choice = _choose(dparams, s, sp, costs, force_idx, drafter=drafter, policy=policy,
                    max_new_tokens=max_new_tokens)
@@ -619,7 +664,8 @@ def _plain_step(tparams, dparams, s: SpecState, choice: _Choice, sp, *, cfg, dra
   hidden_layers = drafter.hidden_layers if drafter.uses_target_hidden else ()
   logits, hidden, written = forward(tparams, last[:, None], s.cache, cfg,
                                     hidden_layers=hidden_layers)
-  out = _plain_outcome(sampling_lib.sample(kv, logits[:, 0], sp), hidden, None, policy.k_max)
+  out = _plain_outcome(sampling_lib.sample(kv[:, 0], logits[:, 0], sp), hidden, None,
+                       policy.k_max)
   # The entry is written; _finish_step rolls the length back from the old one.
   s1 = dataclasses.replace(s, cache=dataclasses.replace(written, length=s.cache.length))
   new, ctx = _finish_step(s1, out, policy=policy, max_new_tokens=max_new_tokens,

@@ -237,7 +237,8 @@ def verify_tree(params, cache, tokens: jax.Array, parents: jax.Array, depth: jax
 
 
 def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.Array,
-                max_depth: int, greedy: jax.Array | None = None, valid: jax.Array | None = None):
+                max_depth: int, greedy: jax.Array | None = None, valid: jax.Array | None = None,
+                depth: jax.Array | None = None):
   """The recursive rejection rule on a tree of deterministic candidates, per row.
 
   Children are tried in node order. Child j of node c (token x_j) is accepted with probability
@@ -249,7 +250,13 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
   Args:
     p: [B, N, V] target distributions at every node.
     tokens, parents: [B, N] the tree (node 0 the root).
-    keys: [B] the step's per-row keys.
+    keys: [B] the step's per-row keys, or [B, max_depth + 1] the keys of the positions at
+      depths 0.. (`jaxspec.speculative.position_keys`, with `depth`): then the coupled form of
+      the rule. At every node the target's token is drawn from p with the key of the node's
+      position, as `generate` draws it; the walk follows the child holding that token and
+      emits it where no child does. Each child is then accepted with probability p(x) minus
+      its earlier siblings' share, as in the recursive rule, and the text is `generate`'s.
+    depth: [B, N] each node's depth (with position keys).
     max_depth: static bound on the depth (the walk's length).
     greedy: [B] rows whose p is one-hot (the draw is an argmax).
     valid: [B, N] nodes that may be accepted (None: all).
@@ -264,9 +271,11 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
   is_cand = (node > 0)[None, :] & (parents >= 0)
   if valid is not None:
     is_cand = is_cand & valid
+  par = jnp.maximum(parents, 0)
+  if keys.ndim == 2:
+    return _tree_accept_coupled(p, tokens, parents, keys, max_depth, greedy, is_cand, depth)
   ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (n,), jnp.float32))(ku)  # [B, N]
-  par = jnp.maximum(parents, 0)
   p_par = jnp.take_along_axis(p, par[:, :, None], axis=1)  # [B, N, V] p at each node's parent
   px = jnp.take_along_axis(p_par, tokens[:, :, None], axis=2)[..., 0]  # [B, N]
   # before[b, j, s]: s is a candidate sibling of j tried before it.
@@ -280,6 +289,22 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
   child = (parents[:, None, :] == node[None, :, None]) & accept[:, None, :]  # [B, c, j]
   first_child = jnp.min(jnp.where(child, node[None, None, :], n), axis=2)  # [B, N]
   rows = jnp.arange(b)
+  n_acc, path = _walk(first_child, n, max_depth)
+  cur = path[:, -1]
+  # At the stopping node every candidate child was tried and rejected: remove their tokens.
+  p_c = p[rows, cur]  # [B, V]
+  kids = (parents == cur[:, None]) & is_cand  # [B, N]
+  hit = jnp.zeros((b, v), bool).at[rows[:, None], tokens].max(kids)
+  resid = jnp.where(hit, 0.0, p_c)
+  resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_c)  # rounding only
+  final = sampling_lib.sample_from_probs(ks, resid, greedy)
+  return _emit(tokens, path, n_acc, final, max_depth)
+
+
+def _walk(first_child, n, max_depth):
+  """From the root, the accepted children in turn: (n_accepted [B], path [B, D + 1])."""
+  b = first_child.shape[0]
+  rows = jnp.arange(b)
   cur = jnp.zeros((b,), jnp.int32)
   n_acc = jnp.zeros((b,), jnp.int32)
   path = [cur]
@@ -289,16 +314,31 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
     cur = jnp.where(step, nxt, cur).astype(jnp.int32)
     n_acc = n_acc + step
     path.append(cur)
-  path = jnp.stack(path, axis=1)  # [B, D + 1]
-  # At the stopping node every candidate child was tried and rejected: remove their tokens.
-  p_c = p[rows, cur]  # [B, V]
-  kids = (parents == cur[:, None]) & is_cand  # [B, N]
-  hit = jnp.zeros((b, v), bool).at[rows[:, None], tokens].max(kids)
-  resid = jnp.where(hit, 0.0, p_c)
-  resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_c)  # rounding only
-  final = sampling_lib.sample_from_probs(ks, resid, greedy)
-  d1 = max_depth + 1
-  idx = jnp.arange(d1)[None, :]
+  return n_acc, jnp.stack(path, axis=1)
+
+
+def _tree_accept_coupled(p, tokens, parents, keys, max_depth, greedy, is_cand, depth):
+  """`tree_accept` with position keys: see its docstring."""
+  b, n, v = p.shape
+  node = jnp.arange(n)
+  if depth is None:
+    raise ValueError("tree_accept with position keys needs every node's depth")
+  node_keys = jnp.take_along_axis(keys, jnp.clip(depth, 0, max_depth), axis=1)  # [B, N]
+  y = sampling_lib.sample_positions(node_keys, p, greedy)  # [B, N] the token after each
+  par = jnp.maximum(parents, 0)
+  y_par = jnp.take_along_axis(y, par, axis=1)
+  accept = is_cand & (tokens == y_par)
+  child = (parents[:, None, :] == node[None, :, None]) & accept[:, None, :]  # [B, c, j]
+  first_child = jnp.min(jnp.where(child, node[None, None, :], n), axis=2)  # [B, N]
+  n_acc, path = _walk(first_child, n, max_depth)
+  final = jnp.take_along_axis(y, path[:, -1:], axis=1)[:, 0]
+  return _emit(tokens, path, n_acc, final, max_depth)
+
+
+def _emit(tokens, path, n_acc, final, max_depth):
+  """(n_acc, emitted [B, D + 1], path): the path's tokens, then the final token, then -1."""
+  b = tokens.shape[0]
+  idx = jnp.arange(max_depth + 1)[None, :]
   path_tok = jnp.take_along_axis(tokens, path, axis=1)
   # emitted[i] for i < n_acc is the token of path node i + 1.
   shifted = jnp.concatenate([path_tok[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)

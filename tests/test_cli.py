@@ -40,3 +40,4 @@ def test_generate_prints_text_and_stats(smollm2, capsys, draft):
 def test_bad_flags_exit_with_a_message(smollm2, flags, match):
   with pytest.raises(SystemExit, match=match):
     main(["generate", "hi", "--max-new-tokens", "4"] + flags)
+

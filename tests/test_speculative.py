@@ -101,6 +101,38 @@ def test_one_step_output_distribution_is_p(pq):
   np.testing.assert_allclose(out, p, atol=2e-3)
 
 
+def test_rejection_sample_one_hot_q_n_valid_and_bonus():
+  """The loop's form of the rule (position keys) for deterministic drafts, by Monte Carlo on
+  fixed p: the first token follows p_1 whatever the draft; where n_valid = 0 too; and after an
+  accepted draft the next (the bonus token at k = 1) follows p_2. 200,000 rows."""
+  from jaxspec.speculative import position_keys, rejection_sample
+  rng = np.random.default_rng(3)
+  v, n = 5, 200000
+  p = rng.dirichlet(np.ones(v), size=2).astype(np.float32)  # p_1, p_2
+  pp = jnp.broadcast_to(jnp.asarray(p)[None], (n, 2, v))
+  drafts = jnp.asarray(rng.integers(0, v, (n, 1)), jnp.int32)
+  keys = position_keys(jax.random.split(jax.random.key(8), n), jnp.zeros(n, jnp.int32), 2)
+  for n_valid in (None, jnp.zeros(n, jnp.int32)):
+    n_acc, emitted = jax.jit(rejection_sample)(pp, None, drafts, keys, n_valid)
+    n_acc, emitted = np.asarray(n_acc), np.asarray(emitted)
+    if n_valid is not None:
+      assert (n_acc == 0).all()
+
+    def check(tokens, probs_):
+      obs = np.bincount(tokens, minlength=v).astype(np.float64)
+      exp = probs_.astype(np.float64) * len(tokens)
+      chi2 = float(((obs - exp) ** 2 / exp).sum())
+      assert chi2 < _chi2_critical(v - 1), (chi2, obs, exp)
+
+    check(emitted[:, 0], p[0])
+    acc = n_acc == 1
+    if n_valid is None:
+      assert 0.1 < acc.mean() < 0.9
+      np.testing.assert_array_equal(emitted[acc, 0], np.asarray(drafts)[acc, 0])
+      check(emitted[acc, 1], p[1])  # the bonus token
+    assert (emitted[~acc, 1] == -1).all()
+
+
 def _chi2_critical(df, z=3.719):
   """Wilson-Hilferty approximation of the chi-square quantile; z = 3.719 is the 1e-4 tail."""
   return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
@@ -273,3 +305,125 @@ def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, 
     np.testing.assert_array_equal(out.tokens, want)
   (k, _), = _CACHE_POOL.values()  # kept for the next call
   assert k.shape[1] == len(PROMPTS) and k.shape[3] == ml
+
+
+# ----------------------------------------------------------------------------------------------
+# Reproducibility: a row's randomness is a function of (key, row, position).
+
+
+def test_sampled_text_is_generates_with_deterministic_drafters(tiny_target):
+  """A deterministic drafter (n-gram, the oracle) takes the coupled form of the rule: the
+  target's token at every position is drawn with that position's key, as `generate` draws it,
+  so the sampled text equals `generate`'s for the same key, whatever k, "auto" or drafter."""
+  from jaxspec.drafters import Oracle
+  sp = Sampling(temperature=0.9, top_k=40, top_p=0.95)
+  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=7, stop_ids=())
+  runs = {"ngram k=2": (NGram(), 2), "ngram k=5": (NGram(), 5), "ngram auto": (NGram(), "auto"),
+          "oracle k=4": (Oracle(reference=np.asarray(ref.tokens), alpha=0.7,
+                                vocab=tiny_target.cfg.vocab_size), 4)}
+  for name, (drafter, k) in runs.items():
+    out = speculative_generate(tiny_target, drafter, PROMPTS, max_new_tokens=N_NEW, sampling=sp,
+                               key=7, num_draft_tokens=k, stop_ids=())
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=name)
+    if name == "oracle k=4":
+      assert out.stats["acceptance_rate"] > 0.3  # drafts were really accepted
+
+
+def test_sampled_row_does_not_depend_on_the_batch(tiny_target, poor_draft):
+  """With a fixed k, a row's sampled text is the same alone and beside other rows (a drafter
+  with its own q: its randomness, and the target's, are functions of (key, row, position))."""
+  sp = Sampling(temperature=1.0)
+  kw = dict(max_new_tokens=N_NEW, sampling=sp, key=3, num_draft_tokens=3, stop_ids=())
+  batch = speculative_generate(tiny_target, DraftModel(poor_draft), PROMPTS, **kw)
+  alone = speculative_generate(tiny_target, DraftModel(poor_draft), PROMPTS[:1], **kw)
+  assert alone.row(0) == batch.row(0)
+  assert 0 < batch.stats["acceptance_rate"] < 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Later positions: per-position distributions after rollbacks.
+
+N_POS = 6  # new tokens checked per row: the prefill's, then five through verify passes
+MC_ROWS = 30000  # a 0.01 shift in a token's probability gives a noncentrality of about 40
+
+
+_MARGINALS: dict = {}
+
+
+def _exact_marginals(target, prompt, sp, n_pos):
+  """[n_pos, V] the target's exact distribution of each new token, averaged over histories
+  (every prefix of V^(j-1) tokens enumerated, weighted by its probability); computed once per
+  target, prompt and setting."""
+  key = (id(target), tuple(prompt), repr(sp), n_pos)
+  if key not in _MARGINALS:
+    _MARGINALS[key] = _enumerate_marginals(target, prompt, sp, n_pos)
+  return _MARGINALS[key]
+
+
+def _enumerate_marginals(target, prompt, sp, n_pos):
+  from jaxspec.generate import prefill
+  v = target.cfg.vocab_size
+  prefixes = np.zeros((1, 0), np.int64)
+  weight = np.ones(1)
+  out = []
+  for _ in range(n_pos):
+    seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+    n = len(seqs)
+    lg, _, _ = prefill(target.params, jnp.asarray(seqs, jnp.int32),
+                       jnp.full((n,), seqs.shape[1], jnp.int32), target.cfg, seqs.shape[1] + 1)
+    p = np.asarray(probs(lg, sp.arrays(n)), np.float64)  # [n, V]
+    out.append((weight[:, None] * p).sum(0))
+    weight = (weight[:, None] * p).reshape(-1)
+    prefixes = np.concatenate([np.repeat(prefixes, v, axis=0),
+                               np.tile(np.arange(v), len(prefixes))[:, None]], axis=1)
+  return np.stack(out)
+
+
+def _assert_positions_follow(tokens, marginals, what):
+  """Chi-square of every position's tokens against its exact marginal at the 1e-4 tail."""
+  for j, p in enumerate(marginals):
+    obs = np.bincount(tokens[:, j], minlength=len(p)).astype(np.float64)
+    assert obs[p == 0].sum() == 0, f"{what}: position {j} emitted a token of probability 0"
+    exp = p * len(tokens)
+    keep = exp >= 5
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    assert chi2 < _chi2_critical(int(keep.sum()) - 1), (what, j, chi2, obs, exp)
+
+
+def _mc_drafter(name, target, draft):
+  from jaxspec import heads
+  from jaxspec.adaptive import AutoK, CostModel
+  if name == "ngram":
+    return NGram(max_ngram=2), 3, {}
+  if name == "draft-model":
+    return DraftModel(draft), 2, {}
+  if name == "draft-model-p_min":
+    return DraftModel(draft, p_min=0.3), 3, {}
+  if name == "auto":  # k changes with the acceptance model; plain steps happen
+    cost = CostModel(ks=(0, 1, 2, 3), seconds=(1.0, 1.3, 1.45, 1.6))
+    return DraftModel(draft), "auto", dict(auto=AutoK(k_max=3), cost=cost)
+  from flax import nnx
+  m = heads.HEADS["medusa"].create(target.cfg, rngs=nnx.Rngs(3), num_heads=2)
+  tree = heads.HEADS["medusa"].drafter(m, target).with_tree([[0], [1], [0, 0], [0, 1], [1, 0]])
+  return tree, "auto", {}
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-model", "draft-model-p_min", "auto", "tree"])
+def test_monte_carlo_later_positions(small_vocab, name):
+  """30,000 rows of 6 sampled tokens: at every position, after the rollbacks of earlier
+  steps, the tokens follow the target's exact marginal (chi-square at the 1e-4 tail). Drafts
+  are really verified and rejected (both paths of the rule)."""
+  target, draft = small_vocab
+  drafter, k, kw = _mc_drafter(name, target, draft)
+  sp = Sampling(temperature=1.0, top_k=7)
+  prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+  out = speculative_generate(target, drafter, [prompt] * MC_ROWS, max_new_tokens=N_POS,
+                             sampling=sp, num_draft_tokens=k, key=2024, max_len=24, **kw)
+  assert (out.lengths == N_POS).all()
+  _assert_positions_follow(out.tokens[:, :N_POS], _exact_marginals(target, prompt, sp, N_POS),
+                           name)
+  st_ = out.stats
+  assert 0.02 < st_["acceptance_rate"] < 0.98, st_["acceptance_rate"]
+  assert st_["target_passes"] >= 3
+  if name == "auto":
+    assert len(set(st_["k_per_step"])) > 1, st_["k_per_step"]

@@ -63,9 +63,11 @@ def test_tree_forward_matches_plain_forward_over_each_path(tiny_target):
   np.testing.assert_allclose(np.asarray(p_tree), np.asarray(want), atol=1e-5)
 
 
-def test_tree_rule_is_exact_monte_carlo():
-  """The recursive rule on a fixed tree with a duplicate sibling: the first token follows the
-  root's p; given that the walk went to a child, the second token follows that child's p."""
+@pytest.mark.parametrize("form", ["recursive", "coupled"])
+def test_tree_rule_is_exact_monte_carlo(form):
+  """The rule on a fixed tree with a duplicate sibling, in both forms (per-row step keys: the
+  recursive rule; position keys: the coupled one): the first token follows the root's p;
+  given that the walk went to a child, the second token follows that child's p."""
   v, n_rows = 6, 40000
   # root 0: children 1 (token 2), 2 (token 4), 3 (token 2 again: never accepted);
   # node 1: children 4 (token 0), 5 (token 3); node 2 is a leaf (its bonus token follows p_2).
@@ -74,8 +76,12 @@ def test_tree_rule_is_exact_monte_carlo():
   p = np.random.default_rng(1).dirichlet(np.ones(v), size=len(parents)).astype(np.float32)
   bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (n_rows,) + a.shape)
   keys = jax.random.split(jax.random.key(5), n_rows)
+  depth = np.array([0, 1, 1, 1, 2, 2], np.int32)
+  if form == "coupled":
+    from jaxspec.speculative import position_keys
+    keys = position_keys(keys, jnp.zeros(n_rows, jnp.int32), 3)
   n_acc, emitted, path = jax.jit(tree_lib.tree_accept, static_argnums=4)(
-      bc(p), bc(tokens), bc(parents), keys, 2)
+      bc(p), bc(tokens), bc(parents), keys, 2, depth=bc(depth))
   emitted, n_acc, path = map(np.asarray, (emitted, n_acc, path))
   assert set(np.unique(path[:, 1])) <= {0, 1, 2}  # node 3 (the duplicate) is never taken
 
@@ -97,7 +103,7 @@ def test_tree_rule_is_exact_monte_carlo():
   hard = np.eye(v, dtype=np.float32)[[2, 3, 1, 0, 5, 5]]  # root -> 2 (node 1) -> 3 (node 5)
   n1, e1, p1 = tree_lib.tree_accept(jnp.asarray(hard)[None], jnp.asarray(tokens)[None],
                                     jnp.asarray(parents)[None], keys[:1], 2,
-                                    greedy=jnp.asarray([True]))
+                                    greedy=jnp.asarray([True]), depth=jnp.asarray(depth)[None])
   assert int(n1[0]) == 2 and np.asarray(e1[0]).tolist() == [2, 3, 5]
   assert np.asarray(p1[0]).tolist() == [0, 1, 5]
 

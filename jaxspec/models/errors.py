@@ -8,3 +8,19 @@ class CheckpointError(ValueError):
 
   The message names the file, what is wrong with it and, where there is one, the fix.
   """
+
+
+def malformed(path, e: BaseException) -> CheckpointError:
+  """The `CheckpointError` for an unexpected exception while reading `path`: the reader met a
+  value it did not expect (a wrong type, an impossible size, an undecodable name)."""
+  return CheckpointError(f"{path} is malformed ({type(e).__name__}: {e}); re-download or"
+                         " re-convert it")
+
+
+def is_reader_failure(e: BaseException) -> bool:
+  """Whether an exception raised while reading a checkpoint means the file is malformed (and
+  not, say, the device running out of memory or the user interrupting)."""
+  if isinstance(e, (CheckpointError, MemoryError, KeyboardInterrupt, SystemExit)):
+    return False
+  name = type(e).__name__
+  return not (name.endswith("RuntimeError") and "Jax" in name or name == "XlaRuntimeError")

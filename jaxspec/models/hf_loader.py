@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
-from jaxspec.models.errors import CheckpointError
+from jaxspec.models.errors import CheckpointError, is_reader_failure, malformed
 from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
 
@@ -333,6 +333,17 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32") -> Model:
   Raises:
     CheckpointError: missing or malformed files, unsupported architecture or settings.
   """
+  if dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
+  try:
+    return _load_hf(path, dtype)
+  except Exception as e:  # noqa: BLE001 - converted below, or re-raised
+    if is_reader_failure(e):
+      raise malformed(path, e) from e
+    raise
+
+
+def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
   if dtype not in ("float32", "bfloat16"):
     raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
   path = Path(path)

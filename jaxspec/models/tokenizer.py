@@ -190,14 +190,19 @@ class Tokenizer:
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template: pass a plain prompt string to"
                        " `encode`, or load a checkpoint whose metadata has one")
-    if self._compiled is None:
-      self._compiled = _chat_environment().from_string(self.chat_template)
-    variables = dict(self._template_vars)
-    variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                     tools=None, documents=None)
-    variables.update(kwargs)
-    return self._compiled.render(messages=[dict(m) for m in messages],
-                                 add_generation_prompt=add_generation_prompt, **variables)
+    import jinja2
+    try:
+      if self._compiled is None:
+        self._compiled = _chat_environment().from_string(self.chat_template)
+      variables = dict(self._template_vars)
+      variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                       tools=None, documents=None)
+      variables.update(kwargs)
+      return self._compiled.render(messages=[dict(m) for m in messages],
+                                   add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as e:  # a broken template, or its own raise_exception
+      raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}; fix the"
+                       " checkpoint's chat_template, or pass a plain prompt (--no-chat)") from e
 
   def encode_chat(self, prompt_or_messages: str | Sequence[Mapping[str, Any]],
                   add_generation_prompt: bool = True) -> list[int]:

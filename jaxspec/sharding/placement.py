@@ -167,7 +167,7 @@ def _host_verify(tparams, s, prop: Proposal, idx, sp, costs, force_idx, *, cfg, 
 
   Returns (new target state, the context the drafter commits, the next bucket index)."""
   kmax = policy.k_max
-  live, _, kv, last = _step_inputs(s)
+  live, _, kv, last = _step_inputs(s, kmax + 1)
   forced = force_idx >= 0
   vb = functools.partial(_verify_branch, cfg=cfg, drafter=drafter, kmax=kmax)
   nv_all = prop.n_valid
