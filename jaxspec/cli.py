@@ -333,7 +333,7 @@ def _add_train_parser(sub) -> None:
                       " response, so the LM head runs on fewer positions (0 = whole rows)")
   t.add_argument("--max-prompts", type=_count, default=320,
                  help="prompts the target answers, drawn evenly from the files")
-  t.add_argument("--self-instructions", type=_count0, default=0, metavar="N",
+  t.add_argument("--self-instructions", type=int, default=0, metavar="N",
                  help="also have the target write N user instructions itself (Magpie: sampled"
                       " after its chat template's bare user-turn prefix) and answer them")
   t.add_argument("--responses", choices=["target", "given"], default="target",
@@ -426,8 +426,9 @@ def cmd_train(args) -> int:
     if args.kind != "draft-model" and options.get("draft_vocab") is not None:
       raise ValueError("--option draft_vocab is not supported on the command line: use"
                        " draft_vocab_size=N (the N most frequent response tokens)")
-    if args.self_instructions < 0:
-      raise ValueError(f"--self-instructions must be >= 0, got {args.self_instructions}")
+    if not 0 <= args.self_instructions <= 2**20:
+      raise ValueError(f"--self-instructions must be >= 0 (and at most {2**20}), got"
+                       f" {args.self_instructions}")
     if args.self_instructions and args.responses == "given":
       raise ValueError("--self-instructions has no given responses to go with --responses"
                        " given: the target answers its own instructions (--responses target)")

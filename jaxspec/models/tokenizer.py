@@ -122,6 +122,24 @@ def _chat_environment():
   return env
 
 
+_CHAT_TEMPLATE_ERRORS: dict[type, type] = {}
+
+
+def _chat_template_error(e: Exception, message: str) -> Exception:
+  """`e` as a ValueError (the documented type of bad input) that is still an instance of its
+  jinja2 class (a template's own raise_exception gives a TemplateError, an unsafe template a
+  SecurityError, as in transformers), with `message` as its text."""
+  cls = _CHAT_TEMPLATE_ERRORS.get(type(e))
+  if cls is None:
+    cls = type("ChatTemplateError", (ValueError, type(e)), {
+        "__init__": lambda self, msg: ValueError.__init__(self, msg),
+        "__str__": lambda self: ValueError.__str__(self)})
+    _CHAT_TEMPLATE_ERRORS[type(e)] = cls
+  err = cls(message)
+  err.__dict__.update({k: v for k, v in vars(e).items() if k != "args"})
+  return err
+
+
 class Tokenizer:
   """Text <-> token ids for one model, with its chat template and end-of-sequence ids.
 
@@ -201,8 +219,9 @@ class Tokenizer:
       return self._compiled.render(messages=[dict(m) for m in messages],
                                    add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:  # a broken template, or its own raise_exception
-      raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}; fix the"
-                       " checkpoint's chat_template, or pass a plain prompt (--no-chat)") from e
+      raise _chat_template_error(e, (
+          f"the model's chat template failed: {type(e).__name__}: {e}; fix the checkpoint's"
+          " chat_template, or pass a plain prompt (--no-chat)")) from e
 
   def encode_chat(self, prompt_or_messages: str | Sequence[Mapping[str, Any]],
                   add_generation_prompt: bool = True) -> list[int]:
