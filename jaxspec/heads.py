@@ -981,13 +981,8 @@ def load_head_model(dir_or_name: str | os.PathLike, target,
                     check_fingerprint: bool = True) -> tuple[str, nnx.Module, dict[str, Any]]:
   """Reads a saved head: (kind, module with float32 weights, config dict); a malformed
   config.json or weights file comes out as a `CheckpointError` naming the file."""
-  from jaxspec.models.errors import is_reader_failure, malformed
-  try:
-    return _load_head_model(dir_or_name, target, check_fingerprint)
-  except Exception as e:  # noqa: BLE001 - converted below, or re-raised
-    if is_reader_failure(e):
-      raise malformed(dir_or_name, e) from e
-    raise
+  from jaxspec.models.errors import read_checkpoint
+  return read_checkpoint(dir_or_name, _load_head_model, dir_or_name, target, check_fingerprint)
 
 
 def _load_head_model(dir_or_name, target, check_fingerprint):

@@ -24,3 +24,14 @@ def is_reader_failure(e: BaseException) -> bool:
     return False
   name = type(e).__name__
   return not (name.endswith("RuntimeError") and "Jax" in name or name == "XlaRuntimeError")
+
+
+def read_checkpoint(path, reader, *args):
+  """`reader(*args)`, with whatever a malformed checkpoint at `path` makes it raise (a wrong
+  type, an impossible size, an undecodable name) turned into a `CheckpointError` naming it."""
+  try:
+    return reader(*args)
+  except Exception as e:  # noqa: BLE001 - converted below, or re-raised
+    if is_reader_failure(e):
+      raise malformed(path, e) from e
+    raise

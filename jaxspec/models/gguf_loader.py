@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
-from jaxspec.models.errors import CheckpointError, is_reader_failure, malformed
+from jaxspec.models.errors import CheckpointError, read_checkpoint
 from jaxspec.models.llama import Params, rope_inv_freq, stack_params
 from jaxspec.models.model import Model
 
@@ -384,12 +384,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
   malformed file makes the readers raise comes out as a `CheckpointError` naming the file."""
   if dtype not in ("float32", "bfloat16"):
     raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
-  try:
-    return _load_gguf(path, dtype)
-  except Exception as e:  # noqa: BLE001 - converted below, or re-raised
-    if is_reader_failure(e):
-      raise malformed(path, e) from e
-    raise
+  return read_checkpoint(path, _load_gguf, path, dtype)
 
 
 def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:

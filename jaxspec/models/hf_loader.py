@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
-from jaxspec.models.errors import CheckpointError, is_reader_failure, malformed
+from jaxspec.models.errors import CheckpointError, read_checkpoint
 from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
 
@@ -335,12 +335,7 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32") -> Model:
   """
   if dtype not in ("float32", "bfloat16"):
     raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
-  try:
-    return _load_hf(path, dtype)
-  except Exception as e:  # noqa: BLE001 - converted below, or re-raised
-    if is_reader_failure(e):
-      raise malformed(path, e) from e
-    raise
+  return read_checkpoint(path, _load_hf, path, dtype)
 
 
 def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
