@@ -82,11 +82,27 @@ def _row_keys(keys: jax.Array, k: int) -> jax.Array:
   return jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
 
 
-def _sample_steps(logits: jax.Array, sp, keys: jax.Array):
+def _draft_keys(drafter, keys: jax.Array, ctx, k: int) -> jax.Array:
+  """[B, k] the keys of the k drafts: the step's own split (the standard rule), or, coupled,
+  the keys the target draws those tokens with (`jaxspec.drafters.position_draft_keys`)."""
+  if drafter.coupled:
+    from jaxspec.drafters import position_draft_keys
+    return position_draft_keys(ctx, k, drafter.name)
+  return _row_keys(keys, k)
+
+
+def _draw(drafter, key: jax.Array, q: jax.Array) -> jax.Array:
+  """One draft per row from q [B, V]: coupled, the target's Gumbel-max with the same key."""
+  if drafter.coupled:
+    return sampling_lib.sample_positions(key[:, None], q[:, None])[:, 0]
+  return sampling_lib.sample_from_probs(key, q)
+
+
+def _sample_steps(drafter, logits: jax.Array, sp, keys: jax.Array, ctx):
   """logits [B, k, V] -> (tokens [B, k], q [B, k, V]) with q processed by `sp` like the target."""
   q = sampling_lib.probs(logits, sp)
-  toks = jax.vmap(sampling_lib.sample_from_probs, in_axes=(1, 1), out_axes=1)(
-      _row_keys(keys, logits.shape[1]), q)
+  dk = _draft_keys(drafter, keys, ctx, logits.shape[1])
+  toks = jax.vmap(lambda kk, qq: _draw(drafter, kk, qq), in_axes=(1, 1), out_axes=1)(dk, q)
   return toks, q
 
 
@@ -113,6 +129,9 @@ class HeadDrafter(Drafter):
   # Measured top-k accuracy per draft step [steps][rank] (`jaxspec.tree.medusa_accuracies`),
   # read from the head's config.json when it was saved with one: `default_tree` builds from it.
   topk_accuracy: Any = dataclasses.field(default=None, compare=False, repr=False)
+  # Sampled chains: draw draft j with the key the target draws token j with and propose it as
+  # deterministic (`DraftModel.coupled`); None: coupled exactly when k is chosen by "auto".
+  coupled: bool | None = None
 
   uses_target_hidden = True
   free_proposals = False
@@ -199,8 +218,8 @@ class MedusaDrafter(_FeatureDrafter):
   def propose(self, params, state: FeatureState, ctx, k, sp, keys):
     model = self.checked_module(params, k)
     logits = model.logits(params.target, state.feat)[:, :k]  # [B, k, V]
-    toks, q = _sample_steps(logits, sp, keys)
-    return Proposal(tokens=toks, q=q), state
+    toks, q = _sample_steps(self, logits, sp, keys, ctx)
+    return Proposal(tokens=toks, q=None if self.coupled else q), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,15 +233,15 @@ class MLPDrafter(_FeatureDrafter):
     model = self.checked_module(params, k)
     tok = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]  # x_{n-1}
     s = model.start(state.feat)
-    step_keys = _row_keys(keys, k)
+    step_keys = _draft_keys(self, keys, ctx, k)
     toks, qs = [], []
     for j in range(k):
       s, logits = model.stage(params.target, j, s, tok)
       q = sampling_lib.probs(logits, sp)
-      tok = sampling_lib.sample_from_probs(step_keys[:, j], q)
+      tok = _draw(self, step_keys[:, j], q)
       toks.append(tok)
       qs.append(q)
-    return Proposal(tokens=jnp.stack(toks, 1), q=jnp.stack(qs, 1)), state
+    return Proposal(tokens=jnp.stack(toks, 1), q=None if self.coupled else jnp.stack(qs, 1)), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,16 +382,16 @@ class EagleDrafter(HeadDrafter):
   def propose(self, params, state: EagleState, ctx, k, sp, keys):
     model = self._model(params)
     frozen = params.target
-    step_keys = _row_keys(keys, k)
+    step_keys = _draft_keys(self, keys, ctx, k)
     q0 = sampling_lib.probs(model.target_logits(frozen, state.feat), sp)  # [B, V]
-    d0 = sampling_lib.sample_from_probs(step_keys[:, 0], q0)
+    d0 = _draw(self, step_keys[:, 0], q0)
     length = state.cache.length
 
     def body(carry, key_j):
       feat, tok, cache = carry
       h, cache = heads_lib.eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
       q = sampling_lib.probs(model.target_logits(frozen, h[:, 0]), sp)
-      nxt = sampling_lib.sample_from_probs(key_j, q)
+      nxt = _draw(self, key_j, q)
       return (h[:, 0], nxt, cache), (nxt, q)
 
     if k > 1:
@@ -383,7 +402,7 @@ class EagleDrafter(HeadDrafter):
     else:
       cache, drafts, q = state.cache, d0[:, None], q0[:, None]
     # The drafting steps' entries are scratch: keep the arrays (written in place), not the length.
-    return Proposal(tokens=drafts, q=q), EagleState(
+    return Proposal(tokens=drafts, q=None if self.coupled else q), EagleState(
         cache=dataclasses.replace(cache, length=length), feat=state.feat)
 
   def commit(self, params, state: EagleState, ctx: DraftContext) -> EagleState:

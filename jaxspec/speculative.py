@@ -28,7 +28,7 @@ from jax import lax
 from jaxspec import sampling as sampling_lib
 from jaxspec import adaptive
 from jaxspec.adaptive import AutoK, CostModel
-from jaxspec.drafters import DraftContext, Drafter, Proposal, resolve_drafter
+from jaxspec.drafters import DraftContext, Drafter, Proposal, resolve_coupled, resolve_drafter
 from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _stream_loop,
                               check_chunk, check_model, compiled, decode_texts, is_stop,
                               keep_cache_buffers, prefill,
@@ -531,7 +531,8 @@ def _tree_step(tparams, dparams, s: SpecState, sp, *, cfg, drafter, policy, max_
   and the accepted path committed as a chain of the same length would be."""
   from jaxspec import tree as tree_lib
   _, kd, kv, last = _step_inputs(s, policy.k_max + 1)
-  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len,
+                     row_keys=s.keys)
   prop, dstate = drafter.propose_tree(dparams, s.draft_state, ctx, sp, kd)
   # A node outside the vocabulary is never accepted, and runs through the target as token 0
   # (an out-of-range id would read a NaN embedding into the pass and the cache).
@@ -575,7 +576,8 @@ def _choose(dparams, s: SpecState, sp, costs, force_idx, *, drafter, policy,
   # A drafter whose proposals cost next to nothing (n-gram lookup) proposes k_max up front, so
   # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
   if drafter.free_proposals:
-    ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
+    ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len,
+                     row_keys=s.keys)
     prop, dstate = draft(drafter, dparams, s.draft_state, ctx, kmax, sp, kd)
     nv_all = full if prop.n_valid is None else prop.n_valid
     known = nv_all
@@ -613,7 +615,8 @@ def _spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, *, cfg, dra
                       max_new_tokens=max_new_tokens, stop_ids=stop_ids)
   kmax = policy.k_max
   live, kd, kv, last = _step_inputs(s, kmax + 1)
-  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len,
+                     row_keys=s.keys)
   choice = _choose(dparams, s, sp, costs, force_idx, drafter=drafter, policy=policy,
                    max_new_tokens=max_new_tokens)
   idx, prop_all, dstate_all, nv_all = choice.idx, choice.prop, choice.dstate, choice.n_valid
@@ -884,6 +887,9 @@ def _prepare(target, drafter, prompts, max_new_tokens, sampling, num_draft_token
   sp_user = _resolve_sampling(sampling)
   check_drafter(target, drafter)
   policy = resolve_policy(num_draft_tokens, auto, drafter)
+  # A drafter that samples its drafts is coupled with the target's draws under "auto" (unless
+  # it says otherwise), so a timed k schedule cannot change the text.
+  drafter = resolve_coupled(drafter, policy.auto)
   if cost is not None and not isinstance(cost, CostModel):
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
   try:

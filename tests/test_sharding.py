@@ -247,6 +247,18 @@ def test_failover_when_the_commit_fails_to_dispatch(target, placement, reference
   assert any(k > 0 for k in out.stats["k_per_step"][:fo["step"]])
 
 
+def test_coupled_drafter_across_meshes_gives_generates_text(target, draft, placement):
+  """The host-orchestrated loop hands the drafter its copy of the row keys: a coupled draft
+  model on its own device gives `generate`'s sampled text for the key."""
+  sp = Sampling(temperature=1.0, top_k=40)
+  ref = generate(target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=9, stop_ids=())
+  out = speculative_generate(target, DraftModel(draft, coupled=True), PROMPTS,
+                             max_new_tokens=N_NEW, sampling=sp, key=9, num_draft_tokens=2,
+                             stop_ids=(), placement=placement)
+  assert out.stats["placement"]["mode"] == "host"
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
 def test_bad_placements_fail_clearly(target, draft):
   with pytest.raises(ValueError, match="device index 99"):
     Placement(target=[0, 1], drafter=[99])

@@ -429,3 +429,28 @@ def test_monte_carlo_later_positions(small_vocab, name):
   assert st_["target_passes"] >= 3
   if name == "auto":
     assert len(set(st_["k_per_step"])) > 1, st_["k_per_step"]
+
+
+def test_coupled_draft_model_gives_generates_text(tiny_target, poor_draft, small_vocab):
+  """DraftModel(coupled=True) draws each draft with the noise the target draws that token
+  with: its sampled text is `generate`'s for the key whatever k or "auto" (greedy: the same),
+  its drafts are really accepted, and its output distribution is the target's."""
+  sp = Sampling(temperature=1.0, top_k=30)
+  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=5, stop_ids=())
+  for drafter, k in ((DraftModel(tiny_target, coupled=True), 3),
+                     (DraftModel(poor_draft, coupled=True), 2),
+                     (DraftModel(poor_draft, coupled=True), "auto")):
+    out = speculative_generate(tiny_target, drafter, PROMPTS, max_new_tokens=N_NEW, sampling=sp,
+                               key=5, num_draft_tokens=k, stop_ids=())
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    if drafter.model is tiny_target:  # the target drafting for itself: every draft accepted
+      assert out.stats["acceptance_rate"] == 1.0
+  assert DraftModel(poor_draft, coupled=True) != DraftModel(poor_draft)
+  target, draft = small_vocab
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.9)
+  prompt = [1, 2, 3, 4]
+  out = speculative_generate(target, DraftModel(draft, coupled=True), [prompt] * 20000,
+                             max_new_tokens=3, sampling=sp, num_draft_tokens=2, key=77,
+                             max_len=16)
+  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
+  assert 0.05 < out.stats["acceptance_rate"] < 0.9

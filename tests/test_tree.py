@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import heads
+from jaxspec import AutoK, heads
 from jaxspec import tree as tree_lib
 from jaxspec.generate import generate
 from jaxspec.models import forward, init_cache, init_params, tiny_config
@@ -256,3 +256,23 @@ def test_parse_tree_and_default_tree(tiny_target, tmp_path):
     tree_lib.parse_tree("[[0],", medusa)
   with pytest.raises(ValueError, match="expected a number of nodes"):
     tree_lib.parse_tree("wide", medusa)
+
+
+def test_sampled_head_chains_are_coupled_under_auto(tiny_target):
+  """A head's sampled chain under "auto" draws each draft with the target's key for that
+  token (the default `coupled=None`): the text is `generate`'s for the key; with a fixed k and
+  coupled=True too. Greedy or not, the output distribution is exact either way."""
+  from jaxspec.adaptive import CostModel
+  sp = Sampling(temperature=1.0, top_k=40)
+  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=6, stop_ids=())
+  cost = CostModel(ks=(0, 1, 2, 3), seconds=(1.0, 1.1, 1.2, 1.3))
+  for drafter in (_eagle(tiny_target), _medusa(tiny_target)):
+    assert drafter.coupled is None
+    out = speculative_generate(tiny_target, drafter, PROMPTS, max_new_tokens=N_NEW, sampling=sp,
+                               key=6, num_draft_tokens="auto", auto=AutoK(k_max=3), cost=cost,
+                               stop_ids=())
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=drafter.name)
+    out = speculative_generate(tiny_target, dataclasses.replace(drafter, coupled=True), PROMPTS,
+                               max_new_tokens=N_NEW, sampling=sp, key=6, num_draft_tokens=2,
+                               stop_ids=())
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=drafter.name)

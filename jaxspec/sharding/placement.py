@@ -154,6 +154,7 @@ def _host_draft(dparams, dstate, ctx: DraftContext, keys, sp, *, drafter, k, kma
   cache is updated in place rather than carried through a switch), padded to k_max."""
   b = ctx.seq.shape[0]
   kd, _ = step_keys(keys, ctx.seq_len)
+  ctx = dataclasses.replace(ctx, row_keys=keys)  # the drafter's copy of the rows' keys
   prop, new = draft(drafter, dparams, dstate, ctx, k, sp, kd)
   n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
   pad = lambda x: jnp.pad(x, [(0, 0), (0, kmax - k)] + [(0, 0)] * (x.ndim - 2))
