@@ -16,7 +16,7 @@ from jaxspec.models.loading import load
 from test_checkpoints import _tiny, write_tiny_gguf
 
 PEAK_BYTES = 64 << 20  # the tiny checkpoints are a few hundred KB; a garbage size must not pass
-FLIPS = 120
+FLIPS = 80
 CUTS = 24
 
 
