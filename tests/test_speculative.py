@@ -408,9 +408,8 @@ def _mc_drafter(name, target, draft):
   return tree, "auto", {}
 
 
-# The draft model without p_min is covered by "auto" (a DraftModel whose k changes) here and
-# by the first-three-tokens test above.
-@pytest.mark.parametrize("name", ["ngram", "draft-model-p_min", "auto", "tree"])
+# "draft-model" (a fixed k) runs the standard rule; under "auto" the same drafter is coupled.
+@pytest.mark.parametrize("name", ["ngram", "draft-model", "draft-model-p_min", "auto", "tree"])
 def test_monte_carlo_later_positions(small_vocab, name):
   """30,000 rows of 6 sampled tokens: at every position, after the rollbacks of earlier
   steps, the tokens follow the target's exact marginal (chi-square at the 1e-4 tail). Drafts
