@@ -134,13 +134,12 @@ class Drafter:
 
 
 def position_draft_keys(ctx: DraftContext, k: int, who: str = "drafter") -> jax.Array:
-  """[B, k] the keys the target draws the next k tokens with (token j of row b:
-  fold_in(row_keys[b], j), `jaxspec.speculative.position_keys`), for a coupled drafter."""
+  """[B, k] the keys the target draws the next k tokens with (`sampling.position_keys`), for a
+  coupled drafter."""
   if ctx.row_keys is None:
     raise ValueError(f"a coupled {who} needs the loop's row keys in its context"
                      " (DraftContext.row_keys): use it through speculative_generate")
-  idx = (ctx.seq_len - ctx.prompt_len)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-  return jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(ctx.row_keys, idx)
+  return sampling_lib.position_keys(ctx.row_keys, ctx.seq_len - ctx.prompt_len, k)
 
 
 def resolve_coupled(drafter: Drafter, auto: bool) -> Drafter:
@@ -250,11 +249,9 @@ class DraftModel(Drafter):
 
     def pick(logits_i, key_i):
       q = sampling_lib.probs(logits_i, sp)
-      if self.coupled:
-        tok = sampling_lib.sample_positions(key_i[:, None], q[:, None],
-                                            sp.temperature == 0)[:, 0]
-      else:
-        tok = sampling_lib.sample_from_probs(key_i, q, sp.temperature == 0)
+      # Coupled, key_i is the target's key for this token: the same Gumbel-max draw then
+      # shares the target's noise.
+      tok = sampling_lib.sample_from_probs(key_i, q, sp.temperature == 0)
       # Whether this draft is proposed is decided before it is drawn: from the draft model's
       # top probability (llama.cpp's --draft-p-min), not the drawn token's, whose use would
       # select against unlikely draws and bias a sampled output. Greedy: the same value.

@@ -573,7 +573,8 @@ def _as_key(key) -> jax.Array:
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
     if not -2**63 <= int(key) < 2**64:
       raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
-    return jax.random.key(int(key) % 2**64 if int(key) >= 2**63 else int(key))
+    # jax.random.key takes an int64: a seed in [2**63, 2**64) as its two's complement.
+    return jax.random.key(int(key) - 2**64 if int(key) >= 2**63 else int(key))
   if isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
                                      and key.shape == ()):
     return key

@@ -91,20 +91,17 @@ def _draft_keys(drafter, keys: jax.Array, ctx, k: int) -> jax.Array:
   return _row_keys(keys, k)
 
 
-def _draw(drafter, key: jax.Array, q: jax.Array, sp) -> jax.Array:
-  """One draft per row from q [B, V]: coupled, the target's Gumbel-max with the same key;
-  greedy rows (one-hot q) take the argmax without drawing."""
-  greedy = sp.temperature == 0
-  if drafter.coupled:
-    return sampling_lib.sample_positions(key[:, None], q[:, None], greedy)[:, 0]
-  return sampling_lib.sample_from_probs(key, q, greedy)
+def _draw(key: jax.Array, q: jax.Array, sp) -> jax.Array:
+  """One draft per row from q [B, V] (the target's Gumbel-max draw: coupled, `key` is the
+  target's key for the token); greedy rows (one-hot q) take the argmax without drawing."""
+  return sampling_lib.sample_from_probs(key, q, sp.temperature == 0)
 
 
 def _sample_steps(drafter, logits: jax.Array, sp, keys: jax.Array, ctx):
   """logits [B, k, V] -> (tokens [B, k], q [B, k, V]) with q processed by `sp` like the target."""
   q = sampling_lib.probs(logits, sp)
   dk = _draft_keys(drafter, keys, ctx, logits.shape[1])
-  toks = jax.vmap(lambda kk, qq: _draw(drafter, kk, qq, sp), in_axes=(1, 1), out_axes=1)(dk, q)
+  toks = jax.vmap(lambda kk, qq: _draw(kk, qq, sp), in_axes=(1, 1), out_axes=1)(dk, q)
   return toks, q
 
 
@@ -240,7 +237,7 @@ class MLPDrafter(_FeatureDrafter):
     for j in range(k):
       s, logits = model.stage(params.target, j, s, tok)
       q = sampling_lib.probs(logits, sp)
-      tok = _draw(self, step_keys[:, j], q, sp)
+      tok = _draw(step_keys[:, j], q, sp)
       toks.append(tok)
       qs.append(q)
     return Proposal(tokens=jnp.stack(toks, 1), q=None if self.coupled else jnp.stack(qs, 1)), state
@@ -386,14 +383,14 @@ class EagleDrafter(HeadDrafter):
     frozen = params.target
     step_keys = _draft_keys(self, keys, ctx, k)
     q0 = sampling_lib.probs(model.target_logits(frozen, state.feat), sp)  # [B, V]
-    d0 = _draw(self, step_keys[:, 0], q0, sp)
+    d0 = _draw(step_keys[:, 0], q0, sp)
     length = state.cache.length
 
     def body(carry, key_j):
       feat, tok, cache = carry
       h, cache = heads_lib.eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
       q = sampling_lib.probs(model.target_logits(frozen, h[:, 0]), sp)
-      nxt = _draw(self, key_j, q, sp)
+      nxt = _draw(key_j, q, sp)
       return (h[:, 0], nxt, cache), (nxt, q)
 
     if k > 1:

@@ -191,6 +191,14 @@ def sample_positions(keys: jax.Array, p: jax.Array, greedy: jax.Array | None = N
   return lax.cond(jnp.all(greedy), lambda p: top, draw, p)
 
 
+def position_keys(row_keys: jax.Array, start: jax.Array, width: int) -> jax.Array:
+  """[B, width] keys of new-token indices start .. start + width - 1 of every row: row b's
+  token j is drawn with fold_in(row_keys[b], j), as `generate` draws it, whatever step, batch
+  or draft count produces it."""
+  idx = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+  return jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(row_keys, idx)
+
+
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
   """Independent per-row keys [B]: row b's stream depends only on (key, b)."""
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch_size))

@@ -37,6 +37,7 @@ from jaxspec.generate import (GenerateOutput, _as_key, _resolve_sampling, _strea
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import Hidden, KVCache, forward, init_cache, write_cache
 from jaxspec.models.model import Model
+from jaxspec.sampling import position_keys  # noqa: F401 - public here too
 from jaxspec.sampling import Sampling, SamplingArrays
 
 
@@ -125,14 +126,6 @@ def acceptance(p: jax.Array, q: jax.Array | None, drafts: jax.Array, u: jax.Arra
   # so falling back to p only matters under rounding.
   resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_j)
   return n_acc.astype(jnp.int32), resid
-
-
-def position_keys(row_keys: jax.Array, start: jax.Array, width: int) -> jax.Array:
-  """[B, width] keys of new-token indices start .. start + width - 1 of every row: row b's
-  token j is drawn with fold_in(row_keys[b], j), as `generate` draws it, whatever step, batch
-  or draft count produces it."""
-  idx = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-  return jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(row_keys, idx)
 
 
 def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys: jax.Array,

@@ -271,11 +271,11 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
   is_cand = (node > 0)[None, :] & (parents >= 0)
   if valid is not None:
     is_cand = is_cand & valid
-  par = jnp.maximum(parents, 0)
   if keys.ndim == 2:
     return _tree_accept_coupled(p, tokens, parents, keys, max_depth, greedy, is_cand, depth)
   ku, ks = jax.vmap(lambda kk: jax.random.split(kk, 2), out_axes=1)(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (n,), jnp.float32))(ku)  # [B, N]
+  par = jnp.maximum(parents, 0)
   p_par = jnp.take_along_axis(p, par[:, :, None], axis=1)  # [B, N, V] p at each node's parent
   px = jnp.take_along_axis(p_par, tokens[:, :, None], axis=2)[..., 0]  # [B, N]
   # before[b, j, s]: s is a candidate sibling of j tried before it.
@@ -285,11 +285,8 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
   first = is_cand & ~jnp.any(before & same, axis=2)  # no earlier sibling with the same token
   mass = jnp.sum(jnp.where(before & first[:, None, :], px[:, None, :], 0.0), axis=2)
   accept = first & (u * jnp.maximum(1.0 - mass, 0.0) < px)
-  # The first accepted child of every node (n where none).
-  child = (parents[:, None, :] == node[None, :, None]) & accept[:, None, :]  # [B, c, j]
-  first_child = jnp.min(jnp.where(child, node[None, None, :], n), axis=2)  # [B, N]
   rows = jnp.arange(b)
-  n_acc, path = _walk(first_child, n, max_depth)
+  n_acc, path = _walk(parents, accept, max_depth)
   cur = path[:, -1]
   # At the stopping node every candidate child was tried and rejected: remove their tokens.
   p_c = p[rows, cur]  # [B, V]
@@ -301,9 +298,13 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
   return _emit(tokens, path, n_acc, final, max_depth)
 
 
-def _walk(first_child, n, max_depth):
-  """From the root, the accepted children in turn: (n_accepted [B], path [B, D + 1])."""
-  b = first_child.shape[0]
+def _walk(parents, accept, max_depth):
+  """From the root, each node's first accepted child in turn (accept [B, N]: the nodes that
+  would be taken from their parent): (n_accepted [B], path [B, D + 1])."""
+  b, n = parents.shape
+  node = jnp.arange(n)
+  child = (parents[:, None, :] == node[None, :, None]) & accept[:, None, :]  # [B, c, j]
+  first_child = jnp.min(jnp.where(child, node[None, None, :], n), axis=2)  # [B, N], n: none
   rows = jnp.arange(b)
   cur = jnp.zeros((b,), jnp.int32)
   n_acc = jnp.zeros((b,), jnp.int32)
@@ -319,18 +320,12 @@ def _walk(first_child, n, max_depth):
 
 def _tree_accept_coupled(p, tokens, parents, keys, max_depth, greedy, is_cand, depth):
   """`tree_accept` with position keys: see its docstring."""
-  b, n, v = p.shape
-  node = jnp.arange(n)
   if depth is None:
     raise ValueError("tree_accept with position keys needs every node's depth")
   node_keys = jnp.take_along_axis(keys, jnp.clip(depth, 0, max_depth), axis=1)  # [B, N]
   y = sampling_lib.sample_positions(node_keys, p, greedy)  # [B, N] the token after each
-  par = jnp.maximum(parents, 0)
-  y_par = jnp.take_along_axis(y, par, axis=1)
-  accept = is_cand & (tokens == y_par)
-  child = (parents[:, None, :] == node[None, :, None]) & accept[:, None, :]  # [B, c, j]
-  first_child = jnp.min(jnp.where(child, node[None, None, :], n), axis=2)  # [B, N]
-  n_acc, path = _walk(first_child, n, max_depth)
+  y_par = jnp.take_along_axis(y, jnp.maximum(parents, 0), axis=1)
+  n_acc, path = _walk(parents, is_cand & (tokens == y_par), max_depth)
   final = jnp.take_along_axis(y, path[:, -1:], axis=1)[:, 0]
   return _emit(tokens, path, n_acc, final, max_depth)
 

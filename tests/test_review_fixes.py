@@ -122,3 +122,12 @@ def test_gguf_huge_unneeded_metadata_array_is_refused_fast(tmp_path):
   with pytest.raises(CheckpointError, match="general.junk"):
     load(path)
   assert time.perf_counter() - t0 < 5
+
+
+def test_integer_seeds_over_the_whole_documented_range(tiny_target):
+  """Seeds in [2**63, 2**64) are accepted (as their int64 two's complement), not an
+  OverflowError from jax.random.key."""
+  kw = dict(max_new_tokens=4, stop_ids=(), temperature=1.0)
+  top = generate(tiny_target, PROMPTS, key=2**64 - 1, **kw)
+  np.testing.assert_array_equal(top.tokens, generate(tiny_target, PROMPTS, key=-1, **kw).tokens)
+  generate(tiny_target, PROMPTS, key=2**63, **kw)

@@ -400,8 +400,6 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
     CheckpointError: missing, truncated or malformed file; unsupported architecture or tensor
       type (both named in the message).
   """
-  if dtype not in ("float32", "bfloat16"):
-    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
   path = Path(path)
   if not path.exists():
     raise CheckpointError(f"GGUF file {path} does not exist: check the path")

@@ -339,8 +339,6 @@ def load_hf(path: str | os.PathLike, dtype: str = "float32") -> Model:
 
 
 def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
-  if dtype not in ("float32", "bfloat16"):
-    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
   path = Path(path)
   if not path.exists():
     raise CheckpointError(f"checkpoint directory {path} does not exist: check the path")

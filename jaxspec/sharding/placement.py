@@ -370,7 +370,7 @@ class HostRun(_Run):
   def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
     # A drafter that fails while the cost model is timed fails over as in the loop: the
     # generation then runs plain steps, and the timings (of plain steps) go unused.
-    return self._run(state, int(until), int(force_idx), costs, may_fail_over=True)
+    return self._run(state, int(until), int(force_idx), costs)
 
   def _fail_over(self, step: int, e: BaseException) -> None:
     """Records the drafter's failure; from now on every step is a plain target step."""
@@ -379,9 +379,9 @@ class HostRun(_Run):
       _forget_failed_runs(set(self.dsh.mesh.devices.flat) - set(self.tsh.mesh.devices.flat))
 
   def loop(self, state: HostState, until) -> HostState:
-    return self._run(state, int(until), -1, self.costs, may_fail_over=True)
+    return self._run(state, int(until), -1, self.costs)
 
-  def _run(self, state: HostState, until: int, force_idx: int, costs, *, may_fail_over: bool):
+  def _run(self, state: HostState, until: int, force_idx: int, costs):
     force = jnp.int32(force_idx)
     n = int(state.t.stats.target_passes)
     while n < until and not bool(np.asarray(state.t.done).all()):
@@ -402,8 +402,6 @@ class HostRun(_Run):
             prop, dstate = jax.block_until_ready(self.draft_exes[k](
                 self.dparams, state.d, state.ctx, state.keys, self.sp_d))
         except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
-          if not may_fail_over:
-            raise
           self._fail_over(n, e)
           state = self._plain_step(state, costs)
           n += 1
@@ -415,8 +413,6 @@ class HostRun(_Run):
           ctx_d = jax.device_put(ctx, self.ctx_sh_d)
           dstate = self.commit_exe(self.dparams, dstate, ctx_d)
         except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
-          if not may_fail_over:
-            raise
           self._fail_over(n + 1, e)
           state = dataclasses.replace(state, t=tstate)
           n += 1
