@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.llama import pytree_dataclass as _pytree
+from jaxspec.pytree import pytree_dataclass as _pytree
 
 _DEFAULT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 

@@ -46,7 +46,7 @@ from jaxspec.models.llama import Hidden, KVCache, Params, forward, init_cache, w
 from jaxspec.models.model import Model
 
 
-from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
+from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
 @_pytree

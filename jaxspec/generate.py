@@ -28,7 +28,7 @@ from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, SamplingArrays
 
 
-from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
+from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ from jaxspec import tree as tree_lib
 from jaxspec.drafters import DraftContext, Drafter, Proposal
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import KVCache, Params, init_cache
-from jaxspec.models.llama import pytree_dataclass as _pytree
+from jaxspec.pytree import pytree_dataclass as _pytree
 
 F32 = jnp.float32
 

@@ -54,7 +54,7 @@ from flax import nnx
 
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.llama import (Params, _attention, _embed, apply_rope, is_scanned,
+from jaxspec.models.llama import (Params, attention, embed_tokens, apply_rope, is_scanned,
                                   lm_head_weight, logits_from_hidden, rms_norm, rope_inv_freq,
                                   write_cache)
 
@@ -250,7 +250,7 @@ class MLPSpeculator(nnx.Module):
     w = self.proj0[...] if j == 0 else self.proj[0 if tied else j - 1]
     c = 0 if tied else j
     if self.emb is None:
-      e = _embed(frozen.embed, tok, F32).astype(F32) * self.emb_gain[c]
+      e = embed_tokens(frozen.embed, tok, F32).astype(F32) * self.emb_gain[c]
     else:
       e = jnp.take(self.emb[c], tok, axis=0)
     z = _layer_norm(s @ w + e * (self.emb_weight / self.state_weight), self.ln_scale[c],
@@ -426,7 +426,7 @@ class EagleHead(nnx.Module):
 
   def layer_input(self, frozen: Params, feat: jax.Array, tok: jax.Array):
     """(attention input [..., D or 2D], residual [..., D]) of the pair (feature, token)."""
-    e = _embed(frozen.embed, tok, F32).astype(F32)
+    e = embed_tokens(frozen.embed, tok, F32).astype(F32)
     if self.cfg.version == 1:
       x = jnp.concatenate([e, feat], axis=-1) @ self.fc[...] + self.fc_bias[...]
       return x, x
@@ -535,7 +535,7 @@ def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: j
   q, k, v = model.qkv(x, pos + 1)
   if mask is None:
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-  attn = _attention(q, k, v, None if fresh else cache.k[0], None if fresh else cache.v[0],
+  attn = attention(q, k, v, None if fresh else cache.k[0], None if fresh else cache.v[0],
                     cache.length, pos, mask, model.layer_cfg)
   h = model.finish(resid, attn.astype(F32))
   if not write:

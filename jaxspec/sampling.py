@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 
-from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
+from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

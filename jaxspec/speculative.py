@@ -41,7 +41,7 @@ from jaxspec.sampling import position_keys  # noqa: F401 - public here too
 from jaxspec.sampling import Sampling, SamplingArrays
 
 
-from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
+from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.models.llama import Hidden, forward
-from jaxspec.models.llama import pytree_dataclass as _pytree
+from jaxspec.pytree import pytree_dataclass as _pytree
 
 # The most nodes (root included) a tree may have: the verify pass's width.
 MAX_NODES = 256

@@ -24,15 +24,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.models.config import LlamaConfig
+from jaxspec.pytree import pytree_dataclass
 
 if TYPE_CHECKING:
   from jaxspec.models.quant import QArray
-
-
-def pytree_dataclass(cls):
-  """Registers a dataclass as a pytree whose fields are all children (None is an empty child)."""
-  fields = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
 
 
 _pytree = pytree_dataclass
@@ -369,7 +364,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
   return out.astype(x.dtype)
 
 
-def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg):
+def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg):
   """Attention of T new queries over the row's cached prefix plus the new block.
 
   The cached part ([0, length[b])) and the new block are scored separately and normalised by one
@@ -503,7 +498,7 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   return y.reshape(*lead, *out_shape)
 
 
-def _embed(embed, tokens: jax.Array, dtype) -> jax.Array:
+def embed_tokens(embed, tokens: jax.Array, dtype) -> jax.Array:
   """Embedding rows [B, T, D] of tokens [B, T]: an int8 table gathers int8 rows and scales
   only those, never dequantizing the whole [V, D] table."""
   return embed.take_rows(tokens, dtype) if _is_quantized(embed) else jnp.take(embed, tokens,
@@ -610,7 +605,7 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   inv_freq = rope_inv_freq(cfg)
   tables = rope_tables(positions, inv_freq)
-  x = _embed(params.embed, tokens, cfg.jnp_dtype)  # [B, T, D]
+  x = embed_tokens(params.embed, tokens, cfg.jnp_dtype)  # [B, T, D]
   eps = cfg.rms_norm_eps
   want = tuple(hidden_layers)
 
@@ -625,7 +620,7 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
       q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = apply_rope(q, positions, inv_freq, tables)
     k = apply_rope(k, positions, inv_freq, tables)
-    attn = _attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
+    attn = attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
                       positions, block_mask, cfg)
     x = x + _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
     h = rms_norm(x, lp.mlp_norm, eps)
@@ -695,3 +690,52 @@ def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
 def forward_jit(params, tokens, cache, cfg):
   """A jitted plain forward (logits, hidden, cache) for tests and tools."""
   return forward(params, tokens, cache, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaLM:
+  """jaxspec's Llama as a target or draft model of the decoding loop: the
+  `jaxspec.decoding.CausalLM` protocol (`vocab_size`, `init_cache`, `forward`) plus the block
+  interface the loop uses where a model offers it (`forward_block`, `write_block`, `pad_block`,
+  tree attention): a verify branch inside a `lax.switch` then only reads the cache and returns
+  the new keys and values, which are written once after it, so XLA never copies the cache.
+
+  Static and hashable (it holds the configuration only); the weights are passed separately.
+  """
+
+  cfg: LlamaConfig
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def init_cache(self, params, batch_size: int, max_len: int) -> KVCache:
+    del params
+    return init_cache(self.cfg, batch_size, max_len)
+
+  def forward(self, params, tokens, cache: KVCache, lengths, *, hidden_layers=()):
+    """The protocol's forward: tokens [B, T] at positions lengths[b] + t, written there."""
+    return forward(params, tokens, dataclasses.replace(cache, length=lengths), self.cfg,
+                   hidden_layers=hidden_layers)
+
+  # The block interface: the cache carries its own per-row length.
+  def forward_block(self, params, tokens, cache: KVCache, *, hidden_layers=(), logits=True,
+                    fresh=False, write=True, positions=None, block_mask=None):
+    return forward(params, tokens, cache, self.cfg, hidden_layers=hidden_layers, logits=logits,
+                   fresh=fresh, write=write, positions=positions, block_mask=block_mask)
+
+  def write_block(self, cache: KVCache, block, start) -> KVCache:
+    return write_cache(cache, *block, positions_start=start)
+
+  @staticmethod
+  def pad_block(block, width: int):
+    """The new block's keys and values [L, B, T, G, K] zero-padded to T = width."""
+    return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]),
+                                              (0, 0), (0, 0)]), block)
+
+  def empty_block(self, batch_size: int, width: int, dtype):
+    shape = (self.cfg.num_layers, batch_size, width, self.cfg.num_kv_heads, self.cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+  def logits_from_hidden(self, params, hidden):
+    return logits_from_hidden(params, hidden)

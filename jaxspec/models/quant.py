@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.llama import Params, as_logical, is_scanned, pytree_dataclass
+from jaxspec.models.llama import Params, as_logical, is_scanned
+from jaxspec.pytree import pytree_dataclass
 from jaxspec.models.model import Model
 
 PRECISIONS = ("int8", "bfloat16", "float32")

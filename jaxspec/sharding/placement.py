@@ -46,7 +46,7 @@ from jaxspec.speculative import (_Run, _costs_array, _finish_step, _room, _shard
 from jaxspec.sharding.rules import (DEFAULT_RULES, ModelSharding, ShardingRules, place_drafter,
                                     shard_model, submesh)
 
-from jaxspec.models.llama import pytree_dataclass as _pytree  # noqa: E402
+from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
 def as_mesh(where, what: str) -> Mesh:
