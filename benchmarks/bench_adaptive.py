@@ -23,7 +23,7 @@ import numpy as np
 
 from common import ROOT, by_category, chat_prompts, load_spec_bench, machine, write_json
 from jaxspec import NGram, generate, load, speculative_generate
-from jaxspec.adaptive import AutoK
+from jaxspec.decoding.adaptive import AutoK
 from jaxspec.drafters import resolve_drafter
 
 DRAFTER = NGram()  # --drafter

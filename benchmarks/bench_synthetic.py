@@ -37,12 +37,13 @@ from common import ROOT, forward_costs, machine, write_json  # noqa: E402
 
 import importlib  # noqa: E402
 
-# The modules (`jaxspec.generate` the attribute is the function of that name).
-gen_lib = importlib.import_module("jaxspec.generate")
-spec_lib = importlib.import_module("jaxspec.speculative")
+from jaxspec import runner  # noqa: E402
+from jaxspec.decoding import fused  # noqa: E402
+from jaxspec.decoding import plain as plain_lib  # noqa: E402
+from jaxspec.models.llama import LlamaLM  # noqa: E402
 llama_lib = importlib.import_module("jaxspec.models.llama")
 from jaxspec.drafters import Oracle  # noqa: E402
-from jaxspec.generate import prepare_prompts  # noqa: E402
+from jaxspec.runner import prepare_prompts
 from jaxspec.models.llama import is_scanned, with_scan_layers  # noqa: E402
 from jaxspec.models.synthetic import random_model  # noqa: E402
 from jaxspec.sampling import GREEDY  # noqa: E402
@@ -99,16 +100,17 @@ class Plain:
     self.model, self.n = model, new_tokens
     b = prep.tokens.shape[0]
     self.sp = GREEDY.arrays(b)
-    static = dict(cfg=model.cfg, max_len=prep.max_len, max_new_tokens=new_tokens, stop_ids=())
+    static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len, max_new_tokens=new_tokens,
+                  stop_ids=())
     args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), self.sp,
             jax.random.key(0))
     t0 = time.perf_counter()
-    self.init_exe, _ = gen_lib.compiled(gen_lib._prefill_jit, "bench-prefill", *args, **static)
+    self.init_exe, _ = runner.compiled(plain_lib.init_decode_jit, "bench-prefill", *args, **static)
     self.state0 = jax.block_until_ready(self.init_exe(*args))
-    loop_static = dict(cfg=model.cfg, max_new_tokens=new_tokens, stop_ids=())
-    self.loop_exe, _ = gen_lib.compiled(gen_lib._decode_jit, "bench-decode", model.params,
-                                        self.state0, self.sp, jnp.int32(new_tokens),
-                                        **loop_static)
+    loop_static = dict(lm=LlamaLM(model.cfg), max_new_tokens=new_tokens, stop_ids=())
+    self.loop_exe, _ = runner.compiled(plain_lib.decode_loop_jit, "bench-decode", model.params,
+                                       self.state0, self.sp, jnp.int32(new_tokens),
+                                       **loop_static)
     self.compile_seconds = time.perf_counter() - t0
 
   def run(self):
@@ -124,11 +126,11 @@ class Spec:
   """The fused speculative loop (`speculative_generate`'s `_Run`), prefill excluded."""
 
   def __init__(self, model, prompts, new_tokens, drafter, k):
-    policy = spec_lib.resolve_policy(k, None, drafter)
+    policy = runner.resolve_policy(k, None, drafter)
     prep = prepare_prompts(model, prompts, new_tokens, extra=policy.k_max + 1)
     t0 = time.perf_counter()
-    self.run_ = spec_lib._Run(model, drafter, prep, GREEDY, policy, (), new_tokens,
-                              jax.random.key(0), None)
+    self.run_ = runner.SpecRun(model, drafter, prep, GREEDY, policy, (), new_tokens,
+                               jax.random.key(0), None)
     self.compile_seconds = time.perf_counter() - t0
     self.state0 = jax.block_until_ready(self.run_.start())
     self.k, self.n = policy.k_max, new_tokens
@@ -139,8 +141,8 @@ class Spec:
     t = time.perf_counter()
     st = jax.block_until_ready(self.run_.loop(st, self.run_.max_steps))
     dt = time.perf_counter() - t
-    toks, _ = spec_lib._outputs_jit(st, self.n)
-    return dt, spec_lib.summarize_stats(st.stats, self.k), np.asarray(toks)
+    toks, _ = fused.outputs_jit(st, self.n)
+    return dt, runner.summarize_stats(st.stats, self.k), np.asarray(toks)
 
 
 def _layout(model) -> str:
@@ -295,7 +297,7 @@ def main(argv=None):
   args._profiled = args._dumped = False
   backend = jax.default_backend()
   if args.options:
-    gen_lib.COMPILER_OPTIONS[backend] = json.loads(args.options)
+    runner.COMPILER_OPTIONS[backend] = json.loads(args.options)
   if args.output_major != "default":
     llama_lib.OUTPUT_MAJOR_PLATFORMS = ({"cpu", "gpu"} if args.output_major == "on" else set())
     llama_lib.OUTPUT_MAJOR_DTYPES = {}  # every float dtype
@@ -305,10 +307,10 @@ def main(argv=None):
   out = dict(machine=machine(), bandwidth_gbs={k: v / 1e9 for k, v in bws.items()},
              output_major_platforms=sorted(llama_lib.OUTPUT_MAJOR_PLATFORMS), args={
       k: v for k, v in vars(args).items() if not k.startswith("_")},
-      compiler_options=gen_lib.compiler_options(), results=[])
+      compiler_options=runner.compiler_options(), results=[])
   print(f"{backend}: bandwidth copy {bws['copy'] / 1e9:.0f} GB/s, read {bws['read'] / 1e9:.0f}"
         f" GB/s; output-major on {sorted(llama_lib.OUTPUT_MAJOR_PLATFORMS)}; compiler options"
-        f" {gen_lib.compiler_options() or 'XLA defaults'}", flush=True)
+        f" {runner.compiler_options() or 'XLA defaults'}", flush=True)
   log = functools.partial(print, flush=True)
   layouts = {"default": [None], "stacked": [True], "unrolled": [False],
              "both": [True, False]}[args.layout]
@@ -338,7 +340,7 @@ def main(argv=None):
         write_json(Path(args.out), out)
       del m
     del model
-    gen_lib.release_compiled()
+    runner.release_compiled()
   if args.plot and any("speedup" in r for r in out["results"]):
     plot([r for r in out["results"] if "speedup" in r], Path(args.out).with_suffix(".png"))
   return out

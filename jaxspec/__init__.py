@@ -5,21 +5,28 @@
     prompt = model.tokenizer.encode_chat("Summarise: ...")
     out = jaxspec.speculative_generate(model, "eagle", [prompt], max_new_tokens=128)
     print(out.texts[0], out.stats["tau"])
+
+Inside your own `jax.jit`, `jax.vmap` or `lax.scan`: `jaxspec.decoding.speculative_decode` and
+`jaxspec.decoding.decode`, pure functions of arrays that take any `jaxspec.decoding.CausalLM`.
 """
 
-from jaxspec.adaptive import AutoK, CostModel
-from jaxspec.drafters import DraftContext, Drafter, DraftModel, NGram, resolve_drafter
-from jaxspec.generate import GenerateOutput, generate, generate_stream, release_cache_buffers
+from jaxspec.api import (GenerateOutput, generate, generate_stream, speculative_generate,
+                         speculative_stream)
+from jaxspec.decoding import (CausalLM, DecodeOutput, Target, decode, speculative_decode)
+from jaxspec.decoding.adaptive import AutoK, CostModel
+from jaxspec.decoding.drafter import DraftContext, Drafter
+from jaxspec.decoding.rejection import acceptance, draft, rejection_sample, verify
+from jaxspec.drafters import DraftModel, NGram, resolve_drafter
 from jaxspec.heads import load_head
-from jaxspec.models.loading import load
+from jaxspec.api import load
 from jaxspec.models.model import Model
+from jaxspec.runner import release_cache_buffers, release_compiled
 from jaxspec.sampling import Sampling
-from jaxspec.speculative import (acceptance, draft, rejection_sample, speculative_generate,
-                                 speculative_stream, verify)
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoK", "CostModel", "DraftContext", "DraftModel", "Drafter", "GenerateOutput",
-           "Model", "NGram", "Sampling", "acceptance", "draft", "generate", "generate_stream",
-           "load", "load_head", "rejection_sample", "release_cache_buffers", "resolve_drafter",
-           "speculative_generate", "speculative_stream", "verify"]
+__all__ = ["AutoK", "CausalLM", "CostModel", "DecodeOutput", "DraftContext", "DraftModel",
+           "Drafter", "GenerateOutput", "Model", "NGram", "Sampling", "Target", "acceptance",
+           "decode", "draft", "generate", "generate_stream", "load", "load_head",
+           "rejection_sample", "release_cache_buffers", "release_compiled", "resolve_drafter",
+           "speculative_decode", "speculative_generate", "speculative_stream", "verify"]

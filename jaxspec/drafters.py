@@ -1,35 +1,6 @@
-"""Drafters: what proposes the k tokens that the target verifies.
-
-A drafter is a frozen, hashable dataclass (its configuration is a static argument of the jitted
-loop) whose weights, if any, are passed separately as a pytree (`drafter.params`), so a drafter
-with new weights of the same shapes reuses the compiled loop. Three pure methods run inside the
-loop:
-
-  init(params, prompt, prompt_len, max_len, hidden) -> state   after the target's prefill
-  propose(params, state, ctx, k, sp, keys)   -> (Proposal, state)
-  commit(params, state, ctx)                 -> state     after acceptance, ctx holds the
-                                                          accepted sequence and the target's
-                                                          hidden states
-
-A drafter whose `commit` costs a pass of its own (a draft model's layers, an EAGLE layer) sets
-`defer_commit`: when the adaptive controller runs plain steps (k = 0), the fused loop then skips
-the commit and keeps the plain steps' tokens (and hidden states) pending, and brings the drafter
-up to date with one `catch_up(params, state, ctx, width)` over all of them, before it next
-drafts or when `width` are pending. So not drafting costs what plain decoding costs.
-
-A `Proposal` holds the k drafts, their distribution q processed with the same sampling
-parameters as the target (None for a deterministic drafter: one-hot q, still exact), and how
-many of the k are real proposals per row (an n-gram drafter with no match has none): when no
-live row has any, the loop runs a plain one-token step instead of a (k+1)-token verify.
-
-The rule that keeps a custom drafter's `n_valid` exact: whether draft i counts (i < n_valid)
-may depend only on what was known before draft i was drawn (the context, drafts 1..i-1, the
-distribution q_i itself), never on the drawn token x_i. The target samples position i from
-p_i whenever draft i does not count, so any such rule leaves the output distribution p; a rule
-that looks at x_i (say, "stop where q_i(x_i) is small") drops unlikely draws selectively and
-biases sampled output. `DraftModel(p_min=...)` stops on the top probability of q_i for this
-reason (for greedy drafts the two are the same).
-"""
+"""The drafters jaxspec ships: prompt lookup (`NGram`), a separate draft model (`DraftModel`)
+and the `Oracle` used by benchmarks; `resolve_drafter` turns a name or path into one. The
+drafter protocol they implement is `jaxspec.decoding.drafter`."""
 
 from __future__ import annotations
 
@@ -42,111 +13,13 @@ from jax import lax
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Hidden, KVCache, Params, forward, init_cache, write_cache
+from jaxspec.decoding import protocol
+from jaxspec.decoding.protocol import Target
+from jaxspec.models.llama import KVCache, LlamaLM, Params
+from jaxspec.decoding.drafter import (DraftContext, Drafter, NoState, Proposal,  # noqa: F401
+                                      position_draft_keys)
 from jaxspec.models.model import Model
-
-
-from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
-
-
-@_pytree
-@dataclasses.dataclass
-class DraftContext:
-  """What the loop tells a drafter: the whole token sequence so far and the target's features.
-
-  The target's KV cache holds positions [0, seq_len - 1): every token but the last, which is the
-  input of the next verify pass.
-  """
-
-  seq: jax.Array  # [B, S] int32 prompt followed by the emitted tokens
-  seq_len: jax.Array  # [B] int32
-  prompt_len: jax.Array  # [B] int32
-  hidden: Hidden | None = None  # target hidden states of the last target pass
-  hidden_pos: jax.Array | None = None  # [B] index into hidden's T axis of the newest kept token
-  n_new: jax.Array | None = None  # [B] tokens appended by the last step (0 for finished rows)
-  # [B] the rows' PRNG keys (the loop's; None where not given): new token j of row b is drawn
-  # with fold_in(row_keys[b], j) by the target, so a drafter can draw its draft of token j
-  # with the same noise (`DraftModel(coupled=True)`).
-  row_keys: jax.Array | None = None
-
-
-@_pytree
-@dataclasses.dataclass
-class Proposal:
-  tokens: jax.Array  # [B, k] int32
-  q: jax.Array | None = None  # [B, k, V] float32 draft probabilities; None = one-hot
-  n_valid: jax.Array | None = None  # [B] int32 real drafts per row (None = all k)
-
-
-class Drafter:
-  """Base class; see the module docstring for the protocol."""
-
-  name: str = "drafter"
-  # The most drafts one step can propose (a head with K heads or stages), None: no limit.
-  max_draft_tokens: int | None = None
-  # Whether the drafter reads the target's hidden states: then `init` gets the prefill's and
-  # `commit` each verify pass's `Hidden` (final normed states plus `hidden_layers`); otherwise
-  # the target skips collecting them.
-  uses_target_hidden: bool = False
-  # Target decoder layers whose outputs the drafter reads (indices as in
-  # `forward(hidden_layers=...)`), when uses_target_hidden.
-  hidden_layers: tuple[int, ...] = ()
-  # Proposing costs next to nothing (no model pass): the loop then proposes k_max tokens before
-  # choosing k, so the adaptive controller knows which rows have real drafts.
-  free_proposals: bool = False
-  # Its commit runs a model pass: the fused loop may defer it over plain steps (`catch_up`).
-  defer_commit: bool = False
-  # A `jaxspec.tree.Tree` / `DynamicTree` when the drafter drafts a tree each step
-  # (`propose_tree(params, state, ctx, sp, keys) -> (TreeProposal, state)`), else None.
-  tree: Any = None
-
-  @property
-  def params(self) -> Any:
-    return None
-
-  @property
-  def vocab_size(self) -> int | None:
-    return None
-
-  def init(self, params, prompt: jax.Array, prompt_len: jax.Array, max_len: int,
-           hidden: Hidden | None = None):
-    """State after the prompt (prompt [B, P] right-padded, prompt_len [B]); max_len is the
-    sequence capacity. `hidden` is the target's prefill Hidden ([B, P, D] per entry, padding
-    positions included) when `uses_target_hidden`, else None. The target's cache then holds
-    positions [0, prompt_len - 1), as after a step that emitted the last prompt token. The
-    loop then samples the first new token from the prefill's logits and passes it to `commit`
-    as a plain step's outcome (n_new 1; its Hidden block holds the target's features at the
-    last prompt position), so the first `propose` already follows the first new token."""
-    raise NotImplementedError
-
-  def propose(self, params, state, ctx: DraftContext, k: int, sp, keys):
-    raise NotImplementedError
-
-  def commit(self, params, state, ctx: DraftContext):
-    raise NotImplementedError
-
-  def catch_up(self, params, state, ctx: DraftContext, width: int):
-    """A deferred commit (`defer_commit`): the last ctx.n_new [B] tokens of ctx.seq (at most
-    `width`) came from plain steps the drafter has not seen; ctx.hidden (when the drafter uses
-    the target's hidden states) holds their target features, `width` wide, as a verify pass over
-    them would. The state afterwards is what committing each plain step would have given."""
-    return self.commit(params, state, ctx)
-
-
-def position_draft_keys(ctx: DraftContext, k: int, who: str = "drafter") -> jax.Array:
-  """[B, k] the keys the target draws the next k tokens with (`sampling.position_keys`), for a
-  coupled drafter."""
-  if ctx.row_keys is None:
-    raise ValueError(f"a coupled {who} needs the loop's row keys in its context"
-                     " (DraftContext.row_keys): use it through speculative_generate")
-  return sampling_lib.position_keys(ctx.row_keys, ctx.seq_len - ctx.prompt_len, k)
-
-
-def resolve_coupled(drafter: Drafter, auto: bool) -> Drafter:
-  """The drafter with `coupled` decided: where it is None, coupled exactly under "auto"."""
-  if getattr(drafter, "coupled", False) is None:
-    return dataclasses.replace(drafter, coupled=bool(auto))
-  return drafter
+from jaxspec.pytree import pytree_dataclass as _pytree
 
 
 def _last_tokens(ctx: DraftContext, n: int) -> jax.Array:
@@ -167,7 +40,8 @@ class DraftModelState:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModel(Drafter):
-  """Any Llama-family model as the drafter, with its own KV cache.
+  """A separate draft model with its own KV cache: a jaxspec `Model`, or `Target(lm, params)` of
+  any model meeting `jaxspec.decoding.CausalLM` (a flax NNX module behind an adapter, say).
 
   The draft cache is kept one token behind the target's (it holds [0, seq_len - 2)), so every
   proposal starts with a two-token forward over the last two tokens: that re-feeds the last
@@ -175,7 +49,7 @@ class DraftModel(Drafter):
   keeps shapes static without tracking which case a row is in.
   """
 
-  model: Model
+  model: Model | Target
   p_min: float = 0.0
   name: str = "draft-model"
   # Draw draft j with the noise the target draws token j with (a Gumbel-max over log q with
@@ -189,6 +63,11 @@ class DraftModel(Drafter):
   defer_commit = True  # a plain step's commit is a forward of the draft model
 
   def __post_init__(self):
+    if isinstance(self.model, Target):
+      protocol.check_lm(self.model.lm, "draft")
+    elif not isinstance(self.model, Model):
+      raise ValueError(f"DraftModel takes a jaxspec Model or a jaxspec.decoding.Target(lm, params),"
+                       f" got {type(self.model).__name__}: wrap a CausalLM as Target(lm, params)")
     if not 0.0 <= self.p_min < 1.0:
       raise ValueError(f"p_min must be in [0, 1) (0 = never stop early), got {self.p_min}")
     if self.coupled is not None and not isinstance(self.coupled, bool):
@@ -199,9 +78,9 @@ class DraftModel(Drafter):
     # The weights' structure and dtypes belong to the identity: an int8 copy of a model keeps
     # its cfg but is a different drafter (another compiled program, another cost model).
     # The actual class: a subclass (another propose, say) is another compiled program.
-    leaves = tuple(f"{x.dtype}{x.shape}" for x in jax.tree.leaves(self.model.params))
-    return (type(self), self.model.cfg, self.p_min, self.coupled, leaves,
-            str(jax.tree.structure(self.model.params)))
+    leaves = tuple(f"{x.dtype}{x.shape}" for x in jax.tree.leaves(self.params))
+    return (type(self), self.lm, self.p_min, self.coupled, leaves,
+            str(jax.tree.structure(self.params)))
 
   def __hash__(self):
     return hash(self._key())
@@ -210,7 +89,15 @@ class DraftModel(Drafter):
     return type(other) is type(self) and other._key() == self._key()
 
   @property
+  def lm(self):
+    """The draft model as the loop runs it (`jaxspec.decoding.CausalLM`)."""
+    if isinstance(self.model, Target):
+      return self.model.lm
+    return LlamaLM(self.model.cfg)
+
+  @property
   def cfg(self) -> LlamaConfig:
+    """The configuration of a jaxspec draft model."""
     return self.model.cfg
 
   @property
@@ -219,11 +106,12 @@ class DraftModel(Drafter):
 
   @property
   def vocab_size(self) -> int:
-    return self.model.cfg.vocab_size
+    return self.lm.vocab_size
 
   def init(self, params, prompt, prompt_len, max_len, hidden=None) -> DraftModelState:
-    cache = init_cache(self.cfg, prompt.shape[0], max_len)
-    _, _, cache = forward(params, prompt, cache, self.cfg, logits=False, fresh=True)
+    lm = self.lm
+    cache = protocol.init_cache(lm, params, prompt.shape[0], max_len)
+    _, _, cache = protocol.forward(lm, params, prompt, cache, logits=False, fresh=True)
     # The prompt is right-padded; the draft cache stays one behind the target's, which holds
     # every prompt token but the last: it keeps [0, prompt_len - 2).
     return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(prompt_len - 2, 0)))
@@ -232,20 +120,20 @@ class DraftModel(Drafter):
     """k drafts per row; with p_min > 0 a row stops (n_valid) at the first position whose
     most likely token, under the draft model's own softmax, has probability below p_min, and
     drafting ends as soon as no row is still confident (llama.cpp's --draft-p-min)."""
-    cfg = self.cfg
+    lm = self.lm
     b = ctx.seq.shape[0]
     two = _last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
     # A row holding a single token has no "token before last": it feeds [last, last], reads the
     # logits of the first and keeps only that one entry.
     single = ctx.seq_len < 2
     start = state.cache.length
-    logits, _, cache = forward(params, two, state.cache, cfg)
-    cache = dataclasses.replace(cache, length=start + jnp.where(single, 1, 2))
+    logits, _, cache = protocol.forward(lm, params, two, state.cache)
+    cache = protocol.with_length(cache, start + jnp.where(single, 1, 2))
     if self.coupled:
       step_keys = position_draft_keys(ctx, k, self.name)
     else:
       step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
-    v = cfg.vocab_size
+    v = lm.vocab_size
 
     def pick(logits_i, key_i):
       q = sampling_lib.probs(logits_i, sp)
@@ -270,7 +158,7 @@ class DraftModel(Drafter):
     def body(c):
       i, drafts, qs, n_valid, alive, cache = c
       tok = lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
-      logits, _, cache = forward(params, tok[:, None], cache, cfg)
+      logits, _, cache = protocol.forward(lm, params, tok[:, None], cache)
       key_i = lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
       nxt, q, ok = pick(logits[:, 0], key_i)
       drafts = lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
@@ -286,7 +174,7 @@ class DraftModel(Drafter):
 
     def scan_body(carry, key_i):  # a fixed trip count: outputs stacked, no early exit
       tok, cache = carry
-      logits, _, cache = forward(params, tok[:, None], cache, cfg)
+      logits, _, cache = protocol.forward(lm, params, tok[:, None], cache)
       nxt, q, _ = pick(logits[:, 0], key_i)
       return (nxt, cache), (nxt, q)
 
@@ -307,37 +195,51 @@ class DraftModel(Drafter):
     want = jnp.maximum(ctx.seq_len - 2, 0)
     cache = state.cache
     behind = cache.length < want  # by one token at most: a plain step emits one
+    lm = self.lm
+    if not protocol.is_block_lm(lm):  # the cache passes through the conditional
+      cache = lax.cond(jnp.any(behind), lambda c: self._advance(params, c, ctx.seq, 1),
+                       lambda c: c, cache)
+      return DraftModelState(protocol.with_length(cache, want))
 
     def catch_up(_):
-      return self._kv_from_length(params, cache, ctx.seq, 1)
+      return self._block_from_length(params, cache, ctx.seq, 1)
 
     def skip(_):
-      shape = (self.cfg.num_layers, cache.batch_size, 1, self.cfg.num_kv_heads,
-               self.cfg.head_dim)
-      return jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype)
+      return lm.empty_block(cache.batch_size, 1, cache.k.dtype)
 
     # Written outside the cond (so the cache is not passed through it). A row that is not
     # behind gets a write at its `length`, at or past `want`: outside what the length keeps.
-    k_new, v_new = lax.cond(jnp.any(behind), catch_up, skip, None)
-    cache = write_cache(cache, k_new, v_new, positions_start=cache.length)
-    return DraftModelState(dataclasses.replace(cache, length=want))
+    block = lax.cond(jnp.any(behind), catch_up, skip, None)
+    cache = protocol.write_block(lm, cache, block, cache.length)
+    return DraftModelState(protocol.with_length(cache, want))
 
   def catch_up(self, params, state: DraftModelState, ctx, width: int) -> DraftModelState:
     """After plain steps the cache is behind by ctx.n_new (<= width) tokens: one forward over
     the `width` tokens from its length (the ones past `want` are scratch, dropped by the length),
     so the cache holds [0, seq_len - 2) again."""
-    cache = state.cache
-    k_new, v_new = self._kv_from_length(params, cache, ctx.seq, width)
-    cache = write_cache(cache, k_new, v_new, positions_start=cache.length)
-    return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(ctx.seq_len - 2, 0)))
+    cache = self._advance(params, state.cache, ctx.seq, width)
+    return DraftModelState(protocol.with_length(cache, jnp.maximum(ctx.seq_len - 2, 0)))
 
-  def _kv_from_length(self, params, cache, seq, width: int):
-    """The keys and values [L, B, width, G, K] of the `width` tokens of seq [B, S] from each
-    row's cache length on (clipped at the end of seq), computed over the cache, not written."""
+  @staticmethod
+  def _tokens_from_length(cache, seq, width: int):
+    """The `width` tokens of seq [B, S] from each row's cache length on (clipped at its end)."""
     idx = cache.length[:, None] + jnp.arange(width)[None, :]
-    toks = jnp.take_along_axis(seq, jnp.minimum(idx, seq.shape[1] - 1), axis=1)
-    _, _, kv = forward(params, toks, cache, self.cfg, logits=False, write=False)
-    return kv
+    return jnp.take_along_axis(seq, jnp.minimum(idx, seq.shape[1] - 1), axis=1)
+
+  def _advance(self, params, cache, seq, width: int):
+    """The cache with the `width` tokens from each row's length written (length + width)."""
+    lm = self.lm
+    toks = self._tokens_from_length(cache, seq, width)
+    if protocol.is_block_lm(lm):
+      block = self._block_from_length(params, cache, seq, width)
+      return protocol.write_block(lm, cache, block, cache.length)
+    return protocol.forward(lm, params, toks, cache, logits=False)[2]
+
+  def _block_from_length(self, params, cache, seq, width: int):
+    """A block model's keys and values of the `width` tokens from each row's length, computed
+    over the cache, not written."""
+    toks = self._tokens_from_length(cache, seq, width)
+    return protocol.forward(self.lm, params, toks, cache, logits=False, write=False)[2]
 
 
 
@@ -345,10 +247,6 @@ class DraftModel(Drafter):
 # Prompt lookup (n-gram) drafting.
 
 
-@_pytree
-@dataclasses.dataclass
-class NoState:
-  pass
 
 
 # The longest n-gram NGram looks up: the lookup is unrolled over the lengths (quadratic in it).

@@ -28,6 +28,9 @@ from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 class Sampling:
   """User-facing sampling settings (Python numbers, validated before anything compiles).
 
+  Each field is one value for every row, or a sequence of one value per row (rows with
+  different settings in one batch; its length must be the batch size).
+
   Attributes:
     temperature: 0 for greedy decoding, > 0 to sample.
     top_k: keep the k most likely tokens; 0 keeps all.
@@ -35,34 +38,70 @@ class Sampling:
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 keeps all.
   """
 
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  min_p: float = 0.0
+  temperature: float | tuple[float, ...] = 0.0
+  top_k: int | tuple[int, ...] = 0
+  top_p: float | tuple[float, ...] = 1.0
+  min_p: float | tuple[float, ...] = 0.0
 
   def __post_init__(self):
-    t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-      raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
-      raise ValueError(f"top_k must be an integer in [0, 2**31) (0 disables it; a value past the"
-                       f" vocabulary keeps all), got {k!r}")
-    if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
-      raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
-    if not isinstance(m, (int, float)) or math.isnan(m) or not 0 <= m <= 1:
-      raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+      v = getattr(self, name)
+      if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+        _check_value(name, v)
+        continue
+      vals = tuple(v.tolist() if hasattr(v, "tolist") else v)
+      if not vals:
+        raise ValueError(f"{name} is an empty sequence: give one value, or one per row")
+      for x in vals:
+        _check_value(name, x, per_row=True)
+      object.__setattr__(self, name, vals)
+
+  @property
+  def per_row(self) -> bool:
+    """Whether some field holds one value per row."""
+    return any(isinstance(getattr(self, f), tuple) for f in ("temperature", "top_k", "top_p",
+                                                              "min_p"))
 
   @property
   def greedy(self) -> bool:
-    return self.temperature == 0
+    t = self.temperature
+    return all(x == 0 for x in t) if isinstance(t, tuple) else t == 0
 
   def arrays(self, batch_size: int) -> SamplingArrays:
-    """Per-row arrays, so a change of value does not recompile."""
-    full = lambda v, dt: jnp.full((batch_size,), v, dt)
-    return SamplingArrays(temperature=full(self.temperature, jnp.float32),
-                          top_k=full(self.top_k, jnp.int32),
-                          top_p=full(self.top_p, jnp.float32),
-                          min_p=full(self.min_p, jnp.float32))
+    """Per-row arrays, so a change of value does not recompile. Raises ValueError when a
+    per-row field's length is not `batch_size`."""
+    def full(name, dt):
+      v = getattr(self, name)
+      if isinstance(v, tuple):
+        if len(v) != batch_size:
+          raise ValueError(f"Sampling.{name} has {len(v)} values for a batch of {batch_size}"
+                           f" rows: give one value, or exactly one per row")
+        return jnp.asarray(v, dt)
+      return jnp.full((batch_size,), v, dt)
+    return SamplingArrays(temperature=full("temperature", jnp.float32),
+                          top_k=full("top_k", jnp.int32), top_p=full("top_p", jnp.float32),
+                          min_p=full("min_p", jnp.float32))
+
+
+def _check_value(name: str, v, per_row: bool = False) -> None:
+  """Raises ValueError for a sampling value outside its range (naming the field)."""
+  if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:
+    v = v.item()
+  where = " (each row's)" if per_row else ""
+  if name == "temperature":
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+      raise ValueError(f"temperature{where} must be a finite number >= 0 (0 means greedy), got"
+                       f" {v!r}")
+  elif name == "top_k":
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+      raise ValueError(f"top_k{where} must be an integer in [0, 2**31) (0 disables it; a value"
+                       f" past the vocabulary keeps all), got {v!r}")
+  elif name == "top_p":
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not 0 < v <= 1:
+      raise ValueError(f"top_p{where} must be in (0, 1] (1 disables it), got {v!r}")
+  elif isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) \
+      or not 0 <= v <= 1:
+    raise ValueError(f"min_p{where} must be in [0, 1] (0 disables it), got {v!r}")
 
 
 GREEDY = Sampling()
@@ -202,3 +241,35 @@ def position_keys(row_keys: jax.Array, start: jax.Array, width: int) -> jax.Arra
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
   """Independent per-row keys [B]: row b's stream depends only on (key, b)."""
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch_size))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, sp: SamplingArrays) -> jax.Array:
+  """[B, ...] the log-probability of tokens [B, ...] under the distribution decoding samples
+  from: `log_softmax` of the processed logits [B, ..., V] (temperature, top-k, top-p, min-p;
+  greedy rows unscaled, as Hugging Face's and vLLM's processed log-probs)."""
+  lp = jax.nn.log_softmax(process_logits(logits, sp), axis=-1)
+  return jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def sampling_arrays(sampling, batch_size: int) -> SamplingArrays:
+  """`SamplingArrays` [B] from a `Sampling` (one value, or one per row), from `SamplingArrays`
+  (checked: every field [B]) or None (greedy). Raises ValueError naming a field of the wrong
+  shape or dtype; works on traced arrays (only shapes are checked)."""
+  if sampling is None:
+    sampling = GREEDY
+  if isinstance(sampling, dict):
+    sampling = Sampling(**sampling)
+  if isinstance(sampling, Sampling):
+    return sampling.arrays(batch_size)
+  if not isinstance(sampling, SamplingArrays):
+    raise ValueError(f"sampling must be a jaxspec Sampling or SamplingArrays, got"
+                     f" {type(sampling).__name__}")
+  out = {}
+  for f in dataclasses.fields(SamplingArrays):
+    x = getattr(sampling, f.name)
+    if not hasattr(x, "shape") or tuple(x.shape) != (batch_size,):
+      raise ValueError(f"SamplingArrays.{f.name} must have shape [{batch_size}] (one value per"
+                       f" row of the batch), got {getattr(x, 'shape', type(x).__name__)}")
+    want = jnp.int32 if f.name == "top_k" else jnp.float32
+    out[f.name] = jnp.asarray(x, want)
+  return SamplingArrays(**out)

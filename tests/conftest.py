@@ -70,17 +70,16 @@ def _release_executables():
   yield
   import sys
 
-  # jaxspec.generate is also the name of the function the package exports: go by module name.
-  sys.modules["jaxspec.speculative"]._PLACED.clear()
-  sys.modules["jaxspec.generate"].release_compiled()
+  sys.modules["jaxspec.runner"]._PLACED.clear()
+  sys.modules["jaxspec.runner"].release_compiled()
 
 
 @pytest.fixture
 def garbage_cache_pool():
   """fill(model, batch, max_len, seed): keeps large random values as the cache buffers the
-  next call of those shapes prefills into (`jaxspec.generate.take_cache_buffers`); returns
+  next call of those shapes prefills into (`jaxspec.runner.take_cache_buffers`); returns
   them. A call that read a kept entry beyond a row's length would change its tokens."""
-  from jaxspec.generate import keep_cache_buffers
+  from jaxspec.runner import keep_cache_buffers
 
   def fill(model, batch, max_len, seed):
     cfg = model.cfg
@@ -91,5 +90,5 @@ def garbage_cache_pool():
     return bufs
 
   yield fill
-  from jaxspec.generate import release_cache_buffers
+  from jaxspec.runner import release_cache_buffers
   release_cache_buffers()

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import adaptive
-from jaxspec.adaptive import AutoK, CostModel
+from jaxspec.decoding import adaptive
+from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.drafters import DraftModel, NGram
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from jaxspec.sampling import Sampling
-from jaxspec.speculative import speculative_generate
+from jaxspec.api import speculative_generate
 from test_speculative import _exact_joint, assert_first_tokens_follow, small_vocab  # noqa: F401
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
@@ -185,17 +185,19 @@ def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, samp
   """The fused "auto" loop with k forced: schedule [(k, steps), ...] (the last runs to the end).
 
   Returns (tokens [B, n_new], statistics)."""
-  from jaxspec import speculative as spec
-  drafter, sp_user, policy, prep = spec._prepare(target, drafter, prompts, n_new, sampling,
-                                                 "auto", AutoK(k_max=k_max), CPU_LIKE, None, None)
-  run = spec._Run(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
+  from jaxspec import runner
+  from jaxspec.decoding import fused
+  drafter, sp_user, policy, prep = runner.prepare_spec(target, drafter, prompts, n_new, sampling,
+                                                       "auto", AutoK(k_max=k_max), CPU_LIKE, None,
+                                                       None)
+  run = runner.SpecRun(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
   s = run.start()  # the prefill (the cost model is given: nothing is timed)
   passes = 0
   for i, (k, steps) in enumerate(schedule):
     passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
     s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
                      jnp.int32(policy.buckets.index(k)))
-  tokens, _ = spec._outputs_jit(s, n_new)
+  tokens, _ = fused.outputs_jit(s, n_new)
   return np.asarray(tokens), run.stats(s.stats)
 
 
@@ -246,7 +248,7 @@ def test_auto_without_drafts_is_plain_decoding(tiny_target, reference):
 def test_auto_stream_stops_plain_runs_at_each_chunk(tiny_target, poor_draft, reference):
   """Steps the controller gives k = 0 run in an inner loop; it too stops at the chunk's bound,
   so a stream yields every `chunk` passes, and the tokens are still generate's."""
-  from jaxspec.speculative import speculative_stream
+  from jaxspec.api import speculative_stream
   chunk, toks, passes = 3, [], []
   for new, info in speculative_stream(tiny_target, DraftModel(poor_draft), PROMPTS[0],
                                       max_new_tokens=N_NEW, auto=AutoK(k_max=4), cost=CPU_LIKE,

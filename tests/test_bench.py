@@ -6,8 +6,9 @@ import json
 import pytest
 
 from jaxspec import peers
-from jaxspec.bench import (METHODS, Settings, _groups, _spec_kwargs, _units, expected_tokens,
-                           latency_samples, predicted_times)
+from jaxspec.bench import (METHODS, Settings, expected_tokens, latency_samples,
+                           predicted_times)
+from jaxspec.bench.run import _groups, _spec_kwargs, _units
 from jaxspec.cli import main
 from jaxspec.models.hf_loader import save_hf
 
@@ -130,8 +131,8 @@ def test_plots_and_table_are_written(report):
 
 def test_an_interrupted_run_keeps_its_finished_runs(tiny_dir, prompts_file, tmp_path, monkeypatch):
   """A crash or Ctrl-C mid-run (e.g. LLVM out of memory mappings) loses nothing finished."""
-  from jaxspec import bench
-  real, calls = bench._run_jaxspec, []
+  from jaxspec.bench import run as bench_run
+  real, calls = bench_run._run_jaxspec, []
 
   def flaky(*args, **kwargs):
     calls.append(1)
@@ -139,7 +140,7 @@ def test_an_interrupted_run_keeps_its_finished_runs(tiny_dir, prompts_file, tmp_
       raise KeyboardInterrupt
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(bench, "_run_jaxspec", flaky)
+  monkeypatch.setattr(bench_run, "_run_jaxspec", flaky)
   with pytest.raises(KeyboardInterrupt):
     _bench(tiny_dir, prompts_file, tmp_path, "--methods", "none", "--per-category", "2")
   assert not (tmp_path / "bench.json").exists()

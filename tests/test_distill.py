@@ -13,9 +13,9 @@ import pytest
 import jaxspec
 from jaxspec.cli import main
 from jaxspec.drafters import DraftModel
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from jaxspec.models.hf_loader import save_hf
-from jaxspec.speculative import speculative_generate
+from jaxspec.api import speculative_generate
 from jaxspec.train.data import DataConfig, DataError, Dataset, write_dataset
 from jaxspec.train.distill import (DraftLM, distill, distill_loss, draft_from_target,
                                    response_positions)

@@ -51,10 +51,10 @@ def _same_drafts(kind, a, b, target, steps, layers, exact):
   else:
     np.testing.assert_allclose(np.asarray(la), np.asarray(lb), atol=0.05 * float(jnp.abs(la).max()))
   # The drafts themselves (greedy argmax, mapped to target ids).
-  ids = heads._draft_ids(a)
+  ids = heads.draft_ids(a)
   pa, pb = jnp.argmax(la, -1), jnp.argmax(lb, -1)
   if ids is not None:
-    pa, pb = ids[pa], heads._draft_ids(b)[pb]
+    pa, pb = ids[pa], heads.draft_ids(b)[pb]
   agree = float(jnp.mean(pa == pb))
   assert agree == 1.0 if exact else agree > 0.9
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.generate import generate, generate_stream
+from jaxspec.api import generate, generate_stream
 from jaxspec.models import forward, init_cache
 from jaxspec.sampling import Sampling
 
@@ -94,7 +94,7 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   """Past MAP_PRESSURE of vm.max_map_count the least recently used programs go before the next
   compile (a long session recompiles instead of failing in LLVM); what they computed is kept."""
   import sys
-  gen = sys.modules["jaxspec.generate"]
+  gen = sys.modules["jaxspec.runner"]
   gen.release_compiled()
   # A fake process: 10,000 mappings per kept program against a limit at which the pressure
   # starts at 4 programs (MAP_PRESSURE x limit = 35,000).
@@ -122,7 +122,7 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
 def test_cache_buffers_are_reused_and_stale_entries_never_read(tiny_target, garbage_cache_pool):
   """A call prefills into the previous call's cache buffers (donated, not copied); what they
   held beyond each row's length never changes a token, greedy or sampled."""
-  from jaxspec.generate import _CACHE_POOL, prepare_prompts, release_cache_buffers
+  from jaxspec.runner import _CACHE_POOL, prepare_prompts, release_cache_buffers
   ml = prepare_prompts(tiny_target, PROMPTS, 12).max_len
   release_cache_buffers()
   kw = dict(max_new_tokens=12, stop_ids=())

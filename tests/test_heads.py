@@ -14,12 +14,13 @@ from flax import nnx
 
 from jaxspec import heads
 from jaxspec.drafters import DraftContext
-from jaxspec.generate import generate, prefill
+from jaxspec.api import generate
+from jaxspec.decoding.plain import prefill
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
-from jaxspec.speculative import speculative_generate
+from jaxspec.api import speculative_generate
 from test_speculative import _exact_joint, assert_first_tokens_follow
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [7]]
@@ -242,7 +243,7 @@ def test_online_proposals_match_training_forward(tiny_target, trained, name):
     batch["hidden_layers"] = jnp.transpose(hid.layers, (1, 2, 0, 3))
   predict = nnx.jit(lambda m, b, f: heads.HEADS[kind].predict(m, b, f, k)[0])
   logits = predict(model, batch, tiny_target.params)  # [B, T, k, N]
-  ids = heads._draft_ids(model)
+  ids = heads.draft_ids(model)
   for i in range(len(prompts)):
     t = int(n[i]) - 2  # the position whose head predicts x_n, x_{n+1}, ...
     p_off = np.asarray(jax.nn.softmax(logits[i, t], axis=-1))  # [k, N]
@@ -260,7 +261,7 @@ def test_eagle_deferred_commits_equal_eager_ones(tiny_target, reference, trained
   step drafts: the same tokens and acceptances, greedily and under sampling (where acceptance
   reads q, so the drafts' distributions must agree too)."""
   from test_adaptive import forced_run
-  from jaxspec.head_drafters import EagleDrafter
+  from jaxspec.heads.drafters import EagleDrafter
 
   @dataclasses.dataclass(frozen=True)
   class EagerEagle(EagleDrafter):
@@ -393,8 +394,8 @@ def test_bundled_head_names(tiny_target):
 
 
 def test_heads_with_few_drafts_cap_k_before_compiling(tiny_target, trained):
-  from jaxspec.adaptive import AutoK
-  from jaxspec.speculative import resolve_policy
+  from jaxspec.decoding.adaptive import AutoK
+  from jaxspec.runner import resolve_policy
   medusa = heads.HEADS["medusa"].drafter(trained["medusa"]["model"], tiny_target)  # 3 heads
   assert medusa.max_draft_tokens == 3
   assert resolve_policy("auto", None, medusa).k_max == 3  # the default AutoK is capped

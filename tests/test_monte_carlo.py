@@ -28,7 +28,7 @@ def _exact_marginals(target, prompt, sp, n_pos):
 
 
 def _enumerate_marginals(target, prompt, sp, n_pos):
-  from jaxspec.generate import prefill
+  from jaxspec.decoding.plain import prefill
   v = target.cfg.vocab_size
   prefixes = np.zeros((1, 0), np.int64)
   weight = np.ones(1)
@@ -59,7 +59,7 @@ def _assert_positions_follow(tokens, marginals, what):
 
 def _mc_drafter(name, target, draft):
   from jaxspec import heads
-  from jaxspec.adaptive import AutoK, CostModel
+  from jaxspec.decoding.adaptive import AutoK, CostModel
   if name == "ngram":
     return NGram(max_ngram=2), 3, {}
   if name == "draft-model":

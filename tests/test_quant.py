@@ -9,13 +9,13 @@ import pytest
 from test_speculative import _exact_joint, assert_first_tokens_follow
 
 from jaxspec.drafters import DraftModel
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.model import Model
-from jaxspec.models.quant import (QArray, dequantize, is_quantized, param_bytes, quantize,
-                                  self_drafter)
+from jaxspec.models.quant import QArray, dequantize, is_quantized, param_bytes, quantize
+from jaxspec.self_draft import self_drafter
 from jaxspec.sampling import Sampling
-from jaxspec.speculative import speculative_generate
+from jaxspec.api import speculative_generate
 
 CFG = tiny_config(vocab_size=256)  # L=2, D=64, H=4, G=2, K=16, F=128
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]

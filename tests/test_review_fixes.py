@@ -14,10 +14,10 @@ import pytest
 
 from jaxspec import AutoK, DraftModel, NGram, Sampling, generate, speculative_generate
 from jaxspec.drafters import Proposal
-from jaxspec.generate import generate_stream
+from jaxspec.api import generate_stream
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.loading import load
-from jaxspec.speculative import speculative_stream
+from jaxspec.api import speculative_stream
 from test_checkpoints import _tiny, write_tiny_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]

@@ -5,8 +5,8 @@ import pytest
 
 from conftest import REFERENCE, shared_or_skip
 from jaxspec.drafters import NGram, resolve_drafter
-from jaxspec.generate import generate
-from jaxspec.speculative import speculative_generate
+from jaxspec.api import generate
+from jaxspec.api import speculative_generate
 
 N = 128
 # The speculative equality tests decode the first NS of those steps and compare them with the

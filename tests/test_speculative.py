@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxspec.drafters import DraftModel, NGram
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, probs
-from jaxspec.speculative import acceptance, speculative_generate
+from jaxspec.decoding.rejection import acceptance
+from jaxspec.api import speculative_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
@@ -105,7 +106,8 @@ def test_rejection_sample_one_hot_q_n_valid_and_bonus():
   """The loop's form of the rule (position keys) for deterministic drafts, by Monte Carlo on
   fixed p: the first token follows p_1 whatever the draft; where n_valid = 0 too; and after an
   accepted draft the next (the bonus token at k = 1) follows p_2. 200,000 rows."""
-  from jaxspec.speculative import position_keys, rejection_sample
+  from jaxspec.sampling import position_keys
+  from jaxspec.decoding.rejection import rejection_sample
   rng = np.random.default_rng(3)
   v, n = 5, 200000
   p = rng.dirichlet(np.ones(v), size=2).astype(np.float32)  # p_1, p_2
@@ -292,7 +294,7 @@ def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, 
   """The target's cache goes into the previous call's buffers (donated); rejected drafts and
   earlier calls leave entries past each row's length there, and none of them changes a token,
   greedy or sampled (the draft model's own cache is allocated per call)."""
-  from jaxspec.generate import _CACHE_POOL, prepare_prompts
+  from jaxspec.runner import _CACHE_POOL, prepare_prompts
   d = _drafter(name, tiny_target, poor_draft)
   ml = prepare_prompts(tiny_target, PROMPTS, N_NEW, extra=3 + 1).max_len
   kw = dict(max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=())

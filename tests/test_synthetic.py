@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from jaxspec.drafters import Oracle
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from jaxspec.models.llama import DEFAULT_SCAN_LAYERS, default_scan_layers
 from jaxspec.models.synthetic import SHAPES, random_model, shape_config
-from jaxspec.speculative import speculative_generate
+from jaxspec.api import speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +174,7 @@ def _verify_path_hlo(model) -> str:
   loop, outside the loop's own choice of k)."""
   from jaxspec.models import init_cache
   from jaxspec.sampling import GREEDY
-  from jaxspec.speculative import rejection_sample, verify
+  from jaxspec.decoding.rejection import rejection_sample, verify
   cfg, b, k = model.cfg, 2, 3
 
   def path(params, cache, last, drafts, sp, keys):

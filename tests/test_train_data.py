@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.train.data import (DataConfig, DataError, Dataset, read_prompt_file, read_prompts,
@@ -365,7 +365,7 @@ def test_target_instructions_keeps_finished_distinct_turns(smol_tokenizer, monke
   within max_tokens, has min_tokens, and is new; batches get distinct keys; too few warns."""
   import sys
 
-  from jaxspec.generate import GenerateOutput
+  from jaxspec.api import GenerateOutput
   from jaxspec.train.data import target_instructions, user_turn_prefix
   prefix, end = user_turn_prefix(smol_tokenizer)
   enc = lambda s: smol_tokenizer.encode(s, add_bos=False)  # noqa: E731
@@ -389,7 +389,7 @@ def test_target_instructions_keeps_finished_distinct_turns(smol_tokenizer, monke
     lengths = np.array([min(len(r), max_new_tokens) for r in rows])
     return GenerateOutput(tokens, lengths, np.full(len(rows), len(prefix)))
 
-  monkeypatch.setattr(sys.modules["jaxspec.generate"], "generate", fake_generate)
+  monkeypatch.setattr(sys.modules["jaxspec.api"], "generate", fake_generate)
   target = Model(tiny_config(vocab_size=49152), None, tokenizer=smol_tokenizer)
   got = target_instructions(target, 4, batch_size=4, max_tokens=10, min_tokens=2)
   assert got == ["Write a poem about rain.", "Explain tides", "Name three rivers in Africa.",

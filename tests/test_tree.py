@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 
 from jaxspec import AutoK, heads
-from jaxspec import tree as tree_lib
-from jaxspec.generate import generate
+from jaxspec.decoding import tree as tree_lib
+from jaxspec.api import generate
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
-from jaxspec.speculative import speculative_generate
-from jaxspec.tree import DynamicTree, Tree
+from jaxspec.api import speculative_generate
+from jaxspec.decoding.tree import DynamicTree, Tree
 from test_speculative import _chi2_critical, _exact_joint, assert_first_tokens_follow
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [7]]
@@ -78,7 +78,7 @@ def test_tree_rule_is_exact_monte_carlo(form):
   keys = jax.random.split(jax.random.key(5), n_rows)
   depth = np.array([0, 1, 1, 1, 2, 2], np.int32)
   if form == "coupled":
-    from jaxspec.speculative import position_keys
+    from jaxspec.sampling import position_keys
     keys = position_keys(keys, jnp.zeros(n_rows, jnp.int32), 3)
   n_acc, emitted, path = jax.jit(tree_lib.tree_accept, static_argnums=4)(
       bc(p), bc(tokens), bc(parents), keys, 2, depth=bc(depth))
@@ -149,7 +149,7 @@ def test_dynamic_tree_is_a_valid_tree(tiny_target):
   """The EAGLE-2 proposal: parents precede children, depths follow the parents, and the kept
   nodes are the best by cumulative draft log-probability (tokens distinct among siblings)."""
   from jaxspec.drafters import DraftContext
-  from jaxspec.generate import prefill
+  from jaxspec.decoding.plain import prefill
   drafter = _eagle(tiny_target).with_tree(DynamicTree(depth=3, topk=3, total_tokens=12))
   cfg = tiny_target.cfg
   prompt = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
@@ -262,7 +262,7 @@ def test_sampled_head_chains_are_coupled_under_auto(tiny_target):
   """A head's sampled chain under "auto" draws each draft with the target's key for that
   token (the default `coupled=None`): the text is `generate`'s for the key; with a fixed k and
   coupled=True too. Greedy or not, the output distribution is exact either way."""
-  from jaxspec.adaptive import CostModel
+  from jaxspec.decoding.adaptive import CostModel
   sp = Sampling(temperature=1.0, top_k=40)
   ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=6, stop_ids=())
   cost = CostModel(ks=(0, 1, 2, 3), seconds=(1.0, 1.1, 1.2, 1.3))

@@ -13,10 +13,9 @@ from jaxspec.models.llama import (Hidden, KVCache, LayerParams, Params, forward,
                                   init_params, logits_from_hidden, lm_head_weight)
 from jaxspec.models.loading import load
 from jaxspec.models.model import Model
-from jaxspec.models.quant import (QArray, dequantize, param_bytes, quantize, quantize_array,
-                                  self_drafter)
+from jaxspec.models.quant import QArray, dequantize, param_bytes, quantize, quantize_array
 
 __all__ = ["Hidden", "KVCache", "LayerParams", "LlamaConfig", "Model", "Params", "QArray",
            "RopeScaling", "dequantize", "forward", "init_cache", "init_params", "lm_head_weight",
            "load", "logits_from_hidden", "param_bytes", "quantize", "quantize_array",
-           "self_drafter", "tiny_config"]
+           "tiny_config"]

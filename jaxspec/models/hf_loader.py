@@ -38,8 +38,10 @@ _ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<
               "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
               "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
 _FLOAT_DTYPES = tuple(_ST_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))
-_SAVE_DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", ml_dtypes.bfloat16),
-                "float16": ("F16", np.float16)}
+# The dtypes weights can be saved in (save_hf, heads.save_head, train.export): safetensors name
+# and numpy dtype.
+SAVE_DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", ml_dtypes.bfloat16),
+               "float16": ("F16", np.float16)}
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
@@ -124,7 +126,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
 # -- config ---------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+  """The parsed JSON file; invalid JSON is a CheckpointError naming the file."""
   try:
     return json.loads(path.read_text(encoding="utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -302,7 +305,7 @@ def _shard_files(path: Path) -> list[Path]:
     return [single]
   index = path / "model.safetensors.index.json"
   if index.is_file():
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
       raise CheckpointError(f"{index} has no weight_map: re-save the checkpoint")
     files = []
@@ -348,7 +351,7 @@ def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
   config_file = path / "config.json"
   if not config_file.is_file():
     raise CheckpointError(f"{path} has no config.json: it is not a Hugging Face model directory")
-  config = _read_json(config_file)
+  config = read_json(config_file)
   if not isinstance(config, dict):
     raise CheckpointError(f"{config_file} is not a JSON object")
   cfg = config_from_hf(config, dtype, where=str(config_file))
@@ -361,7 +364,7 @@ def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
   generation = path / "generation_config.json"
   eos = _ids(config.get("eos_token_id"))
   if generation.is_file():
-    gen = _read_json(generation)
+    gen = read_json(generation)
     eos += [i for i in _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
             if i not in eos]
   tokenizer = None
@@ -491,9 +494,9 @@ def save_hf(model: Model | tuple[LlamaConfig, Params], path: str | os.PathLike,
   else:
     (cfg, params), tokenizer = model, None
   dtype = cfg.dtype if dtype is None else dtype
-  if dtype not in _SAVE_DTYPES:
-    raise ValueError(f"dtype {dtype!r} cannot be saved: use one of {sorted(_SAVE_DTYPES)}")
-  np_dtype = _SAVE_DTYPES[dtype][1]
+  if dtype not in SAVE_DTYPES:
+    raise ValueError(f"dtype {dtype!r} cannot be saved: use one of {sorted(SAVE_DTYPES)}")
+  np_dtype = SAVE_DTYPES[dtype][1]
   config = config_to_hf(cfg, dtype)
   tensors = {k: v.astype(np_dtype) for k, v in params_to_hf(params, cfg).items()}
   path = Path(path)

@@ -719,6 +719,11 @@ class LlamaLM:
                    hidden_layers=hidden_layers)
 
   # The block interface: the cache carries its own per-row length.
+  @staticmethod
+  def cache_from_buffers(buffers, batch_size: int) -> KVCache:
+    """A cache over donated (k, v) buffers of an earlier call, with every row empty."""
+    return KVCache(k=buffers[0], v=buffers[1], length=jnp.zeros((batch_size,), jnp.int32))
+
   def forward_block(self, params, tokens, cache: KVCache, *, hidden_layers=(), logits=True,
                     fresh=False, write=True, positions=None, block_mask=None):
     return forward(params, tokens, cache, self.cfg, hidden_layers=hidden_layers, logits=logits,

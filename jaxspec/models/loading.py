@@ -34,17 +34,14 @@ def bundled_gguf_path() -> Path:
                         f" `{_INSTALL_HINT} --force-reinstall`")
 
 
-def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", *, mesh=None,
-         rules=None, scan_layers: bool | None = None) -> Model:
+def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", *,
+         scan_layers: bool | None = None) -> Model:
   """Loads a model by name or path.
 
   Args:
     name_or_path: None or "smollm2-135m" / "smollm2-135m-instruct" for the bundled GGUF; a path
       to a `.gguf` file; or a Hugging Face model directory (config.json + safetensors).
     dtype: parameter dtype, "float32" or "bfloat16".
-    mesh: a `jax.sharding.Mesh`: lay the weights out on it (`jaxspec.sharding.shard_model`).
-      A Hugging Face directory's config is checked against the mesh before any weight is read.
-    rules: `jaxspec.sharding.ShardingRules` for `mesh` (default tensor x data parallel).
     scan_layers: True: the layers stacked and run by `lax.scan` (compiles fast); False: one
       set of weights per layer, unrolled (about 1.4x faster steps on XLA's CPU backend, several
       times slower compiles). Default: unrolled on the CPU backend, stacked elsewhere
@@ -53,7 +50,6 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", 
     `Model` with config, params and tokenizer.
   Raises:
     CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
-    ValueError: the mesh does not divide the model's heads, MLP width or vocabulary.
   """
   if scan_layers is not None and not isinstance(scan_layers, bool):
     raise ValueError(f"scan_layers must be True, False or None (the backend's default), got"
@@ -61,19 +57,7 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", 
   if scan_layers is None:
     from jaxspec.models.llama import default_scan_layers
     scan_layers = default_scan_layers()
-  if mesh is None:
-    return _load(name_or_path, dtype).with_scan_layers(scan_layers)
-  from jaxspec.sharding import rules as rules_lib
-  rules = rules_lib.DEFAULT_RULES if rules is None else rules
-  path = None if name_or_path is None else Path(name_or_path).expanduser()
-  if path is not None and path.is_dir() and (path / "config.json").is_file():
-    import json
-
-    from jaxspec.models.hf_loader import config_from_hf
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
-    rules_lib.check_fits(cfg, mesh, rules)
-  return rules_lib.shard_model(_load(name_or_path, dtype).with_scan_layers(scan_layers), mesh,
-                               rules)
+  return _load(name_or_path, dtype).with_scan_layers(scan_layers)
 
 
 def _load(name_or_path, dtype: str) -> Model:

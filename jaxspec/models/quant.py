@@ -21,8 +21,8 @@ Contracted axes per weight (stacked layouts, letters as in `jaxspec.models`):
 The scales of layer weights keep the leading L axis, so `lax.scan` over layers slices a
 `QArray` like any other leaf.
 
-Self-speculation: `self_drafter(target)` is `DraftModel(quantize(target, "int8"))`, the target
-drafting for itself at a quarter of the weight bytes; the output is still exactly the target's.
+Self-speculation, `DraftModel(quantize(target, "int8"))`, is `jaxspec.self_draft.self_drafter`:
+it needs `jaxspec.drafters`, which sits above this package.
 """
 
 from __future__ import annotations
@@ -170,16 +170,6 @@ def quantize(model_or_params: Model | Params, precision: str) -> Model | Params:
   return Model(cfg, new_params, tokenizer=model.tokenizer, name=f"{model.name}-{precision}")
 
 
-def self_drafter(target: Model, precision: str = "int8", **kwargs):
-  """The target at a lower precision drafting for itself: `DraftModel(quantize(target,
-  precision), **kwargs)` (kwargs: DraftModel's, e.g. p_min).
-
-  The speculative output stays exactly the target's; only the acceptance rate depends on how
-  close the low-precision copy's distribution is.
-  """
-  from jaxspec.drafters import DraftModel  # drafters imports the models package
-  return DraftModel(quantize(target, precision), **kwargs)
-
 
 __all__ = ["PRECISIONS", "QArray", "dequantize", "is_quantized", "param_bytes", "quantize",
-           "quantize_array", "self_drafter"]
+           "quantize_array"]

@@ -47,7 +47,7 @@ _KINDS = ("model", "head", "ngram")
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
   """E(k) = (1 - alpha^(k+1)) / (1 - alpha): tokens a row emits per step verifying k drafts
-  with i.i.d. acceptance alpha (`jaxspec.adaptive.expected_tokens` with constant alpha)."""
+  with i.i.d. acceptance alpha (`jaxspec.decoding.adaptive.expected_tokens` with constant alpha)."""
   if alpha >= 1.0:
     return k + 1.0
   return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)

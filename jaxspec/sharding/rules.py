@@ -20,15 +20,20 @@ Logical axes:
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxspec.models import loading
 from jaxspec.models.config import LlamaConfig
+from jaxspec.models.hf_loader import config_from_hf
 from jaxspec.models.llama import KVCache, LayerParams, OutputMajor, Params, input_major
+from jaxspec.models.model import Model
 
 # The logical axes of every weight, in the order of its dimensions.
 PARAM_AXES = dict(
@@ -326,7 +331,6 @@ def place_drafter(drafter, sharding: ModelSharding):
   mesh divides it (replicated otherwise); for other drafters, arrays already on the mesh (a
   head's frozen embedding and LM head, shared with a target sharded there) keep their layout
   and the rest are replicated."""
-  from jaxspec.models.model import Model
   dparams = drafter.params
   if dparams is None:
     return None
@@ -351,7 +355,6 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
   `generate` and `speculative_generate` then compile for that mesh, with the batch sharded over
   the rules' batch axis (the number of prompts must divide it).
   """
-  from jaxspec.models.model import Model
   if not isinstance(model, Model):
     raise ValueError(f"shard_model takes a jaxspec Model, got {type(model).__name__}")
   params = shard_params(model.params, model.cfg, mesh, rules)
@@ -360,3 +363,16 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
 
 def model_sharding(model) -> ModelSharding | None:
   return getattr(model, "sharding", None)
+
+
+def load_sharded(name_or_path, mesh, *, dtype: str = "float32", rules: ShardingRules | None = None,
+                 scan_layers: bool | None = None):
+  """`jaxspec.models.load` with the weights laid out on `mesh` by `rules` (default tensor x
+  data parallel); a Hugging Face directory's config is checked against the mesh before any
+  weight is read."""
+  rules = DEFAULT_RULES if rules is None else rules
+  path = None if name_or_path is None else Path(name_or_path).expanduser()
+  if path is not None and path.is_dir() and (path / "config.json").is_file():
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
+    check_fits(cfg, mesh, rules)
+  return shard_model(loading.load(name_or_path, dtype, scan_layers=scan_layers), mesh, rules)

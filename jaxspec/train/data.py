@@ -84,7 +84,7 @@ def _line_ids(obj: dict, field: str, where: str) -> list[int]:
   return list(ids)
 
 
-def _line_prompt(obj: Any, where: str) -> Prompt:
+def line_prompt(obj: Any, where: str) -> Prompt:
   """The prompt of one parsed JSON line (see the module docstring for the fields)."""
   if not isinstance(obj, dict):
     raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -184,8 +184,8 @@ def read_prompt_file(path: str | os.PathLike, *, answers: bool = False) -> list:
     raise DataError(f"prompt file {path} {what}: pass JSON-lines files (training prompts are in"
                     " ../shared/data/: gsm8k_train.jsonl, humaneval.jsonl,"
                     " self_instruct_seed_tasks.jsonl)")
-  prompts = [(_line_prompt(obj, where), _line_answer(obj, where)) if answers
-             else _line_prompt(obj, where)
+  prompts = [(line_prompt(obj, where), _line_answer(obj, where)) if answers
+             else line_prompt(obj, where)
              for where, obj in json_lines(path, "every line must be one JSON object")]
   if not prompts:
     raise DataError(f"prompt file {path} is empty: it needs one JSON object per line")
@@ -323,7 +323,7 @@ def target_instructions(target: Model, n: int, *, seed: int = 0, temperature: fl
   Returns:
     The instruction texts, at most n (fewer, with a warning, when max_batches runs out).
   """
-  from jaxspec.generate import generate
+  from jaxspec.api import generate
   from jaxspec.sampling import Sampling
 
   if n < 1:
@@ -453,7 +453,7 @@ def _round_up(n: int, m: int) -> int:
 def _generate_responses(target: Model, prompt_ids: list[list[int]], cfg: DataConfig,
                         progress) -> tuple[list[tuple[int, int, list[int]]], dict[str, Any]]:
   """(prompt index, temperature index, response ids) for every prompt and temperature."""
-  from jaxspec.generate import generate
+  from jaxspec.api import generate
   from jaxspec.sampling import Sampling
 
   order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))

@@ -40,7 +40,7 @@ from flax import nnx
 from jaxspec import heads as heads_lib
 from jaxspec.heads import EagleHead, MedusaHeads
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.hf_loader import (_SAVE_DTYPES, _read_json, config_to_hf, read_safetensors,
+from jaxspec.models.hf_loader import (SAVE_DTYPES, config_to_hf, read_json, read_safetensors,
                                       write_safetensors)
 from jaxspec.models.llama import lm_head_weight
 
@@ -53,9 +53,9 @@ def _np32(x) -> np.ndarray:
 
 
 def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-  if dtype not in _SAVE_DTYPES:
-    raise ValueError(f"dtype {dtype!r} is not one of {sorted(_SAVE_DTYPES)}")
-  np_dtype = _SAVE_DTYPES[dtype][1]
+  if dtype not in SAVE_DTYPES:
+    raise ValueError(f"dtype {dtype!r} is not one of {sorted(SAVE_DTYPES)}")
+  np_dtype = SAVE_DTYPES[dtype][1]
   return {k: v.astype(np_dtype) if np.issubdtype(v.dtype, np.floating) else v
           for k, v in tensors.items()}
 
@@ -88,9 +88,9 @@ def export_eagle3(directory: str | os.PathLike, model: EagleHead, target, *,
   if not isinstance(model, EagleHead) or model.cfg.version != 3:
     raise ValueError("export_eagle3 needs an EAGLE-3 head (heads.HEADS['eagle'] with"
                      " version=3); EAGLE-1 heads have no speculators export here")
-  if model.target_dims != heads_lib._target_dims(target.cfg):
+  if model.target_dims != heads_lib.target_dims(target.cfg):
     raise ValueError(f"the head was built for a target with (hidden, vocab, layers) ="
-                     f" {model.target_dims}, not {heads_lib._target_dims(target.cfg)}")
+                     f" {model.target_dims}, not {heads_lib.target_dims(target.cfg)}")
   lc = model.layer_cfg
   d, h, g, k = target.cfg.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim
   ids = np.asarray(model.draft_ids[...]).astype(np.int64)
@@ -155,7 +155,7 @@ def _speculators_tensors(path: Path) -> dict[str, np.ndarray]:
   if single.is_file():
     files = [single]
   elif index.is_file():
-    shards = sorted(set((_read_json(index).get("weight_map") or {}).values()))
+    shards = sorted(set((read_json(index).get("weight_map") or {}).values()))
     files = [path / s for s in shards]
   elif (path / "pytorch_model.bin").exists():
     raise CheckpointError(f"{path} holds pytorch_model.bin, a pickle that jaxspec never loads:"
@@ -182,7 +182,7 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
   cfg_path = path / "config.json"
   if not cfg_path.is_file():
     raise CheckpointError(f"{cfg_path} is missing: {path} is not a speculators checkpoint")
-  config = _read_json(cfg_path)
+  config = read_json(cfg_path)
   kind = config.get("speculators_model_type")
   if kind != "eagle3":
     raise CheckpointError(f"{cfg_path}: speculators_model_type is {kind!r}, import_eagle3 reads"
@@ -267,9 +267,9 @@ def export_medusa(directory: str | os.PathLike, model: MedusaHeads, target, *,
   """Writes a Medusa head in Medusa's format (config.json + medusa_lm_head.safetensors)."""
   if not isinstance(model, MedusaHeads):
     raise ValueError(f"export_medusa needs a MedusaHeads module, got {type(model).__name__}")
-  if model.target_dims != heads_lib._target_dims(target.cfg):
+  if model.target_dims != heads_lib.target_dims(target.cfg):
     raise ValueError(f"the head was built for a target with (hidden, vocab, layers) ="
-                     f" {model.target_dims}, not {heads_lib._target_dims(target.cfg)}")
+                     f" {model.target_dims}, not {heads_lib.target_dims(target.cfg)}")
   k, nl = model.cfg.num_heads, model.cfg.num_layers
   w, b = _np32(model.w[...]), _np32(model.b[...])
   shared = _np32(lm_head_weight(target.params)).T  # [V, D]
@@ -306,7 +306,7 @@ def import_medusa(directory: str | os.PathLike, target, *, rtol: float = 1e-2) -
     raise CheckpointError(f"{weights} is missing" + (
         ": medusa_lm_head.pt is a pickle jaxspec never loads; convert it to safetensors"
         if (path / "medusa_lm_head.pt").exists() else ""))
-  config = _read_json(cfg_path)
+  config = read_json(cfg_path)
   where = f"the Medusa checkpoint at {path}"
   try:
     k, nl = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))

@@ -1,260 +1,13 @@
-"""The `jaxspec` command line: `jaxspec generate "PROMPT"`, `jaxspec train KIND` and
-`jaxspec bench`."""
+"""`jaxspec train KIND`: have the target answer prompts (self-distillation data), then train a
+draft head (medusa, mlp, eagle) or a draft model on them and save it."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 
-from jaxspec.bench import add_bench_parser, cmd_bench
-
-
-_SCAN_LAYERS = {"auto": None, "yes": True, "no": False}
-
-
-def _add_scan_layers(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--scan-layers", default="auto", choices=list(_SCAN_LAYERS),
-                 help="run the layers as one lax.scan (yes: compiles fast) or unrolled (no:"
-                      " about 1.4x faster steps on CPU, several times slower compiles);"
-                      " auto (default): unrolled on the CPU backend, scanned elsewhere")
-
-
-def default_compile_cache() -> str:
-  """Where the CLI keeps compiled programs between runs: $JAXSPEC_COMPILE_CACHE (a directory, or
-  'none' for no cache), else $XDG_CACHE_HOME/jaxspec/xla (~/.cache/jaxspec/xla)."""
-  env = os.environ.get("JAXSPEC_COMPILE_CACHE")
-  if env:
-    return env
-  base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-  return str(Path(base) / "jaxspec" / "xla")
-
-
-def add_compile_cache(p: argparse.ArgumentParser, *, on: bool = True) -> None:
-  if on:
-    default, what = None, (f"default: $JAXSPEC_COMPILE_CACHE or {default_compile_cache()},"
-                           " unless JAX_COMPILATION_CACHE_DIR already names one")
-  else:
-    default, what = "none", "default: none (off, so the compile column measures compilation)"
-  p.add_argument("--compile-cache", default=default, metavar="DIR",
-                 help="keep compiled programs in DIR (at most 2 GiB, least recently used"
-                      " dropped), so a later run with the same model, shapes and settings loads"
-                      " them instead of compiling (on the 2-core CPU the default demo's compile"
-                      " and cost measurement went 112 -> 100 s: tracing, loading the programs"
-                      " and the cost measurement remain; the stats line counts the programs"
-                      " loaded);"
-                      f" 'none' turns it off; {what}")
-
-
-def enable_compile_cache(spec: str | None) -> str | None:
-  """Turns on JAX's persistent compilation cache for this process; returns the directory (None
-  when off). Call before the first compilation. A directory the user already gave JAX
-  (JAX_COMPILATION_CACHE_DIR, jax.config) wins over the default."""
-  import jax
-  current = jax.config.jax_compilation_cache_dir
-  if spec is None and current:
-    return current
-  spec = default_compile_cache() if spec is None else spec
-  if spec.lower() in ("none", "off", ""):
-    return None
-  path = Path(spec).expanduser()
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise SystemExit(f"error: --compile-cache {str(path)!r}: {e.strerror}; pass a writable"
-                     " directory or --compile-cache none")
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  # The programs worth keeping take seconds to compile; the many small ones are cheaper to
-  # compile than to look up. JAXSPEC_COMPILE_CACHE_MIN_SECONDS changes the threshold (0 keeps
-  # every program: what a test needs, since which programs pass 1 s depends on the load).
-  try:
-    min_secs = float(os.environ.get("JAXSPEC_COMPILE_CACHE_MIN_SECONDS", "1.0"))
-  except ValueError:
-    raise SystemExit("error: JAXSPEC_COMPILE_CACHE_MIN_SECONDS must be a number of seconds,"
-                     f" got {os.environ['JAXSPEC_COMPILE_CACHE_MIN_SECONDS']!r}") from None
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", max(min_secs, 0.0))
-  if jax.config.jax_compilation_cache_max_size < 0:  # unbounded by default: keep 2 GiB at most
-    jax.config.update("jax_compilation_cache_max_size", 2 << 30)
-  if not CACHE_EVENTS:
-    CACHE_EVENTS.update(loaded=0, written=0)
-    jax.monitoring.register_event_listener(_count_cache_event)
-  return str(path)
-
-
-# Programs this process loaded from / wrote to the persistent cache (empty while it is off).
-CACHE_EVENTS: dict[str, int] = {}
-_CACHE_EVENT_NAMES = {"/jax/compilation_cache/cache_hits": "loaded",
-                      "/jax/compilation_cache/cache_misses": "written"}  # JAX records a miss on write
-
-
-def _count_cache_event(event: str, **_) -> None:
-  if (name := _CACHE_EVENT_NAMES.get(event)) is not None:
-    CACHE_EVENTS[name] += 1
-
-
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-  p.add_argument("--top-k", type=int, default=0, help="0 = off")
-  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-  p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-  p.add_argument("--seed", type=int, default=0)
-
-
-def _draft_count(text: str):
-  if text == "auto":
-    return text
-  try:
-    k = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}") from None
-  if k < 1:
-    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {k}")
-  return k
-
-
-def _count(text: str) -> int:
-  """An argparse type: an integer in [1, 2**24] (sizes past that cannot be held anyway)."""
-  try:
-    n = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-  if not 1 <= n <= 2**24:
-    raise argparse.ArgumentTypeError(f"expected an integer in [1, {2**24}], got {n}")
-  return n
-
-
-def _count0(text: str) -> int:
-  """An argparse type: an integer in [0, 2**24]."""
-  return 0 if text.strip() == "0" else _count(text)
-
-
-def _parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="jaxspec", description="Exact speculative decoding in JAX.")
-  sub = ap.add_subparsers(dest="command", required=True)
-  g = sub.add_parser("generate", help="generate text (speculatively by default) and print stats")
-  g.add_argument("prompt", help="the user message (or raw text with --no-chat)")
-  g.add_argument("--model", default=None,
-                 help="a .gguf file, a Hugging Face directory, or a bundled name"
-                      " (default: the bundled SmolLM2-135M-Instruct)")
-  g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-  g.add_argument("--max-new-tokens", type=_count, default=128)
-  g.add_argument("--draft", default="default",
-                 help="default | none | ngram | eagle | medusa | mlp | a head directory | PATH of"
-                      " a draft model (.gguf or HF directory); default: the bundled EAGLE head"
-                      " when the model is the bundled SmolLM2, else ngram")
-  g.add_argument("--num-draft-tokens", type=_draft_count, default="auto",
-                 help="k, drafts per step, or 'auto' (default: chosen every step from measured"
-                      " acceptance and cost, 0 = a plain step)")
-  g.add_argument("--k-max", type=_count, default=None,
-                 help="the most drafts per step with 'auto' (default 8, or fewer when the"
-                      " drafter proposes fewer: a Medusa head drafts at most its head count)")
-  g.add_argument("--tree", default=None, metavar="SPEC",
-                 help="draft a tree each step (a Medusa or EAGLE head): N (a tree of N nodes:"
-                      " EAGLE-2's dynamic tree, or Medusa's best static tree from the head's"
-                      " measured accuracies), dynamic:DEPTH,TOPK,TOTAL, a JSON list of paths"
-                      " ([[0],[1],[0,0]]) or a .json file of one")
-  g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  _add_scan_layers(g)
-  g.add_argument("--chunk", type=_count, default=8, help="decode steps between printed chunks")
-  add_compile_cache(g)
-  _add_sampling(g)
-  _add_train_parser(sub)
-  add_bench_parser(sub)
-  return ap
-
-
-def _make_drafter(spec: str, target, dtype: str):
-  from jaxspec.drafters import resolve_drafter
-  from jaxspec.models.errors import CheckpointError
-  if spec == "none":
-    return None
-  if spec == "default":  # the bundled EAGLE head when it fits the target, else prompt lookup
-    from jaxspec.heads import bundled_head_for
-    spec = bundled_head_for(target) or "ngram"
-  try:
-    return resolve_drafter(target, spec, dtype)
-  except ValueError as e:
-    raise SystemExit(f"error: --draft: {e}")
-  except CheckpointError as e:  # a head for another target, corrupted files
-    raise SystemExit(f"error: --draft {spec!r}: {e}")
-
-
-def cmd_generate(args) -> int:
-  from jaxspec.generate import generate_stream
-  from jaxspec.models.loading import load
-  from jaxspec.sampling import Sampling
-  from jaxspec.speculative import speculative_stream
-
-  try:
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        min_p=args.min_p)
-  except ValueError as e:
-    raise SystemExit(f"error: {e}")
-  t_load = time.perf_counter()
-  model = load(args.model, dtype=args.dtype, scan_layers=_SCAN_LAYERS[args.scan_layers])
-  drafter = _make_drafter(args.draft, model, args.dtype)
-  if args.tree is not None:
-    from jaxspec.tree import parse_tree
-    if drafter is None:
-      raise SystemExit("error: --tree needs a drafter: a Medusa or EAGLE head (--draft eagle)")
-    if args.num_draft_tokens != "auto":
-      raise SystemExit("error: --tree sets how far the drafter drafts: drop --num-draft-tokens")
-    if not hasattr(drafter, "with_tree"):
-      raise SystemExit(f"error: --tree: the {drafter.name} drafter drafts chains only: tree"
-                       " drafting needs a Medusa or EAGLE head (--draft eagle or medusa)")
-    try:
-      drafter = drafter.with_tree(parse_tree(args.tree, drafter))
-    except ValueError as e:
-      raise SystemExit(f"error: --tree: {e}")
-  load_s = time.perf_counter() - t_load
-  tok = model.tokenizer
-  if tok is None:
-    raise SystemExit(f"error: {args.model} has no tokenizer (tokenizer.json or GGUF tokenizer"
-                     " metadata): the CLI takes text; use the Python API with token ids")
-  ids = tok.encode(args.prompt) if args.no_chat else tok.encode_chat(args.prompt)
-  common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed)
-  try:
-    if drafter is None:
-      stream = generate_stream(model, [ids], chunk=args.chunk, **common)
-    else:
-      from jaxspec.adaptive import AutoK
-      auto = (AutoK(k_max=args.k_max)
-              if args.num_draft_tokens == "auto" and args.k_max is not None else None)
-      stream = speculative_stream(model, drafter, [ids], num_draft_tokens=args.num_draft_tokens,
-                                  auto=auto, chunk=max(1, args.chunk // 2), **common)
-    from jaxspec.models.tokenizer import StreamDecoder
-    dec = StreamDecoder(tok)
-    n, info = 0, {}
-    for new, info in stream:
-      n += len(new)
-      sys.stdout.write(dec.push(new))
-      sys.stdout.flush()
-    sys.stdout.write(dec.flush() + "\n")
-  except ValueError as e:
-    raise SystemExit(f"error: {e}")
-  secs = info.get("seconds", 0.0)
-  line = (f"[jaxspec] {n} new tokens, {n / secs if secs else 0:.1f} tokens/s,"
-          f" compile {info.get('compile_seconds', 0.0) + info.get('profile_seconds', 0.0):.1f} s"
-          + (f" ({CACHE_EVENTS['loaded']} programs loaded from the cache,"
-             f" {CACHE_EVENTS['written']} written)," if CACHE_EVENTS else ",") +
-          f" load {load_s:.1f} s,"
-          f" model {model.name}, draft {drafter.name if drafter is not None else 'none'}")
-  st = info.get("stats")
-  if st:
-    k = (f"auto (mean {st['mean_k']:.1f}, {st['plain_steps']} plain steps)"
-         if args.num_draft_tokens == "auto" else args.num_draft_tokens)
-    if st.get("tree"):
-      k = st["tree"]
-    line += (f", {'' if st.get('tree') else 'k='}{k}, tau {st['tau']:.2f},"
-             f" acceptance {st['acceptance_rate']:.2f}")
-  print(line, flush=True)
-  return 0
-
-
-# ----------------------------------------------------------------------------------------------
-# jaxspec train
+from jaxspec.cli_options import count, count0
 
 
 TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model")
@@ -299,7 +52,8 @@ def _option(text: str) -> tuple[str, object]:
     return key, value
 
 
-def _add_train_parser(sub) -> None:
+def add_train_parser(sub) -> None:
+  """The `train` subcommand's parser, added to `sub` (argparse subparsers)."""
   t = sub.add_parser("train", help="train a draft head or a draft model on the target's own"
                                    " responses (self-distillation)",
                      description="Has the target answer the prompts (unless --data-dir), then"
@@ -316,22 +70,22 @@ def _add_train_parser(sub) -> None:
                  help="reuse a dataset written earlier (skips running the target)")
   t.add_argument("--resume", action="store_true",
                  help="continue an interrupted run in --out from its latest checkpoint")
-  t.add_argument("--steps", type=_count, default=None, help="optimizer steps (default per kind)")
-  t.add_argument("--batch-size", type=_count, default=None)
+  t.add_argument("--steps", type=count, default=None, help="optimizer steps (default per kind)")
+  t.add_argument("--batch-size", type=count, default=None)
   t.add_argument("--lr", type=float, default=None, help="peak learning rate")
-  t.add_argument("--warmup", type=_count0, default=None, help="warmup steps (default steps / 10)")
+  t.add_argument("--warmup", type=count0, default=None, help="warmup steps (default steps / 10)")
   t.add_argument("--weight-decay", type=float, default=0.01)
   t.add_argument("--clip-norm", type=float, default=1.0)
-  t.add_argument("--save-every", type=_count, default=50)
-  t.add_argument("--keep-last", type=_count, default=2, help="checkpoints kept")
-  t.add_argument("--eval-every", type=_count, default=100,
+  t.add_argument("--save-every", type=count, default=50)
+  t.add_argument("--keep-last", type=count, default=2, help="checkpoints kept")
+  t.add_argument("--eval-every", type=count, default=100,
                  help="held-out evaluation every this many steps (and at the end)")
-  t.add_argument("--eval-batches", type=_count, default=4, help="held-out batches per evaluation")
+  t.add_argument("--eval-batches", type=count, default=4, help="held-out batches per evaluation")
   t.add_argument("--seed", type=int, default=0)
-  t.add_argument("--window", type=_count0, default=128,
+  t.add_argument("--window", type=count0, default=128,
                  help="tokens per training row: each row is cropped to a window over its"
                       " response, so the LM head runs on fewer positions (0 = whole rows)")
-  t.add_argument("--max-prompts", type=_count, default=320,
+  t.add_argument("--max-prompts", type=count, default=320,
                  help="prompts the target answers, drawn evenly from the files")
   t.add_argument("--self-instructions", type=int, default=0, metavar="N",
                  help="also have the target write N user instructions itself (Magpie: sampled"
@@ -342,16 +96,16 @@ def _add_train_parser(sub) -> None:
                       " HumanEval 'canonical_solution', self-instruct 'output', 'response'),"
                       " the target's hidden states and distribution still the labels; only a"
                       " forward runs, no generation")
-  t.add_argument("--max-new-tokens", type=_count, default=128, help="response tokens per prompt")
-  t.add_argument("--max-prompt-len", type=_count, default=256,
+  t.add_argument("--max-new-tokens", type=count, default=128, help="response tokens per prompt")
+  t.add_argument("--max-prompt-len", type=count, default=256,
                  help="longer prompts (after the chat template) are skipped")
   t.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7],
                  help="one response per prompt per value (0 = greedy)")
-  t.add_argument("--gen-batch-size", type=_count, default=32, help="rows per generate call")
+  t.add_argument("--gen-batch-size", type=count, default=32, help="rows per generate call")
   t.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
   t.add_argument("--allow-eval-prompts", action="store_true",
                  help="allow training on an evaluation set (spec_bench): contaminates it")
-  t.add_argument("--num-layers", type=_count, default=4,
+  t.add_argument("--num-layers", type=count, default=4,
                  help="draft-model: target layers the draft keeps")
   t.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                  help="head option (JSON value), e.g. --option num_heads=3; defaults: eagle"
@@ -412,6 +166,7 @@ def _training_data(args, target, layers, progress):
 
 
 def cmd_train(args) -> int:
+  """Runs `jaxspec train`: data (written or reused), training, the saved draft, summary.json."""
   import json
   from pathlib import Path
 
@@ -522,46 +277,3 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
   save_head(out, args.kind, model, target.cfg, meta=meta, dtype=args.save_dtype,
             target_params=target.params)
   return history, tau
-
-
-def main(argv=None) -> int:
-  """Runs a command; ordinary bad input (a missing or malformed file, an impossible size, an
-  unwritable path, undecodable text) raises SystemExit("error: ...") naming it."""
-  try:
-    return _main(argv)
-  except ValueError as e:  # CheckpointError, DataError and every argument check
-    raise SystemExit(f"error: {e}") from e
-  except (OSError, UnicodeError, RecursionError, OverflowError, MemoryError) as e:
-    raise SystemExit(f"error: {type(e).__name__}: {e}") from e
-
-
-def console_main(argv=None) -> int:
-  """The `jaxspec` console script: `main`, with an error as one `error:` line on stderr and
-  exit code 2 (argparse's code for bad usage), never a Python traceback."""
-  try:
-    return main(argv)
-  except SystemExit as e:
-    if isinstance(e.code, str):
-      print(e.code if e.code.startswith("error:") else f"error: {e.code}", file=sys.stderr)
-      return 2
-    raise
-  except KeyboardInterrupt:
-    print("error: interrupted", file=sys.stderr)
-    return 130
-
-
-def _main(argv=None) -> int:
-  args = _parser().parse_args(argv)
-  if hasattr(args, "compile_cache"):
-    enable_compile_cache(args.compile_cache)
-  if args.command == "generate":
-    return cmd_generate(args)
-  if args.command == "train":
-    return cmd_train(args)
-  if args.command == "bench":
-    return cmd_bench(args, sys.argv[1:] if argv is None else argv)
-  return 2
-
-
-if __name__ == "__main__":
-  sys.exit(console_main())

@@ -5,7 +5,7 @@ Each drafter is a frozen, hashable dataclass whose static part is the head's NNX
 `HeadParams`: the head's `nnx.State` and the target arrays it reads (embedding, final norm, LM
 head), which are the target's own arrays, referenced and not copied.
 
-What the loop gives a drafter (see `jaxspec.speculative._spec_step`). After every step the
+What the loop gives a drafter (see `jaxspec.decoding.fused.spec_step`). After every step the
 sequence holds x_0 .. x_{n-1} (n = seq_len); the target's cache holds [0, n - 1), and x_{n-1}
 is the input of the next verify pass. `commit` receives the Hidden of the last verify pass over
 [x_{n'-1}, d_1 .. d_k] (n' the previous seq_len): block index j holds f_{n'-1+j}, and the kept
@@ -39,10 +39,12 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxspec import heads as heads_lib
 from jaxspec import sampling as sampling_lib
-from jaxspec import tree as tree_lib
-from jaxspec.drafters import DraftContext, Drafter, Proposal
+from jaxspec.decoding import tree as tree_lib
+from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, position_draft_keys
+from jaxspec.heads.common import target_dims
+from jaxspec.heads.eagle import eagle_block
+from jaxspec.heads.training import draft_ids
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import KVCache, Params, init_cache
 from jaxspec.pytree import pytree_dataclass as _pytree
@@ -86,7 +88,6 @@ def _draft_keys(drafter, keys: jax.Array, ctx, k: int) -> jax.Array:
   """[B, k] the keys of the k drafts: the step's own split (the standard rule), or, coupled,
   the keys the target draws those tokens with (`jaxspec.drafters.position_draft_keys`)."""
   if drafter.coupled:
-    from jaxspec.drafters import position_draft_keys
     return position_draft_keys(ctx, k, drafter.name)
   return _row_keys(keys, k)
 
@@ -124,8 +125,8 @@ class HeadDrafter(Drafter):
   weights: HeadParams = dataclasses.field(compare=False, repr=False)
   hidden_layers: tuple[int, ...] = ()
   name: str = "head"
-  tree: Any = None  # a jaxspec.tree.Tree / DynamicTree: tree drafting (`with_tree`)
-  # Measured top-k accuracy per draft step [steps][rank] (`jaxspec.tree.medusa_accuracies`),
+  tree: Any = None  # a jaxspec.decoding.tree.Tree / DynamicTree: tree drafting (`with_tree`)
+  # Measured top-k accuracy per draft step [steps][rank] (`jaxspec.tree_fit.medusa_accuracies`),
   # read from the head's config.json when it was saved with one: `default_tree` builds from it.
   topk_accuracy: Any = dataclasses.field(default=None, compare=False, repr=False)
   # Sampled chains: draw draft j with the key the target draws token j with and propose it as
@@ -263,7 +264,7 @@ class EagleDrafter(HeadDrafter):
     draft tokens (over the reduced draft vocabulary when the head has one)."""
     lp = jax.nn.log_softmax(model.logits(frozen, h), axis=-1)
     vals, idx = lax.top_k(lp, k)
-    ids = heads_lib._draft_ids(model)
+    ids = draft_ids(model)
     return vals, (idx if ids is None else ids[idx]).astype(jnp.int32)
 
   def propose_tree(self, params, state: EagleState, ctx, sp, keys):
@@ -299,7 +300,7 @@ class EagleDrafter(HeadDrafter):
       x_off = cat(x_off, jnp.full((b, k), s - 1, jnp.int32))
       x_par = cat(x_par, front_par)
       mask = tree_lib.ancestor_mask(x_par, s)
-      h, _ = heads_lib.eagle_block(model, frozen, state.cache, x_feat, x_tok, offsets=x_off,
+      h, _ = eagle_block(model, frozen, state.cache, x_feat, x_tok, offsets=x_off,
                                    mask=mask, write=False)
       h_new = h[:, (s - 1) * k:]  # [B, K, D] the newest nodes' outputs
       vals, toks = self._top(model, frozen, h_new, k)  # [B, K, K]
@@ -350,7 +351,7 @@ class EagleDrafter(HeadDrafter):
                            else h_prev[:, prev_local[int(parents[g])]] for g in upto], 1)
       mask = tree_lib.ancestor_mask(jnp.broadcast_to(jnp.asarray(par_local), (b, len(upto))), d)
       off = jnp.broadcast_to(jnp.asarray(depths[upto] - 1), (b, len(upto)))
-      h, _ = heads_lib.eagle_block(model, frozen, state.cache, feat_in, tokens[:, upto],
+      h, _ = eagle_block(model, frozen, state.cache, feat_in, tokens[:, upto],
                                    offsets=off, mask=mask, write=False)
       h_prev, prev_local = h, local
       nxt = np.nonzero(depths == d + 1)[0]
@@ -368,7 +369,7 @@ class EagleDrafter(HeadDrafter):
     feat = model.real_feature(hidden.final, _layers_btnd(hidden))  # [B, P, D] feature_t
     tok = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)  # x_{t+1}
     cache = init_cache(model.layer_cfg, b, max_len, dtype=F32)
-    h, cache = heads_lib.eagle_block(model, params.target, cache, feat, tok, fresh=True)
+    h, cache = eagle_block(model, params.target, cache, feat, tok, fresh=True)
     # Pairs t = 0 .. P-2 are real (x_{t+1} is a prompt token); the last one is padding.
     cache = dataclasses.replace(cache, length=jnp.maximum(prompt_len - 1, 0))
     if model.cfg.version == 1:  # the target's head on f_{P-1} drafts x_P exactly
@@ -388,7 +389,7 @@ class EagleDrafter(HeadDrafter):
 
     def body(carry, key_j):
       feat, tok, cache = carry
-      h, cache = heads_lib.eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
+      h, cache = eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
       q = sampling_lib.probs(model.target_logits(frozen, h[:, 0]), sp)
       nxt = _draw(key_j, q, sp)
       return (h[:, 0], nxt, cache), (nxt, q)
@@ -415,7 +416,7 @@ class EagleDrafter(HeadDrafter):
     idx = old_n[:, None] + jnp.arange(w)[None, :]
     tok = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
     start = state.cache.length
-    h, cache = heads_lib.eagle_block(model, params.target, state.cache, feat, tok)
+    h, cache = eagle_block(model, params.target, state.cache, feat, tok)
     live = ctx.n_new > 0
     cache = dataclasses.replace(cache, length=jnp.where(live, start + ctx.n_new, start))
     new_feat = _gather(h, jnp.maximum(ctx.n_new - 1, 0))  # the output at t = n - 2
@@ -427,7 +428,7 @@ _DRAFTERS = {"medusa": MedusaDrafter, "mlp": MLPDrafter, "eagle": EagleDrafter}
 
 def make_drafter(kind: str, model: nnx.Module, target) -> HeadDrafter:
   """The drafter of head `model` (of registry kind `kind`) for the target `Model`."""
-  dims = heads_lib._target_dims(target.cfg)
+  dims = target_dims(target.cfg)
   if model.target_dims != dims:
     raise ValueError(
         f"this {kind} head was built for a target with (hidden, vocab, layers) ="

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.models.llama import Hidden, forward
+from jaxspec.decoding import protocol
+from jaxspec.models.llama import Hidden
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 # The most nodes (root included) a tree may have: the verify pass's width.
@@ -190,7 +191,7 @@ def as_tree(tree, *, max_depth: int | None = None):
     return Tree.from_paths(tree.paths, max_depth=max_depth)
   if isinstance(tree, (list, tuple)):
     return Tree.from_paths(tree, max_depth=max_depth)
-  raise ValueError(f"tree must be a jaxspec.tree.Tree, a DynamicTree or a list of paths, got"
+  raise ValueError(f"tree must be a jaxspec.decoding.tree.Tree, a DynamicTree or a list of paths, got"
                    f" {type(tree).__name__}")
 
 
@@ -216,8 +217,9 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
   return anc
 
 
-def verify_tree(params, cache, tokens: jax.Array, parents: jax.Array, depth: jax.Array, cfg,
-                sp, *, max_depth: int, hidden_layers: tuple[int, ...] = ()):
+def verify_tree(params, cache, tokens: jax.Array, parents: jax.Array, depth: jax.Array, lm,
+                sp, *, max_depth: int, hidden_layers: tuple[int, ...] = (),
+                return_logits: bool = False):
   """One target pass over every row's tree.
 
   Args:
@@ -231,8 +233,11 @@ def verify_tree(params, cache, tokens: jax.Array, parents: jax.Array, depth: jax
   """
   mask = ancestor_mask(parents, max_depth)
   positions = cache.length[:, None] + depth
-  logits, hidden, kv = forward(params, tokens, cache, cfg, positions=positions, block_mask=mask,
-                               hidden_layers=hidden_layers, write=False)
+  logits, hidden, kv = protocol.forward(protocol.as_lm(lm), params, tokens, cache,
+                                        positions=positions, block_mask=mask,
+                                        hidden_layers=hidden_layers, write=False)
+  if return_logits:
+    return sampling_lib.probs(logits, sp), hidden, kv, logits
   return sampling_lib.probs(logits, sp), hidden, kv
 
 
@@ -251,7 +256,7 @@ def tree_accept(p: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.A
     p: [B, N, V] target distributions at every node.
     tokens, parents: [B, N] the tree (node 0 the root).
     keys: [B] the step's per-row keys, or [B, max_depth + 1] the keys of the positions at
-      depths 0.. (`jaxspec.speculative.position_keys`, with `depth`): then the coupled form of
+      depths 0.. (`jaxspec.sampling.position_keys`, with `depth`): then the coupled form of
       the rule. At every node the target's token is drawn from p with the key of the node's
       position, as `generate` draws it; the walk follows the child holding that token and
       emits it where no child does. Each child is then accepted with probability p(x) minus
@@ -363,49 +368,6 @@ def static_proposal(tree: Tree, candidates: jax.Array) -> TreeProposal:
   return TreeProposal(tokens=tokens, parents=bcast(parents), depth=bcast(depths))
 
 
-def medusa_accuracies(drafter, target, prompts, *, max_new_tokens: int = 128, topk: int = 10,
-                      batch_size: int = 16) -> np.ndarray:
-  """Measured top-k accuracies of a Medusa drafter's heads on the target's own continuations.
-
-  The target answers `prompts` greedily; `acc[j, r]` is the share of response positions t at
-  which head j's rank-r token (on f_t) is x_{t+2+j}, the token it drafts. This is the table
-  `Tree.from_accuracies` builds a tree from. Use prompts that are not your evaluation set.
-  """
-  from jaxspec.generate import generate
-  from jaxspec.models.llama import init_cache
-  model = drafter.module(drafter.params)
-  k = model.cfg.num_heads
-  hits = np.zeros((k, topk))
-  counts = np.zeros(k)
-
-  @jax.jit
-  def ranks(tparams, dparams, seq):
-    _, hid, _ = forward(tparams, seq, init_cache(target.cfg, seq.shape[0], seq.shape[1]),
-                        target.cfg, logits=False, fresh=True)
-    lg = drafter.module(dparams).logits(dparams.target, hid.final)  # [B, T, K, V]
-    return jax.lax.top_k(lg, topk)[1]  # [B, T, K, topk]
-
-  for s in range(0, len(prompts), batch_size):
-    chunk = prompts[s:s + batch_size]
-    out = generate(target, chunk, max_new_tokens=max_new_tokens)
-    for i, prompt in enumerate(chunk):
-      seq = list(prompt) + out.row(i)
-      width = -(-len(seq) // 64) * 64  # a few compiled widths
-      arr = np.zeros((1, width), np.int32)
-      arr[0, :len(seq)] = seq
-      top = np.asarray(ranks(target.params, drafter.params, jnp.asarray(arr)))[0]
-      for t in range(len(prompt) - 2, len(seq) - 2):
-        for j in range(k):
-          if t + 2 + j < len(seq):
-            counts[j] += 1
-            hit = np.flatnonzero(top[t, j] == seq[t + 2 + j])
-            if len(hit):
-              hits[j, hit[0]] += 1
-  return hits / np.maximum(counts, 1)[:, None]
-
-
-# EAGLE-2 shape for a tree of a given size (the number of candidate nodes): expand this many
-# children per node, this deep (measured on SmolLM2 in benchmarks/bench_tree.py).
 EAGLE_DEPTH = 5
 EAGLE_TOPK = 8
 
@@ -426,7 +388,7 @@ def default_tree(drafter, size: int):
     if acc is None:
       raise ValueError(f"the {drafter.name} head has no measured top-k accuracies to build a"
                        f" {size}-node tree from: measure them with"
-                       " jaxspec.tree.medusa_accuracies(drafter, target, prompts) and pass"
+                       " jaxspec.tree_fit.medusa_accuracies(drafter, target, prompts) and pass"
                        " Tree.from_accuracies(acc, size), or give the paths")
     return Tree.from_accuracies(acc, size, max_depth=drafter.max_draft_tokens)
   raise ValueError(f"the {getattr(drafter, 'name', 'drafter')} drafter drafts chains only: tree"

@@ -1,0 +1,131 @@
+"""Command-line options shared by the subcommands (`jaxspec generate`, `train` and `bench`):
+sampling, the layer layout, the persistent compilation cache, and argparse types for counts.
+(a layer below both `jaxspec.cli` and `jaxspec.bench`, which use it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+SCAN_LAYERS = {"auto": None, "yes": True, "no": False}
+
+
+def add_scan_layers(p: argparse.ArgumentParser) -> None:
+  """--scan-layers auto|yes|no (`SCAN_LAYERS` maps the choice to `load(scan_layers=...)`)."""
+  p.add_argument("--scan-layers", default="auto", choices=list(SCAN_LAYERS),
+                 help="run the layers as one lax.scan (yes: compiles fast) or unrolled (no:"
+                      " about 1.4x faster steps on CPU, several times slower compiles);"
+                      " auto (default): unrolled on the CPU backend, scanned elsewhere")
+
+
+def default_compile_cache() -> str:
+  """Where the CLI keeps compiled programs between runs: $JAXSPEC_COMPILE_CACHE (a directory, or
+  'none' for no cache), else $XDG_CACHE_HOME/jaxspec/xla (~/.cache/jaxspec/xla)."""
+  env = os.environ.get("JAXSPEC_COMPILE_CACHE")
+  if env:
+    return env
+  base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+  return str(Path(base) / "jaxspec" / "xla")
+
+
+def add_compile_cache(p: argparse.ArgumentParser, *, on: bool = True) -> None:
+  """--compile-cache DIR; on=False makes 'none' the default (a benchmark measures compiles)."""
+  if on:
+    default, what = None, (f"default: $JAXSPEC_COMPILE_CACHE or {default_compile_cache()},"
+                           " unless JAX_COMPILATION_CACHE_DIR already names one")
+  else:
+    default, what = "none", "default: none (off, so the compile column measures compilation)"
+  p.add_argument("--compile-cache", default=default, metavar="DIR",
+                 help="keep compiled programs in DIR (at most 2 GiB, least recently used"
+                      " dropped), so a later run with the same model, shapes and settings loads"
+                      " them instead of compiling (on the 2-core CPU the default demo's compile"
+                      " and cost measurement went 112 -> 100 s: tracing, loading the programs"
+                      " and the cost measurement remain; the stats line counts the programs"
+                      " loaded);"
+                      f" 'none' turns it off; {what}")
+
+
+def enable_compile_cache(spec: str | None) -> str | None:
+  """Turns on JAX's persistent compilation cache for this process; returns the directory (None
+  when off). Call before the first compilation. A directory the user already gave JAX
+  (JAX_COMPILATION_CACHE_DIR, jax.config) wins over the default."""
+  import jax
+  current = jax.config.jax_compilation_cache_dir
+  if spec is None and current:
+    return current
+  spec = default_compile_cache() if spec is None else spec
+  if spec.lower() in ("none", "off", ""):
+    return None
+  path = Path(spec).expanduser()
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise SystemExit(f"error: --compile-cache {str(path)!r}: {e.strerror}; pass a writable"
+                     " directory or --compile-cache none")
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  # The programs worth keeping take seconds to compile; the many small ones are cheaper to
+  # compile than to look up. JAXSPEC_COMPILE_CACHE_MIN_SECONDS changes the threshold (0 keeps
+  # every program: what a test needs, since which programs pass 1 s depends on the load).
+  try:
+    min_secs = float(os.environ.get("JAXSPEC_COMPILE_CACHE_MIN_SECONDS", "1.0"))
+  except ValueError:
+    raise SystemExit("error: JAXSPEC_COMPILE_CACHE_MIN_SECONDS must be a number of seconds,"
+                     f" got {os.environ['JAXSPEC_COMPILE_CACHE_MIN_SECONDS']!r}") from None
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", max(min_secs, 0.0))
+  if jax.config.jax_compilation_cache_max_size < 0:  # unbounded by default: keep 2 GiB at most
+    jax.config.update("jax_compilation_cache_max_size", 2 << 30)
+  if not CACHE_EVENTS:
+    CACHE_EVENTS.update(loaded=0, written=0)
+    jax.monitoring.register_event_listener(_count_cache_event)
+  return str(path)
+
+
+# Programs this process loaded from / wrote to the persistent cache (empty while it is off).
+CACHE_EVENTS: dict[str, int] = {}
+_CACHE_EVENT_NAMES = {"/jax/compilation_cache/cache_hits": "loaded",
+                      "/jax/compilation_cache/cache_misses": "written"}  # JAX records a miss on write
+
+
+def _count_cache_event(event: str, **_) -> None:
+  if (name := _CACHE_EVENT_NAMES.get(event)) is not None:
+    CACHE_EVENTS[name] += 1
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+  """--temperature, --top-k, --top-p, --min-p and --seed (`jaxspec.sampling.Sampling`'s)."""
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  p.add_argument("--top-k", type=int, default=0, help="0 = off")
+  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def draft_count(text: str):
+  """An argparse type: 'auto' or an integer >= 1 (drafts per step)."""
+  if text == "auto":
+    return text
+  try:
+    k = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}") from None
+  if k < 1:
+    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {k}")
+  return k
+
+
+def count(text: str) -> int:
+  """An argparse type: an integer in [1, 2**24] (sizes past that cannot be held anyway)."""
+  try:
+    n = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if not 1 <= n <= 2**24:
+    raise argparse.ArgumentTypeError(f"expected an integer in [1, {2**24}], got {n}")
+  return n
+
+
+def count0(text: str) -> int:
+  """An argparse type: an integer in [0, 2**24]."""
+  return 0 if text.strip() == "0" else count(text)

@@ -1,0 +1,290 @@
+"""Speculative and plain decoding as pure functions of arrays, for research code's own jit.
+
+    out = jaxspec.decoding.speculative_decode(target, drafter, prompt_ids, prompt_lengths, key,
+                                              max_new_tokens=64, num_draft_tokens=4)
+
+`target` is a jaxspec `Model`, a `Target(lm, params)` or any model meeting `CausalLM` (with
+`target_params=`); `drafter` a `Drafter`. Everything else is arrays ([B, P] prompt ids
+right-padded, [B] lengths, a PRNG key, optionally a traced `max_new_tokens`) and static
+configuration. The functions trace the same prefill and loop the host wrappers
+(`jaxspec.speculative_generate`, `jaxspec.generate`) compile, with no host synchronisation,
+numpy or timing inside, so they run under the caller's `jax.jit`, `jax.vmap` (over keys or
+prompts) and `lax.scan`, on sharded inputs, and give the wrappers' tokens for the same padded
+arrays. Arguments are checked before tracing: ranks, dtypes and the batch size always;
+lengths, token ids and `max_new_tokens` where they are concrete values.
+
+Values are arrays and shapes are static: `capacity` (static) sizes the output and the cache,
+and `max_new_tokens` may be a traced scalar below it, so a new length does not recompile (a
+traced value above `capacity` is clipped to it, since a traced value cannot be checked
+before the program runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import sampling as sampling_lib
+from jaxspec.decoding import fused, limits, plain, protocol
+from jaxspec.decoding.adaptive import AutoK, CostModel
+from jaxspec.decoding.drafter import Drafter, resolve_coupled
+from jaxspec.decoding.step import SpecStats, costs_array, resolve_policy
+from jaxspec.pytree import pytree_dataclass as _pytree
+
+
+@_pytree
+@dataclasses.dataclass
+class DecodeOutput:
+  """What `speculative_decode` and `decode` return (a pytree of arrays).
+
+  Attributes:
+    tokens: [B, capacity] int32 new tokens; `pad_id` past each row's length.
+    lengths: [B] int32 new tokens per row (a stop token, when hit, is included).
+    logprobs: [B, capacity] float32 the target's log-probability of each new token under the
+      sampling parameters (`log_softmax` of the processed logits; greedy rows unscaled); 0 past
+      each row's length. None with logprobs=False.
+    target_passes: [] int32 target forward passes after the prefill.
+    stats: the speculative loop's counters (`SpecStats`: drafted, accepted, emitted per row,
+      acceptance per position, the k of every step); None for plain decoding.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  logprobs: jax.Array | None
+  target_passes: jax.Array
+  stats: SpecStats | None = None
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[int, int]:
+  """(B, P) after checking ranks and dtypes (and values where concrete)."""
+  for name, x, nd in (("prompt_ids", prompt_ids, 2), ("prompt_lengths", prompt_lengths, 1)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"{name} must be an array, got {type(x).__name__}: pass"
+                       f" jnp.asarray(...) of int32 ({'[B, P] token ids' if nd == 2 else '[B]'})")
+    if x.ndim != nd:
+      shape = "[B, P] token ids, right-padded" if nd == 2 else "[B] prompt lengths"
+      raise ValueError(f"{name} must be {shape} (rank {nd}), got shape {tuple(x.shape)}"
+                       + ("; for one prompt use ids[None]" if nd == 2 and x.ndim == 1 else ""))
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must hold integers, got dtype {x.dtype}: use .astype(jnp.int32)")
+  b, p = prompt_ids.shape
+  if prompt_lengths.shape[0] != b:
+    raise ValueError(f"prompt_lengths has {prompt_lengths.shape[0]} rows, prompt_ids {b}: one"
+                     " length per prompt row")
+  if b < 1 or p < 1:
+    raise ValueError(f"prompt_ids must have at least one row and one column, got {(b, p)}")
+  if _is_concrete(prompt_lengths):
+    lens = np.asarray(prompt_lengths)
+    if lens.min() < 1 or lens.max() > p:
+      raise ValueError(f"prompt_lengths must be in [1, {p}] (the padded width of prompt_ids),"
+                       f" got min {lens.min()} and max {lens.max()}")
+    if _is_concrete(prompt_ids):
+      ids = np.asarray(prompt_ids)
+      live = np.arange(p)[None, :] < lens[:, None]
+      bad = live & ((ids < 0) | (ids >= vocab_size))
+      if bad.any():
+        r, c = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"prompt row {r} has token id {ids[r, c]} at position {c}, outside"
+                         f" the target's vocabulary [0, {vocab_size})")
+  return int(b), int(p)
+
+
+def _check_key(key):
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    return jax.random.key(int(key))
+  if hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+    return key
+  if hasattr(key, "dtype") and key.dtype == jnp.uint32 and tuple(key.shape) == (2,):
+    return jax.random.wrap_key_data(key)
+  raise ValueError(f"key must be one PRNG key (jax.random.key(seed)) or an int seed, got"
+                   f" {type(key).__name__}{tuple(getattr(key, 'shape', ()))}: under jax.vmap"
+                   " map over a batch of keys so each call sees one")
+
+
+def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
+  """(max_new_tokens as an int32 value, static capacity)."""
+  concrete = isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens,
+                                                                              bool)
+  if not concrete:
+    if not hasattr(max_new_tokens, "dtype") or getattr(max_new_tokens, "ndim", 1) != 0 \
+        or not jnp.issubdtype(max_new_tokens.dtype, jnp.integer):
+      shape = tuple(getattr(max_new_tokens, "shape", ()))
+      raise ValueError(f"max_new_tokens must be an int or an integer scalar array, got"
+                       f" {type(max_new_tokens).__name__}{shape}")
+    if _is_concrete(max_new_tokens):
+      concrete, max_new_tokens = True, int(max_new_tokens)
+  if capacity is None:
+    if not concrete:
+      raise ValueError("max_new_tokens is traced: pass capacity=N (static, the output width and"
+                       " cache size) as its upper bound")
+    capacity = max_new_tokens
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) \
+      or not 1 <= capacity <= limits.MAX_POSITIONS:
+    raise ValueError(f"capacity must be an int in [1, {limits.MAX_POSITIONS}], got {capacity!r}")
+  if concrete and not 1 <= max_new_tokens <= capacity:
+    raise ValueError(f"max_new_tokens must be in [1, capacity={capacity}], got {max_new_tokens}:"
+                     " raise capacity (static) or lower max_new_tokens")
+  return jnp.asarray(max_new_tokens, jnp.int32), int(capacity)
+
+
+def _check_stop_ids(stop_ids) -> tuple[int, ...]:
+  if stop_ids is None:
+    return ()
+  if isinstance(stop_ids, (int, np.integer)):
+    stop_ids = (stop_ids,)
+  out = []
+  for t in stop_ids:
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
+      raise ValueError(f"stop_ids must be token ids in [0, 2**31), got {t!r}")
+    out.append(int(t))
+  return tuple(out)
+
+
+def _check_cache(lm, params, b: int, max_len: int) -> None:
+  shapes = jax.eval_shape(lambda p: protocol.init_cache(lm, p, b, max_len), params)
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  limits.check_cache(need, b, max_len)
+
+
+def _check_drafter(target: protocol.Target, drafter) -> None:
+  if not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), a head),"
+                     f" got {type(drafter).__name__}")
+  dv = drafter.vocab_size
+  if dv is not None and dv != target.vocab_size:
+    raise ValueError(f"the drafter's vocabulary ({dv}) differs from the target's"
+                     f" ({target.vocab_size}): drafts must be target token ids")
+  if drafter.tree is not None and not protocol.is_block_lm(target.lm):
+    raise ValueError(f"the {drafter.name} drafter drafts a tree, which needs tree attention"
+                     f" from the target ({type(target.lm).__name__} has no forward_block): use"
+                     " drafter.with_tree(None)")
+
+
+def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key, *,
+                       max_new_tokens, capacity: int | None = None,
+                       num_draft_tokens: int | str = 4, auto: AutoK | None = None,
+                       cost: CostModel | None = None, sampling=None,
+                       stop_ids: Sequence[int] | None = None, max_len: int | None = None,
+                       pad_id: int = 0, logprobs: bool = True, target_params=None,
+                       drafter_params=None) -> DecodeOutput:
+  """Exact speculative decoding as one pure, traceable function.
+
+  Args:
+    target: a jaxspec `Model`, a `Target(lm, params)`, or a `CausalLM` with `target_params`.
+    drafter: a `Drafter` (NGram(), DraftModel(model), a head from `load_head`, `Oracle`...).
+    prompt_ids: [B, P] int token ids, right-padded.
+    prompt_lengths: [B] int tokens per row, in [1, P].
+    key: one PRNG key (or an int seed); row b's token j is drawn with fold_in(fold_in(key, b),
+      j), as `decode` and the host wrappers draw it.
+    max_new_tokens: new tokens per row, an int or a traced int scalar <= capacity.
+    capacity: static output width and cache budget (default max_new_tokens, which must then be
+      an int).
+    num_draft_tokens: k drafts per step, or "auto" (k chosen per step among `auto`'s buckets
+      from the acceptance model and `cost`, which "auto" requires here: measure one with
+      `jaxspec.speculative_generate(...).stats["cost_model"]` or give `CostModel.from_ratios`).
+    sampling: `Sampling` (one value or one per row), `SamplingArrays` ([B] each), or None
+      (greedy).
+    stop_ids: tokens that end a row (included in its output); default none.
+    max_len: the target cache's positions; default P + capacity + k_max + 1.
+    pad_id: the token written past each row's length in `tokens`.
+    logprobs: compute `DecodeOutput.logprobs` (costs a log-softmax over the vocabulary per
+      verified position).
+    target_params / drafter_params: weights to use instead of the target's / `drafter.params`
+      (pass them as arguments of your jitted function so they are traced, not constants).
+  Returns:
+    `DecodeOutput`.
+  """
+  tgt = protocol.as_target(target, target_params)
+  b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
+  key = _check_key(key)
+  max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
+  _check_drafter(tgt, drafter)
+  policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
+                               logprobs=bool(logprobs))
+  if policy.auto and cost is None:
+    raise ValueError("num_draft_tokens=\"auto\" inside a trace needs cost=CostModel(...) (the step"
+                     " costs it weighs; the host wrapper measures one: speculative_generate(...)"
+                     ".stats['cost_model']), or pass an integer num_draft_tokens")
+  if cost is not None and not isinstance(cost, CostModel):
+    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
+  drafter = resolve_coupled(drafter, policy.auto)
+  sp = sampling_lib.sampling_arrays(sampling, b)
+  stops = _check_stop_ids(stop_ids)
+  if max_len is None:
+    max_len = p + capacity + policy.k_max + 1
+  elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
+      or max_len < p + capacity + policy.k_max + 1:
+    raise ValueError(f"max_len must be an int >= P + capacity + k_max + 1 ="
+                     f" {p + capacity + policy.k_max + 1}, got {max_len!r}")
+  _check_cache(tgt.lm, tgt.params, b, int(max_len))
+  costs = costs_array(policy, cost) if policy.auto else jnp.zeros((len(policy.buckets),))
+  dparams = drafter.params if drafter_params is None else drafter_params
+  return _speculative_jit(tgt, dparams, jnp.asarray(prompt_ids, jnp.int32),
+                          jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
+                          costs, drafter=drafter, policy=policy, capacity=capacity,
+                          max_len=int(max_len), stop_ids=stops, pad_id=int(pad_id))
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "policy", "capacity", "max_len",
+                                             "stop_ids", "pad_id"))
+def _speculative_jit(target, dparams, prompt, lengths, key, max_new, sp, costs, *, drafter,
+                     policy, capacity, max_len, stop_ids, pad_id):
+  max_new = jnp.clip(max_new, 1, capacity)
+  static = dict(lm=target.lm, drafter=drafter, policy=policy, max_new_tokens=max_new,
+                stop_ids=stop_ids)
+  s = fused.spec_init(target.params, dparams, prompt, lengths, sp, key, max_len=max_len,
+                      seq_cap=max_len + policy.k_max + 1, max_steps=capacity + 1, **static)
+  s = fused.spec_loop(target.params, dparams, s, sp, costs, max_new + 1, jnp.int32(-1), **static)
+  toks, n_out, *lp = fused.outputs(s, capacity)
+  return DecodeOutput(tokens=jnp.where(toks < 0, pad_id, toks), lengths=n_out,
+                      logprobs=lp[0] if lp else None, target_passes=s.stats.target_passes,
+                      stats=s.stats)
+
+
+def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
+           capacity: int | None = None, sampling=None, stop_ids: Sequence[int] | None = None,
+           max_len: int | None = None, pad_id: int = 0, logprobs: bool = True,
+           target_params=None) -> DecodeOutput:
+  """Plain autoregressive decoding as one pure, traceable function: `speculative_decode`'s
+  arguments without the drafter (max_len default P + capacity)."""
+  tgt = protocol.as_target(target, target_params)
+  b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
+  key = _check_key(key)
+  max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
+  sp = sampling_lib.sampling_arrays(sampling, b)
+  stops = _check_stop_ids(stop_ids)
+  if max_len is None:
+    max_len = p + capacity
+  elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
+      or max_len < p + capacity:
+    raise ValueError(f"max_len must be an int >= P + capacity = {p + capacity}, got"
+                     f" {max_len!r}")
+  _check_cache(tgt.lm, tgt.params, b, int(max_len))
+  return _decode_jit(tgt, jnp.asarray(prompt_ids, jnp.int32),
+                     jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
+                     capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=int(pad_id),
+                     logprobs=bool(logprobs))
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "max_len", "stop_ids", "pad_id",
+                                             "logprobs"))
+def _decode_jit(target, prompt, lengths, key, max_new, sp, *, capacity, max_len, stop_ids,
+                pad_id, logprobs):
+  max_new = jnp.clip(max_new, 1, capacity)
+  s = plain.init_decode(target.params, prompt, lengths, sp, key, target.lm, max_len, max_new,
+                        stop_ids, capacity=capacity, logprobs=logprobs)
+  s = plain.decode_loop(target.params, s, sp, max_new, target.lm, max_new, stop_ids)
+  valid = jnp.arange(capacity)[None, :] < s.n_out[:, None]
+  lp = None if s.logprobs is None else jnp.where(valid, s.logprobs, 0.0)
+  return DecodeOutput(tokens=jnp.where(valid, s.tokens, pad_id), lengths=s.n_out, logprobs=lp,
+                      target_passes=s.steps)
