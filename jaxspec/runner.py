@@ -24,6 +24,7 @@ from jaxspec.decoding import fused, host, limits
 from jaxspec.decoding.limits import MAX_POSITIONS  # noqa: F401 - public here too
 from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import DraftContext, Drafter, resolve_coupled
+from jaxspec.decoding.functional import check_stop_ids
 from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.step import Policy, SpecState, SpecStats, costs_array, resolve_policy
 from jaxspec.drafters import resolve_drafter
@@ -124,14 +125,9 @@ def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...
     if model.tokenizer is not None:
       ids |= set(getattr(model.tokenizer, "eos_token_ids", ()))
     return tuple(sorted(ids))
-  if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)):
+  if isinstance(stop_ids, (int, np.integer)):
     raise ValueError(f"stop_ids must be a list of token ids, got {type(stop_ids).__name__}")
-  out = []
-  for t in stop_ids:
-    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
-      raise ValueError(f"stop_ids must be token ids in [0, 2**31), got {t!r}")
-    out.append(int(t))
-  return tuple(out)
+  return check_stop_ids(stop_ids)
 
 
 def check_cache_fits(cfg: LlamaConfig, batch: int, max_len: int) -> None:

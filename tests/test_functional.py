@@ -28,9 +28,8 @@ STOP = (2,)  # the tiny config's EOS: the host wrappers' default stop ids
 
 
 @pytest.fixture(scope="module")
-def target():
-  cfg = tiny_config()
-  return Model(cfg, init_params(cfg, jax.random.key(0), scale=0.3), name="fn-target")
+def target(tiny_target):
+  return tiny_target
 
 
 @pytest.fixture(scope="module")

@@ -137,11 +137,14 @@ def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
   return jnp.asarray(max_new_tokens, jnp.int32), int(capacity)
 
 
-def _check_stop_ids(stop_ids) -> tuple[int, ...]:
+def check_stop_ids(stop_ids) -> tuple[int, ...]:
+  """Stop ids as a tuple of ints in [0, 2**31) (None: none; one int: that one)."""
   if stop_ids is None:
     return ()
   if isinstance(stop_ids, (int, np.integer)):
     stop_ids = (stop_ids,)
+  if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)):
+    raise ValueError(f"stop_ids must be a list of token ids, got {type(stop_ids).__name__}")
   out = []
   for t in stop_ids:
     if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
@@ -219,7 +222,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
   drafter = resolve_coupled(drafter, policy.auto)
   sp = sampling_lib.sampling_arrays(sampling, b)
-  stops = _check_stop_ids(stop_ids)
+  stops = check_stop_ids(stop_ids)
   if max_len is None:
     max_len = p + capacity + policy.k_max + 1
   elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
@@ -262,7 +265,7 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   key = _check_key(key)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   sp = sampling_lib.sampling_arrays(sampling, b)
-  stops = _check_stop_ids(stop_ids)
+  stops = check_stop_ids(stop_ids)
   if max_len is None:
     max_len = p + capacity
   elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -287,7 +288,14 @@ DEFAULT_SCAN_LAYERS = {"cpu": False, "gpu": False, "cuda": False, "rocm": False,
 
 def default_scan_layers(backend: str | None = None) -> bool:
   """Whether `jaxspec.load` stacks the layers (`lax.scan`) on `backend` (default: JAX's default
-  backend): see `DEFAULT_SCAN_LAYERS`. A backend not listed gets the stacked layout."""
+  backend): see `DEFAULT_SCAN_LAYERS`. A backend not listed gets the stacked layout. The
+  environment variable JAXSPEC_SCAN_LAYERS=stacked|unrolled overrides it (stacked compiles
+  several times faster, for short runs and examples)."""
+  env = os.environ.get("JAXSPEC_SCAN_LAYERS", "").strip().lower()
+  if env:
+    if env not in ("stacked", "unrolled"):
+      raise ValueError(f"JAXSPEC_SCAN_LAYERS must be 'stacked' or 'unrolled', got {env!r}")
+    return env == "stacked"
   return DEFAULT_SCAN_LAYERS.get(backend or jax.default_backend(), True)
 
 
