@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a number is prime, then explain it.
 
-.PHONY: demo test notebooks bench clean-venv
+.PHONY: demo test notebooks docs bench clean-venv
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test: $(VENV)/.installed
 # The three notebooks executed in their SMALL setting (CI runs this after the tests).
 notebooks: $(VENV)/.installed
 	$(PY) tests/notebooks_run.py
+
+# The documentation site (mkdocs.yml, docs/): built with --strict, so a broken link or a renamed
+# function fails, into site/ (git-ignored); then every code block of README.md and docs/ run.
+docs: $(VENV)/.installed
+	$(PY) -c "import mkdocs, mkdocstrings, mkdocstrings_handlers.python, mkdocs_jupyter, material" 2>/dev/null || \
+	  $(PY) -m pip install -q -c constraints.txt -e ".[docs]"
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+	$(PY) tests/docs_run.py
 
 # `jaxspec bench` with the peers needs the compare extra (torch from the local CPU wheel); the
 # draft model is distilled once into benchmarks/cache/ (git-ignored) when missing. The llama.cpp

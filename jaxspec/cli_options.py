@@ -16,8 +16,10 @@ def add_scan_layers(p: argparse.ArgumentParser) -> None:
   """--scan-layers auto|yes|no (`SCAN_LAYERS` maps the choice to `load(scan_layers=...)`)."""
   p.add_argument("--scan-layers", default="auto", choices=list(SCAN_LAYERS),
                  help="run the layers as one lax.scan (yes: compiles fast) or unrolled (no:"
-                      " about 1.4x faster steps on CPU, several times slower compiles);"
-                      " auto (default): unrolled on the CPU backend, scanned elsewhere")
+                      " faster plain steps, several times slower compiles); auto (default):"
+                      " the backend's default (unrolled on CPUs and GPUs, scanned on TPUs),"
+                      " except that `jaxspec generate` scans them on the CPU, where its short"
+                      " runs spend most of their time compiling")
 
 
 def default_compile_cache() -> str:
@@ -84,8 +86,9 @@ def enable_compile_cache(spec: str | None) -> str | None:
 
 # Programs this process loaded from / wrote to the persistent cache (empty while it is off).
 CACHE_EVENTS: dict[str, int] = {}
+# JAX records a miss when it writes a program.
 _CACHE_EVENT_NAMES = {"/jax/compilation_cache/cache_hits": "loaded",
-                      "/jax/compilation_cache/cache_misses": "written"}  # JAX records a miss on write
+                      "/jax/compilation_cache/cache_misses": "written"}
 
 
 def _count_cache_event(event: str, **_) -> None:

@@ -405,8 +405,8 @@ _NAMED: dict[tuple[str, int, str | None], tuple[Model, Drafter]] = {}
 def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter:
   """A `Drafter`, or one named by a string.
 
-  Names: "ngram" (`NGram()`); "eagle", "medusa", "mlp" (the head bundled for the default
-  SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
+  Names: "ngram" (`NGram()`); "eagle" (or "eagle3", the name its drafter reports), "medusa",
+  "mlp" (the head bundled for the default SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
   or `jaxspec train`; or the path of a draft model (.gguf file or Hugging Face directory),
   loaded as a `DraftModel` in `dtype` (default the target's). A named drafter is loaded once
   per target and reused by later calls.
@@ -419,6 +419,8 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
                      f" {type(drafter).__name__}")
   if drafter == "ngram":
     return NGram()
+  if drafter == "eagle3":  # the bundled EAGLE head under the name its drafter reports
+    drafter = "eagle"
   key = (drafter, id(target), dtype)
   hit = _NAMED.get(key)
   if hit is not None and hit[0] is target:
@@ -435,7 +437,8 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
     made = DraftModel(load(drafter, dtype=dtype))
   else:
     raise ValueError(f"drafter {drafter!r} is not 'ngram', a bundled head"
-                     f" ({', '.join(sorted(heads_lib.HEADS))}), a head directory or the path of"
+                     f" ({', '.join(sorted(heads_lib.HEADS) + ['eagle3'])}), a head directory"
+                     " or the path of"
                      " a draft model (.gguf file or Hugging Face directory)")
   if len(_NAMED) >= 8:
     _NAMED.clear()

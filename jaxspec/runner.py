@@ -7,6 +7,7 @@ two-mesh loop with failover, and arrays back to numpy. The public functions that
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -256,6 +257,36 @@ def _relieve_map_pressure() -> None:
 COMPILER_OPTIONS: dict[str, dict[str, Any]] = {}
 
 
+# ----------------------------------------------------------------------------------------------
+# Progress: what a run is doing while the user waits (compiling, measuring), for a status line.
+
+_LISTENERS: list[Callable[[str | None], None]] = []
+_PROGRAMS = {"spec-init": "the prefill", "spec-loop": "the speculative loop",
+             "stream-init": "the prefill", "stream-loop": "the decode loop",
+             None: "the decode loop", "host-verify": "the target's verify program"}
+
+
+@contextlib.contextmanager
+def progress(listener: Callable[[str | None], None]):
+  """Calls `listener(phase)` as runs start a slow phase ("compiling the speculative loop",
+  "measuring the step cost of each k") and `listener(None)` when it ends, inside the block."""
+  _LISTENERS.append(listener)
+  try:
+    yield
+  finally:
+    _LISTENERS.remove(listener)
+
+
+def _report(phase: str | None) -> None:
+  for listener in list(_LISTENERS):
+    listener(phase)
+
+
+def _program_name(key_extra) -> str:
+  name = key_extra[0] if isinstance(key_extra, tuple) else key_extra
+  return _PROGRAMS.get(name, f"the {name} program" if isinstance(name, str) else "a program")
+
+
 def compiler_options() -> dict[str, Any]:
   """The XLA options `compiled` passes for the default backend (empty: XLA's defaults)."""
   return dict(COMPILER_OPTIONS.get(jax.default_backend(), {}))
@@ -285,12 +316,16 @@ def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
     _COMPILED.move_to_end(sig)
     return _COMPILED[sig], 0.0
   _relieve_map_pressure()
+  _report(f"compiling {_program_name(key_extra)}")
   t0 = time.perf_counter()
-  if jit_kwargs is not None:  # jit with shardings takes no keyword arguments: bind them
-    exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile(
-        compiler_options=options or None)
-  else:
-    exe = fn.lower(*args, **static).compile(compiler_options=options or None)
+  try:
+    if jit_kwargs is not None:  # jit with shardings takes no keyword arguments: bind them
+      exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile(
+          compiler_options=options or None)
+    else:
+      exe = fn.lower(*args, **static).compile(compiler_options=options or None)
+  finally:
+    _report(None)
   dt = time.perf_counter() - t0
   _COMPILED[sig] = exe
   return exe, dt
@@ -632,9 +667,13 @@ class SpecRun:
     self.cost = _COSTS.get(self.cost_key)
     if self.cost is None:
       state = jax.block_until_ready(state)
+      _report("measuring the step cost of each k")
       t0 = time.perf_counter()
-      self.cost = measure_costs(loop, self.tparams, self.dparams, state, sp, self.policy,
-                                batch_size=self.prep.tokens.shape[0])
+      try:
+        self.cost = measure_costs(loop, self.tparams, self.dparams, state, sp, self.policy,
+                                  batch_size=self.prep.tokens.shape[0])
+      finally:
+        _report(None)
       _COSTS[self.cost_key] = self.cost
       self.profile_seconds = time.perf_counter() - t0
     self.costs = costs_array(self.policy, self.cost)

@@ -92,3 +92,27 @@ def garbage_cache_pool():
   yield fill
   from jaxspec.runner import release_cache_buffers
   release_cache_buffers()
+
+
+_LAYOUTS: dict = {}
+
+
+@pytest.fixture
+def bundled_cli_model(smollm2, monkeypatch):
+  """The CLI's load of the bundled model returns the session's copy in the layout asked for
+  (loading the GGUF takes about 5 s a time; the smollm2 fixture is that same load)."""
+  from jaxspec.models import loading
+  real = loading.load
+
+  def load(name_or_path=None, dtype="float32", **kw):
+    if name_or_path is not None or dtype != "float32":
+      return real(name_or_path, dtype, **kw)
+    scan = kw.get("scan_layers")
+    if scan is None or bool(scan) == smollm2.scan_layers:
+      return smollm2
+    if bool(scan) not in _LAYOUTS:
+      _LAYOUTS[bool(scan)] = smollm2.with_scan_layers(bool(scan))
+    return _LAYOUTS[bool(scan)]
+
+  monkeypatch.setattr(loading, "load", load)
+  return smollm2

@@ -1,4 +1,5 @@
-"""The command line on the bundled model: streamed text, the final stats line, bad flags."""
+"""The command line on the bundled model: streamed text on stdout, the final stats line on
+stderr, bad flags."""
 
 import re
 
@@ -8,14 +9,8 @@ from jaxspec.cli import main
 
 
 @pytest.fixture(autouse=True)
-def _bundled_model_loaded_once(smollm2, monkeypatch):
-  """The CLI's load of the bundled model returns the session's copy (loading the GGUF takes
-  about 5 s a time; the smollm2 fixture is that same load)."""
-  from jaxspec.models import loading
-  real = loading.load
-  monkeypatch.setattr(loading, "load", lambda name_or_path=None, dtype="float32", **kw: (
-      smollm2 if name_or_path is None and dtype == "float32" and kw.get("scan_layers") is None
-      else real(name_or_path, dtype, **kw)))
+def _bundled_model_loaded_once(bundled_cli_model):
+  """The CLI's load of the bundled model returns the session's copy (conftest)."""
 
 
 @pytest.mark.parametrize("draft", ["ngram", "none"])
@@ -23,12 +18,20 @@ def test_generate_prints_text_and_stats(smollm2, capsys, draft):
   # --k-max 2: "auto" (the default) compiles and times 3 draft widths, not 7 (none: no drafts).
   assert main(["generate", "What is 2+2?", "--max-new-tokens", "8", "--draft", draft,
                "--k-max", "2"]) == 0
-  out = capsys.readouterr().out.strip().splitlines()
-  last = out[-1]
+  out, err = capsys.readouterr()
+  last = err.strip().splitlines()[-1]  # the stats line goes to stderr, the text alone to stdout
   assert re.match(r"\[jaxspec\] \d+ new tokens, [\d.]+ tokens/s, compile [\d.]+ s", last), last
   if draft == "ngram":
     assert "k=auto" in last and "tau" in last and "acceptance" in last
-  assert len("".join(out[:-1]).strip()) > 0  # some text was streamed before the stats line
+  else:
+    assert last.endswith(", draft none, acceptance n/a"), last
+  assert out.endswith("\n") and out.strip() and "[jaxspec]" not in out
+  # Each slow phase is one status line on stderr (not a terminal), and the peak memory is
+  # reported: for the 135M model, under 3 GiB (a busy machine once saw 3.2 GB).
+  assert re.search(r"^\[jaxspec\] compiled the (speculative|decode) loop in [\d.]+ s$", err,
+                   re.M), err
+  peak = float(re.search(r"peak memory ([\d.]+) GiB", last).group(1))
+  assert 0.1 < peak < 3.0, last
 
 
 @pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "temperature"),

@@ -35,6 +35,10 @@ def test_console_script_errors_are_one_line_exit_2(tmp_path):
                     str(tmp_path / "b1")],
       "invalid utf-8": ["bench", "--model", str(gguf), "--prompts", str(badutf), "--out",
                         str(tmp_path / "b2")],
+      "prompt and --prompts": ["generate", "hi", "--model", str(gguf), "--prompts", str(deep)],
+      "missing --prompts file": ["generate", "--model", str(gguf), "--prompts",
+                                 str(tmp_path / "nope.txt")],
+      "malformed --prompts file": ["generate", "--model", str(gguf), "--prompts", str(badutf)],
   }
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
       "JAXSPEC_COMPILE_CACHE": "none"}

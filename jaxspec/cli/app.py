@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxspec.bench.cli import add_bench_parser, cmd_bench
@@ -13,7 +14,10 @@ from jaxspec.cli_options import enable_compile_cache
 
 
 def _parser() -> argparse.ArgumentParser:
+  from jaxspec import __version__
   ap = argparse.ArgumentParser(prog="jaxspec", description="Exact speculative decoding in JAX.")
+  ap.add_argument("--version", action="version", version=f"jaxspec {__version__}",
+                  help="print 'jaxspec VERSION' and exit")
   sub = ap.add_subparsers(dest="command", required=True)
   add_generate_parser(sub)
   add_train_parser(sub)
@@ -26,6 +30,8 @@ def main(argv=None) -> int:
   unwritable path, undecodable text) raises SystemExit("error: ...") naming it."""
   try:
     return _main(argv)
+  except BrokenPipeError:  # the reader went away (`| head`): console_main ends quietly
+    raise
   except ValueError as e:  # CheckpointError, DataError and every argument check
     raise SystemExit(f"error: {e}") from e
   except (OSError, UnicodeError, RecursionError, OverflowError, MemoryError) as e:
@@ -45,6 +51,11 @@ def console_main(argv=None) -> int:
   except KeyboardInterrupt:
     print("error: interrupted", file=sys.stderr)
     return 130
+  except BrokenPipeError:
+    # The reader of stdout closed it (`jaxspec generate ... | head -1`): stop quietly, as a
+    # process killed by SIGPIPE would, and keep Python from complaining while it exits.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def _main(argv=None) -> int:

@@ -47,7 +47,7 @@ class ModelProfile:
   Attributes:
     batch_sizes: the B of the grid rows, ascending.
     tokens: the T of the grid columns, ascending (1 .. k_max + 1 covers every verify width).
-    seconds: [len(batch_sizes)][len(tokens)] seconds per pass; >= 0 (0: a free drafter).
+    seconds: `[len(batch_sizes)][len(tokens)]` seconds per pass; >= 0 (0: a free drafter).
     platform: "cpu", "gpu", "tpu", "npu", ... (informational).
     devices: what the device group is, in words ("2 x cpu (ids 0, 1)", "1 x H100 SXM").
     source: "measured" (by `profile`) or "given" (numbers from a data sheet or a user).
