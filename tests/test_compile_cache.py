@@ -25,10 +25,10 @@ def _run(gguf, *flags, cwd=None, env=None):
                         "--num-draft-tokens", "3", *flags],
                        capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
   assert out.returncode == 0, out.stderr[-2000:]
-  *text, stats = out.stdout.strip().splitlines()
+  stats = out.stderr.strip().splitlines()[-1]  # the text alone on stdout, the stats on stderr
   assert re.search(r"compile [\d.]+ s", stats), stats
   counts = re.search(r"\((\d+) programs loaded from the cache, (\d+) written\)", stats)
-  return "\n".join(text), *(map(int, counts.groups()) if counts else (None, None))
+  return out.stdout, *(map(int, counts.groups()) if counts else (None, None))
 
 
 def test_second_run_loads_compiled_programs(tiny_gguf, tmp_path):
@@ -51,7 +51,8 @@ def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path):
   _run(tiny_gguf, env=home, cwd=tmp_path)  # no flag: $XDG_CACHE_HOME/jaxspec/xla
   assert any((tmp_path / "home-cache" / "jaxspec" / "xla").iterdir())
   (work := tmp_path / "work").mkdir()
-  *_, loaded, written = _run(tiny_gguf, "--compile-cache", "none", env={"XDG_CACHE_HOME": str(work / "c")}, cwd=work)
+  *_, loaded, written = _run(tiny_gguf, "--compile-cache", "none",
+                             env={"XDG_CACHE_HOME": str(work / "c")}, cwd=work)
   assert (loaded, written) == (None, None)  # the stats line says nothing of a cache
   assert not any(work.iterdir())  # no cache anywhere (not even a directory called "none")
   blocker = tmp_path / "a-file"

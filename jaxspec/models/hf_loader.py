@@ -2,12 +2,18 @@
 
 Supported architectures: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, in one
 `model.safetensors` or in shards listed by `model.safetensors.index.json`. Safetensors files are
-parsed here (an 8-byte header length, a JSON header, raw little-endian data) with every offset
-checked against the file size, so bfloat16 needs no torch and a truncated file is a clear
-`CheckpointError`. Pickled checkpoints (`pytorch_model.bin`) are never loaded.
+read through the `safetensors` library (`safe_open(..., framework="numpy")`), one tensor at a
+time as the loader asks for it. Its numpy framework returns bfloat16 as `ml_dtypes.bfloat16`
+(it finds numpy's "bfloat16" dtype, which importing ml_dtypes registers), so no torch or jax is
+involved. Before the library opens a file, its header is checked here against the file size, so
+a truncated or malformed file is a `CheckpointError` naming the tensor and the fix, not the
+library's bare "incomplete metadata". Pickled checkpoints (`pytorch_model.bin`) are never
+loaded.
 
 `save_hf` writes the same layout with Hugging Face tensor names, so `transformers` can read what
-jaxspec writes (a distilled draft model, or a tiny model in a test).
+jaxspec writes (a distilled draft model, or a tiny model in a test). The writer is jaxspec's own:
+`safetensors.numpy.save_file` writes the same bytes except that it orders the tensors by dtype
+and name, where jaxspec keeps the order it was given.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +54,9 @@ _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 # -- safetensors ----------------------------------------------------------------------------------
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped).
-
-  Raises:
-    CheckpointError: the file is truncated, its header is malformed, or a tensor's offsets,
-      shape and dtype disagree.
-  """
-  path = Path(path)
+def _check_safetensors(path: Path) -> list[str]:
+  """The tensor names of a .safetensors file in header order, after checking its header: its
+  length, its JSON, and every tensor's dtype, shape and offsets against the file size."""
   size = path.stat().st_size
   with open(path, "rb") as f:
     head = f.read(8)
@@ -74,8 +75,6 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
   header.pop("__metadata__", None)
   start = 8 + n
-  data = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
-  out = {}
   for name, info in header.items():
     try:
       dtype = _ST_DTYPES[info["dtype"]]
@@ -93,8 +92,80 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if start + end > size:
       raise CheckpointError(f"{path} is truncated: tensor {name!r} needs bytes up to"
                             f" {start + end} but the file has {size}; re-download or re-save it")
-    out[name] = data[start + begin:start + end].view(dtype).reshape(shape)
-  return out
+  return list(header)
+
+
+class SafetensorsFiles(Mapping[str, np.ndarray]):
+  """The tensors of one or more .safetensors files (a checkpoint's shards), each read by the
+  `safetensors` library when it is looked up, so a load holds one raw tensor at a time.
+
+  A name in several files is read from the last. Use as a context manager, or call `close`.
+
+  Raises:
+    CheckpointError: on opening, a file whose header is malformed or disagrees with its size;
+      on lookup, a tensor the library cannot read.
+  """
+
+  def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    from safetensors import SafetensorError, safe_open  # imported late, like gguf
+    self._error = SafetensorError
+    self._files: list[tuple[Path, Any]] = []
+    self._where: dict[str, int] = {}
+    try:
+      for path in map(Path, paths):
+        names = _check_safetensors(path)  # the library's errors do not name the tensor
+        try:
+          handle = safe_open(path, framework="numpy")
+        except SafetensorError as e:  # what the checks above let through (e.g. overlaps)
+          raise CheckpointError(f"{path} is not a valid safetensors file ({e}); re-download or"
+                                " re-save it") from e
+        self._where.update((name, len(self._files)) for name in names)
+        self._files.append((path, handle))
+    except BaseException:
+      self.close()
+      raise
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    path, handle = self._files[self._where[name]]  # KeyError for a missing name
+    try:
+      return handle.get_tensor(name)
+    except (self._error, TypeError, ValueError) as e:
+      raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {e});"
+                            " re-download or re-save it") from e
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._where)
+
+  def __len__(self) -> int:
+    return len(self._where)
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._where
+
+  def close(self) -> None:
+    """Releases the files' memory maps; later lookups raise CheckpointError."""
+    for _, handle in self._files:
+      handle.__exit__(None, None, None)
+
+  def __enter__(self) -> SafetensorsFiles:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """All tensors of one .safetensors file as numpy arrays, in header order (read by the
+  `safetensors` library; bfloat16 as `ml_dtypes.bfloat16`). For a large file, iterate a
+  `SafetensorsFiles` instead, which reads one tensor at a time.
+
+  Raises:
+    CheckpointError: the file is truncated, its header is malformed, or a tensor's offsets,
+      shape and dtype disagree.
+  """
+  with SafetensorsFiles(path) as files:
+    return dict(files.items())
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
@@ -355,9 +426,7 @@ def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
   if not isinstance(config, dict):
     raise CheckpointError(f"{config_file} is not a JSON object")
   cfg = config_from_hf(config, dtype, where=str(config_file))
-  tensors: dict[str, np.ndarray] = {}
-  for shard in _shard_files(path):
-    tensors.update(read_safetensors(shard))
+  shards = _shard_files(path)
 
   # End-of-sequence ids: config.json's, then generation_config.json's (instruct models list
   # their end-of-turn token there), else the tokenizer's.
@@ -374,7 +443,8 @@ def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
     eos = eos or list(tokenizer.eos_token_ids)
   if eos:
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos))
-  params = params_from_hf(tensors, cfg, where=str(path))
+  with SafetensorsFiles(shards) as tensors:  # read one tensor at a time, as params need them
+    params = params_from_hf(tensors, cfg, where=str(path))
   name = config.get("_name_or_path") or path.name
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, name=str(name))
 
