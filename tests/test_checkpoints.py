@@ -120,6 +120,21 @@ TINY_TYPES = {"token_embd": "Q8_0", "output": "F16", "attn_q": "F16", "attn_k": 
               "ffn_down": "F32", "norm": "F32", "bias": "F32"}
 
 
+def add_tiny_tokenizer(w, vocab_size: int) -> None:
+  """The tiny byte-level BPE tokenizer and chat template, as GGUF metadata of writer `w`."""
+  tokens, token_types, merges = tiny_vocab()
+  assert len(tokens) <= vocab_size
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("smollm")
+  w.add_token_list(tokens)
+  w.add_token_types(token_types)
+  w.add_token_merges(merges)
+  w.add_bos_token_id(1)
+  w.add_eos_token_id(2)
+  w.add_add_bos_token(False)
+  w.add_chat_template(TINY_TEMPLATE)
+
+
 def write_tiny_gguf(path, cfg, params, *, arch="llama", types=None, rope_factors=None,
                     tokenizer=True):
   """Writes `params` as llama.cpp would; returns the HF-named tensors as dequantized."""
@@ -137,17 +152,7 @@ def write_tiny_gguf(path, cfg, params, *, arch="llama", types=None, rope_factors
   w.add_rope_dimension_count(cfg.head_dim)
   w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
   if tokenizer:
-    tokens, token_types, merges = tiny_vocab()
-    assert len(tokens) <= cfg.vocab_size
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TINY_TEMPLATE)
+    add_tiny_tokenizer(w, cfg.vocab_size)
   expected = {}
 
   def add(gguf_name, hf_name, kind, n_head=None):

@@ -26,7 +26,7 @@ from jaxspec.models.gguf_loader import OWN_TYPES, dequantize, load_gguf, support
 from jaxspec.models.hf_loader import params_from_hf
 from jaxspec.models.llama import stacked_layers
 from jaxspec.models.loading import load
-from test_checkpoints import TINY_TEMPLATE, _assert_params_equal, tiny_vocab
+from test_checkpoints import _assert_params_equal, add_tiny_tokenizer
 
 T = gguf.GGMLQuantizationType
 SIZES = gguf.constants.GGML_QUANT_SIZES
@@ -102,16 +102,7 @@ def write_quantized_gguf(path, cfg, types: list[str], seed: int = 0,
   w.add_rope_freq_base(cfg.rope_theta)
   w.add_rope_dimension_count(k)
   w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-  tokens, token_types, merges = tiny_vocab()
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("smollm")
-  w.add_token_list(tokens)
-  w.add_token_types(token_types)
-  w.add_token_merges(merges)
-  w.add_bos_token_id(1)
-  w.add_eos_token_id(2)
-  w.add_add_bos_token(False)
-  w.add_chat_template(TINY_TEMPLATE)
+  add_tiny_tokenizer(w, cfg.vocab_size)
   expected, raw = {}, {}
   turn = itertools.cycle(types)
 

@@ -153,6 +153,19 @@ def test_head_drafter_across_meshes_equals_fused(target, placement, reference):
   assert host.stats["placement"]["mode"] == "host" and sum(host.stats["drafted_per_row"]) > 0
 
 
+def test_log_probabilities_across_meshes(target, placement):
+  """logprobs=True through the two-mesh loop: the target's log-probability of every emitted
+  token, as plain decoding computes it (greedy: the same tokens)."""
+  host = speculative_generate(target, NGram(), PROMPTS[:2], max_new_tokens=N_NEW,
+                              num_draft_tokens=2, stop_ids=(), placement=placement,
+                              logprobs=True)
+  plain = generate(target, PROMPTS[:2], max_new_tokens=N_NEW, stop_ids=(), logprobs=True)
+  assert host.stats["placement"]["mode"] == "host"
+  np.testing.assert_array_equal(host.tokens, plain.tokens)
+  np.testing.assert_allclose(host.logprobs, plain.logprobs, atol=1e-5)
+  assert (host.logprobs < 0).all()
+
+
 def test_host_orchestrated_sampling_is_exact():
   """Chi-square of the first three sampled tokens against the target's exact joint, with the
   draft model on its own device and the target on two others."""
