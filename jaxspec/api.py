@@ -17,15 +17,16 @@ import numpy as np
 from jaxspec.decoding import fused, plain
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import Drafter
+from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.step import SpecState
 from jaxspec.models import loading as models_loading
 from jaxspec.models.llama import LlamaLM
 from jaxspec.models.model import Model
-from jaxspec.runner import (SpecRun, as_key, check_chunk, compiled, decode_texts,
+from jaxspec.runner import (SpecRun, check_chunk, compiled, decode_texts,
                             in_shardings_for, keep_cache_buffers, make_run, prepare_prompts,
-                            prepare_spec, put_global, resolve_sampling, stop_ids_for,
+                            prepare_spec, put_global, stop_ids_for,
                             stream_loop, take_cache_buffers, to_host, view_decode)
-from jaxspec.sampling import Sampling
+from jaxspec.sampling import Sampling, resolve_sampling
 from jaxspec.sharding import rules as sharding_rules
 
 

@@ -229,10 +229,10 @@ class DraftModel(Drafter):
   def _advance(self, params, cache, seq, width: int):
     """The cache with the `width` tokens from each row's length written (length + width)."""
     lm = self.lm
-    toks = self._tokens_from_length(cache, seq, width)
     if protocol.is_block_lm(lm):
       block = self._block_from_length(params, cache, seq, width)
       return protocol.write_block(lm, cache, block, cache.length)
+    toks = self._tokens_from_length(cache, seq, width)
     return protocol.forward(lm, params, toks, cache, logits=False)[2]
 
   def _block_from_length(self, params, cache, seq, width: int):

@@ -20,19 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling as sampling_lib
 from jaxspec.decoding import fused, host, limits
 from jaxspec.decoding.limits import MAX_POSITIONS  # noqa: F401 - public here too
 from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import DraftContext, Drafter, resolve_coupled
-from jaxspec.decoding.functional import check_stop_ids
+from jaxspec.decoding.functional import as_key, check_drafter_for, check_stop_ids
 from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.step import Policy, SpecState, SpecStats, costs_array, resolve_policy
 from jaxspec.drafters import resolve_drafter
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import LlamaLM, init_cache
 from jaxspec.models.model import Model
-from jaxspec.sampling import Sampling
+from jaxspec.sampling import resolve_sampling
 from jaxspec.sharding import placement as placement_lib
 from jaxspec.sharding.placement import Placement
 from jaxspec.sharding.rules import ModelSharding, place_drafter
@@ -331,16 +330,6 @@ def compiled(fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
   return exe, dt
 
 
-def resolve_sampling(sampling) -> Sampling:
-  if sampling is None:
-    return sampling_lib.GREEDY
-  if isinstance(sampling, dict):
-    return Sampling(**sampling)
-  if not isinstance(sampling, Sampling):
-    raise ValueError(f"sampling must be a jaxspec.Sampling, got {type(sampling).__name__}")
-  return sampling
-
-
 def decode_texts(model: Model, tokens: np.ndarray, lengths: np.ndarray) -> list[str] | None:
   if model.tokenizer is None:
     return None
@@ -386,24 +375,6 @@ def in_shardings_for(sh, args):
           *(sh.state(jax.eval_shape(lambda t: t, r), b) for r in rest))
 
 
-def as_key(key) -> jax.Array:
-  """A PRNG key from None (seed 0), an integer seed or a key (typed, or a raw uint32 [2])."""
-  if key is None:
-    return jax.random.key(0)
-  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    if not -2**63 <= int(key) < 2**64:
-      raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
-    # jax.random.key takes an int64: a seed in [2**63, 2**64) as its two's complement.
-    return jax.random.key(int(key) - 2**64 if int(key) >= 2**63 else int(key))
-  if isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-                                     and key.shape == ()):
-    return key
-  if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
-    return jax.random.wrap_key_data(jnp.asarray(key))
-  raise ValueError(f"key must be an integer seed or a single PRNG key (jax.random.key(seed)),"
-                   f" got {type(key).__name__}{getattr(key, 'shape', '')}")
-
-
 def check_chunk(chunk) -> int:
   """A stream's chunk: an integer >= 1 (0 would never advance)."""
   if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
@@ -441,13 +412,7 @@ def view_decode(s: DecodeState):
 
 def check_drafter(target: Model, drafter: Drafter) -> None:
   """Raises ValueError for a drafter that cannot serve this target."""
-  if not isinstance(drafter, Drafter):
-    raise ValueError(f"drafter must be a jaxspec Drafter (NGram, DraftModel, ...), got"
-                     f" {type(drafter).__name__}")
-  dv = drafter.vocab_size
-  if dv is not None and dv != target.cfg.vocab_size:
-    raise ValueError(f"draft vocab {dv} != target vocab {target.cfg.vocab_size}: drafts must"
-                     " share the target's tokenizer")
+  check_drafter_for(target.cfg.vocab_size, drafter)
   dparams = drafter.params
   if dparams is not None and target.sharding is None:  # a sharded target gets them copied
     tdev = _devices(target.params)

@@ -251,19 +251,25 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, sp: SamplingArrays) -> 
   return jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def sampling_arrays(sampling, batch_size: int) -> SamplingArrays:
-  """`SamplingArrays` [B] from a `Sampling` (one value, or one per row), from `SamplingArrays`
-  (checked: every field [B]) or None (greedy). Raises ValueError naming a field of the wrong
-  shape or dtype; works on traced arrays (only shapes are checked)."""
+def resolve_sampling(sampling) -> Sampling:
+  """A `Sampling` from one, a dict of its fields, or None (greedy)."""
   if sampling is None:
-    sampling = GREEDY
+    return GREEDY
   if isinstance(sampling, dict):
-    sampling = Sampling(**sampling)
-  if isinstance(sampling, Sampling):
-    return sampling.arrays(batch_size)
+    return Sampling(**sampling)
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a jaxspec Sampling (or, inside jit,"
+                     f" SamplingArrays), got {type(sampling).__name__}")
+  return sampling
+
+
+def sampling_arrays(sampling, batch_size: int) -> SamplingArrays:
+  """`SamplingArrays` [B] from a `Sampling` (one value, or one per row), a dict or None
+  (`resolve_sampling`), or from `SamplingArrays` (checked: every field [B]). Raises ValueError
+  naming a field of the wrong shape or dtype; works on traced arrays (only shapes are
+  checked)."""
   if not isinstance(sampling, SamplingArrays):
-    raise ValueError(f"sampling must be a jaxspec Sampling or SamplingArrays, got"
-                     f" {type(sampling).__name__}")
+    return resolve_sampling(sampling).arrays(batch_size)
   out = {}
   for f in dataclasses.fields(SamplingArrays):
     x = getattr(sampling, f.name)

@@ -26,7 +26,6 @@ class StatusLine:
     self.lock = threading.Lock()
     self.current: str | None = None
     self.started = 0.0
-    self.done: list[tuple[str, float]] = []  # (phase, seconds), in order
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -48,7 +47,6 @@ class StatusLine:
       now = time.perf_counter()
       if self.current is not None:
         secs = now - self.started
-        self.done.append((self.current, secs))
         if self.tty:
           self._write("\r\033[K")
         else:
@@ -56,11 +54,6 @@ class StatusLine:
       self.current, self.started = name, now
       if name is not None and self.tty:
         self._write(f"\r\033[K[jaxspec] {name}... 0 s")
-
-  def seconds(self, prefix: str) -> float:
-    """Total seconds of the finished phases whose name starts with `prefix`."""
-    with self.lock:
-      return sum(s for p, s in self.done if p.startswith(prefix))
 
   def _tick(self) -> None:
     while not self._stop.wait(self.interval):

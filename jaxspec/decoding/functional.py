@@ -99,14 +99,22 @@ def _check_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[int, in
   return int(b), int(p)
 
 
-def _check_key(key):
+def as_key(key) -> jax.Array:
+  """A PRNG key from None (seed 0), an integer seed in [-2**63, 2**64) or one key (typed, or a
+  raw uint32 [2]); traced keys pass through. Raises ValueError for anything else."""
+  if key is None:
+    return jax.random.key(0)
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    return jax.random.key(int(key))
-  if hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+    if not -2**63 <= int(key) < 2**64:
+      raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
+    # jax.random.key takes an int64: a seed in [2**63, 2**64) as its two's complement.
+    return jax.random.key(int(key) - 2**64 if int(key) >= 2**63 else int(key))
+  if isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                     and key.shape == ()):
     return key
-  if hasattr(key, "dtype") and key.dtype == jnp.uint32 and tuple(key.shape) == (2,):
-    return jax.random.wrap_key_data(key)
-  raise ValueError(f"key must be one PRNG key (jax.random.key(seed)) or an int seed, got"
+  if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
+    return jax.random.wrap_key_data(jnp.asarray(key))
+  raise ValueError(f"key must be an integer seed or one PRNG key (jax.random.key(seed)), got"
                    f" {type(key).__name__}{tuple(getattr(key, 'shape', ()))}: under jax.vmap"
                    " map over a batch of keys so each call sees one")
 
@@ -159,14 +167,19 @@ def _check_cache(lm, params, b: int, max_len: int) -> None:
   limits.check_cache(need, b, max_len)
 
 
-def _check_drafter(target: protocol.Target, drafter) -> None:
+def check_drafter_for(vocab_size: int, drafter) -> None:
+  """Raises ValueError unless `drafter` is a `Drafter` proposing ids of a `vocab_size` target."""
   if not isinstance(drafter, Drafter):
-    raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), a head),"
-                     f" got {type(drafter).__name__}")
+    raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), a head from"
+                     f" load_head, ...), got {type(drafter).__name__}")
   dv = drafter.vocab_size
-  if dv is not None and dv != target.vocab_size:
-    raise ValueError(f"the drafter's vocabulary ({dv}) differs from the target's"
-                     f" ({target.vocab_size}): drafts must be target token ids")
+  if dv is not None and dv != vocab_size:
+    raise ValueError(f"draft vocab {dv} != target vocab {vocab_size}: drafts must be target"
+                     " token ids (share the target's tokenizer)")
+
+
+def _check_drafter(target: protocol.Target, drafter) -> None:
+  check_drafter_for(target.vocab_size, drafter)
   if drafter.tree is not None and not protocol.is_block_lm(target.lm):
     raise ValueError(f"the {drafter.name} drafter drafts a tree, which needs tree attention"
                      f" from the target ({type(target.lm).__name__} has no forward_block): use"
@@ -209,7 +222,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   """
   tgt = protocol.as_target(target, target_params)
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
-  key = _check_key(key)
+  key = as_key(key)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   _check_drafter(tgt, drafter)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
@@ -262,7 +275,7 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   arguments without the drafter (max_len default P + capacity)."""
   tgt = protocol.as_target(target, target_params)
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
-  key = _check_key(key)
+  key = as_key(key)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   sp = sampling_lib.sampling_arrays(sampling, b)
   stops = check_stop_ids(stop_ids)

@@ -91,7 +91,7 @@ def is_block_lm(lm) -> bool:
   return hasattr(lm, "forward_block") and hasattr(lm, "write_block")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["lm_params"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
                    meta_fields=["lm"])
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -99,11 +99,7 @@ class Target:
   pytree, so a jitted function can take it as an argument and trace the weights."""
 
   lm: Any
-  lm_params: Any
-
-  @property
-  def params(self) -> Any:
-    return self.lm_params
+  params: Any
 
   @property
   def vocab_size(self) -> int:
