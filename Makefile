@@ -25,7 +25,11 @@ demo: $(VENV)/.installed
 TEST_XLA := $${XLA_FLAGS:---xla_force_host_platform_device_count=8}
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+# The model-family parity tests compare with transformers' own implementations: the compare
+# extra (CPU torch from the local wheel, transformers) is installed here when missing.
 test: $(VENV)/.installed
+	$(PY) -c "import torch, transformers" 2>/dev/null || \
+	  $(PY) -m pip install -q -c constraints.txt -e ".[compare]"
 	XLA_FLAGS="$(TEST_XLA) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" \
 	  $(PYTEST) -m "not slow and not real_model"
 	XLA_FLAGS="$(TEST_XLA)" $(PYTEST) -m "not slow and real_model"

@@ -236,16 +236,18 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
   run.finish(s)
 
 
-def load(name_or_path=None, dtype: str = "float32", *, mesh=None, rules=None,
+def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
          scan_layers: bool | None = None) -> Model:
   """Loads a model by name or path (`jaxspec.models.load`), laid out on `mesh` when given.
 
   Args:
     name_or_path: None or "smollm2-135m" / "smollm2-135m-instruct" for the bundled GGUF; a path
       to a `.gguf` file; or a Hugging Face model directory (config.json + safetensors).
-    dtype: parameter dtype, "float32" or "bfloat16".
-    mesh: a `jax.sharding.Mesh`: lay the weights out on it (`jaxspec.sharding.shard_model`).
-      A Hugging Face directory's config is checked against the mesh before any weight is read.
+    dtype: parameter dtype, "float32" or "bfloat16"; default the checkpoint's (bfloat16 for a
+      bfloat16 checkpoint, float32 otherwise).
+    mesh: a `jax.sharding.Mesh`: every device receives only its shard of each weight as the
+      checkpoint is read (`jaxspec.sharding.rules.load_sharded`). A Hugging Face directory's
+      config is checked against the mesh before any weight is read.
     rules: `jaxspec.sharding.ShardingRules` for `mesh` (default tensor x data parallel).
     scan_layers: stacked (True) or unrolled (False) layers; default the backend's.
   Raises:

@@ -111,7 +111,8 @@ class DraftModel(Drafter):
   def init(self, params, prompt, prompt_len, max_len, hidden=None) -> DraftModelState:
     lm = self.lm
     cache = protocol.init_cache(lm, params, prompt.shape[0], max_len)
-    _, _, cache = protocol.forward(lm, params, prompt, cache, logits=False, fresh=True)
+    _, _, cache = protocol.forward(lm, params, prompt, cache, logits=False, fresh=True,
+                                   seq_lengths=prompt_len)
     # The prompt is right-padded; the draft cache stays one behind the target's, which holds
     # every prompt token but the last: it keeps [0, prompt_len - 2).
     return DraftModelState(dataclasses.replace(cache, length=jnp.maximum(prompt_len - 2, 0)))
@@ -406,10 +407,10 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
   """A `Drafter`, or one named by a string.
 
   Names: "ngram" (`NGram()`); "eagle" (or "eagle3", the name its drafter reports), "medusa",
-  "mlp" (the head bundled for the default SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
-  or `jaxspec train`; or the path of a draft model (.gguf file or Hugging Face directory),
-  loaded as a `DraftModel` in `dtype` (default the target's). A named drafter is loaded once
-  per target and reused by later calls.
+  "mlp" (the head bundled for the default SmolLM2 target under jaxspec/assets/heads/); a
+  directory written by `jaxspec.heads.save_head` or `jaxspec train`; or the path of a draft
+  model (.gguf file or Hugging Face directory), loaded as a `DraftModel` in `dtype` (default
+  the target's). A named drafter is loaded once per target and reused by later calls.
   """
   if isinstance(drafter, Drafter):
     return drafter

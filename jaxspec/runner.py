@@ -410,8 +410,52 @@ def view_decode(s: DecodeState):
   return np.asarray(s.tokens)[0, :n], bool(np.asarray(s.done).all()), int(s.steps)
 
 
+def _describe(model: Model) -> str:
+  return f"{model.name} ({model.cfg.architecture}, vocabulary of {model.cfg.vocab_size})"
+
+
+def check_draft_vocabulary(target: Model, draft: Model) -> None:
+  """Raises ValueError, naming both models, unless a draft model proposes the target's token
+  ids: equal vocabulary sizes and, where both have tokenizers, the same piece for every id both
+  vocabularies hold (drafting across families works where they share a tokenizer: a Qwen3
+  draft for a Qwen3 target; a Mistral draft for a Llama 2 target has the same 32000 ids for
+  other pieces). Added and special tokens are not compared (releases rename reserved ones,
+  llama.cpp pads GGUF vocabularies with placeholders); exactness never depends on it, only the
+  acceptance rate does."""
+  if draft.cfg.vocab_size != target.cfg.vocab_size:
+    raise ValueError(
+        f"the draft model {_describe(draft)} and the target {_describe(target)} have different"
+        " vocabularies: a draft model must propose the target's token ids, so use a draft of"
+        " the target's family that shares its tokenizer (the same vocabulary size and tokens)")
+  ta, tb = target.tokenizer, draft.tokenizer
+  if ta is None or tb is None or ta is tb:
+    return
+  tid = _first_different_id(ta, tb)
+  if tid is None:
+    return
+  raise ValueError(
+      f"the draft model {_describe(draft)} and the target {_describe(target)} have different"
+      f" tokenizers: id {tid} is {ta.id_to_token(tid)!r} for the target and"
+      f" {tb.id_to_token(tid)!r} for the draft, so the draft's proposals would be other tokens:"
+      " use a draft model that shares the target's tokenizer")
+
+
+@functools.lru_cache(maxsize=16)  # tokenizers hash by identity: one comparison per pair
+def _first_different_id(ta, tb) -> int | None:
+  base_a = ta.backend.get_vocab(with_added_tokens=False)
+  base_b = tb.backend.get_vocab(with_added_tokens=False)
+  added = set(ta.backend.get_added_tokens_decoder()) | set(tb.backend.get_added_tokens_decoder())
+  ia = {i: t for t, i in base_a.items() if i not in added}
+  ib = {i: t for t, i in base_b.items() if i not in added}
+  differ = [i for i in ia.keys() & ib.keys() if ia[i] != ib[i]]
+  return min(differ) if differ else None
+
+
 def check_drafter(target: Model, drafter: Drafter) -> None:
   """Raises ValueError for a drafter that cannot serve this target."""
+  draft = getattr(drafter, "model", None)
+  if isinstance(draft, Model):
+    check_draft_vocabulary(target, draft)
   check_drafter_for(target.cfg.vocab_size, drafter)
   dparams = drafter.params
   if dparams is not None and target.sharding is None:  # a sharded target gets them copied

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -18,8 +19,8 @@ from jaxspec.models.config import RopeScaling
 from jaxspec.models.llama import default_scan_layers, stacked_layers
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.gguf_loader import dequantize, llama3_rope_factors, load_gguf
-from jaxspec.models.hf_loader import (load_hf, params_from_hf, params_to_hf, read_safetensors,
-                                      save_hf)
+from jaxspec.models.hf_loader import (config_from_hf, load_hf, params_from_hf, params_to_hf,
+                                      read_safetensors, save_hf)
 from jaxspec.models.llama import rope_inv_freq
 from jaxspec.models.loading import bundled_gguf_path, load
 from jaxspec.models.model import Model
@@ -280,6 +281,17 @@ def test_bundled_model_config(smollm):
     ("llama", {"attention_bias": True, "rope_scaling": RopeScaling(factor=4.0)}),
     ("mistral", {"sliding_window": 5, "tie_embeddings": True}),
     ("qwen2", {"attention_bias": True, "tie_embeddings": True}),
+    # Every rope scaling and per-layer windows survive save_hf (read back as written).
+    ("llama", {"rope_scaling": RopeScaling(rope_type="linear", factor=2.0)}),
+    ("llama", {"rope_scaling": RopeScaling(rope_type="dynamic", factor=2.0,
+                                           original_max_position_embeddings=512)}),
+    ("llama", {"rope_scaling": RopeScaling(rope_type="yarn", factor=4.0, attention_factor=1.2,
+                                           original_max_position_embeddings=64)}),
+    ("llama", {"rope_scaling": RopeScaling(
+        rope_type="longrope", factor=4.0, original_max_position_embeddings=128,
+        attention_factor=1.1, short_factor=tuple(1.0 + 0.1 * i for i in range(8)),
+        long_factor=tuple(2.0 + i for i in range(8)))}),
+    ("qwen2", {"attention_bias": True, "sliding_window": 5, "layer_types": ("full", "sliding")}),
 ])
 def test_hf_round_trip(tmp_path, arch, overrides):
   cfg, params = _tiny(arch, **overrides)
@@ -310,7 +322,8 @@ def test_hf_sharded_bf16_round_trip(tmp_path):
   assert len(shards) > 2 and set(index["weight_map"].values()) == {s.name for s in shards}
   assert not (tmp_path / "model.safetensors").exists()
   assert read_safetensors(shards[0])["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
-  model = load_hf(tmp_path)  # float32 params from bf16 storage: exactly the rounded weights
+  assert load_hf(tmp_path).cfg.dtype == "bfloat16"  # the checkpoint's dtype by default
+  model = load_hf(tmp_path, "float32")  # float32 params from bf16 storage: the rounded weights
   as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
   _assert_params_equal(model.params, as_bf16)
   model16 = load(str(tmp_path), dtype="bfloat16")
@@ -403,14 +416,14 @@ def test_garbage_gguf(tmp_path, seed):
 
 
 def test_gguf_unsupported_architecture(tmp_path):
-  w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma")
+  w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "falcon")
   w.add_block_count(1)
   w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(CheckpointError, match="architecture 'gemma' is not supported"):
+  with pytest.raises(CheckpointError, match="architecture 'falcon' is not supported"):
     load_gguf(tmp_path / "g.gguf")
 
 
@@ -450,8 +463,12 @@ def test_hf_unsupported_architecture_and_missing_files(tmp_path):
   with pytest.raises(CheckpointError, match="architecture 'GPT2LMHeadModel' is not supported"):
     load_hf(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(
-      config | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-  with pytest.raises(CheckpointError, match="rope scaling type 'yarn'"):
+      config | {"rope_scaling": {"rope_type": "mrope", "factor": 4.0}}))
+  with pytest.raises(CheckpointError, match="rope scaling type 'mrope' is not supported"):
+    load_hf(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(
+      config | {"architectures": ["Gemma3ForConditionalGeneration"]}))
+  with pytest.raises(CheckpointError, match="multimodal checkpoint.*Gemma3ForCausalLM"):
     load_hf(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(config))
   (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
@@ -465,6 +482,86 @@ def test_hf_unsupported_architecture_and_missing_files(tmp_path):
       {"weight_map": {"model.norm.weight": "../config.json"}}))
   with pytest.raises(CheckpointError, match="not a file name"):
     load_hf(tmp_path)
+
+
+def test_save_hf_refuses_what_its_classes_cannot_hold(tmp_path):
+  for arch, overrides in (("gemma2", {}), ("qwen3", {"qk_norm": True}),
+                          ("llama", {"partial_rotary_factor": 0.5}),
+                          ("llama", {"hidden_act": "gelu_tanh"})):
+    cfg, params = _tiny(arch, **overrides)
+    with pytest.raises(ValueError, match="save_hf writes|saving architecture"):
+      save_hf((cfg, params), tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_config_checks_family_switches():
+  with pytest.raises(ValueError, match="LongRoPE factors have 3 entries but the rotary"
+                     " embedding has 8 frequencies"):
+    tiny_config(rope_scaling=RopeScaling(rope_type="longrope", short_factor=(1.0,) * 3,
+                                         long_factor=(2.0,) * 3))
+  with pytest.raises(ValueError, match="sliding_rope_theta .* sliding_window is None"):
+    tiny_config(sliding_rope_theta=1e4)
+  with pytest.raises(ValueError, match="layer_types must be a tuple of num_layers"):
+    tiny_config(sliding_window=4, layer_types=("sliding",))
+  with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
+    tiny_config(hidden_act="relu")
+  cfg = tiny_config(qk_norm=True)
+  params = init_params(tiny_config(), jax.random.key(0))  # no q/k norm weights
+  with pytest.raises(ValueError, match="cfg.qk_norm is True but the params lack q_norm"):
+    forward(params, np.zeros((1, 2), np.int32), init_cache(cfg, 1, 8), cfg)
+
+
+def test_gemma2_gguf_without_newer_keys_gets_llama_cpp_defaults(tmp_path):
+  """Gemma 2 files converted before the soft-cap and window keys existed: llama.cpp's defaults
+  (window 4096, caps 50 and 30), every other layer sliding."""
+  cfg, params = _tiny("llama", num_layers=2, tie_embeddings=True)
+  write_tiny_gguf(tmp_path / "g2.gguf", cfg, params, arch="gemma2", tokenizer=False)
+  got = load_gguf(tmp_path / "g2.gguf").cfg
+  assert (got.attn_softcap, got.final_softcap, got.sliding_window) == (50.0, 30.0, 4096)
+  assert got.layer_types == ("sliding", "full") and got.norm_offset == 1.0
+  assert got.query_pre_attn_scalar == cfg.head_dim and got.hidden_act == "gelu_tanh"
+
+
+def test_hf_family_configs():
+  """Family switches read from config.json, the transformers 4.x spellings included."""
+  base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+  gemma = config_from_hf(base | {"architectures": ["GemmaForCausalLM"], "hidden_act": "gelu"})
+  assert gemma.hidden_act == "gelu_tanh"  # Gemma 1's "gelu" means the tanh form, as in HF
+  assert gemma.norm_offset == 1.0 and gemma.embed_scale and gemma.tie_embeddings
+  g3 = config_from_hf(base | {"model_type": "gemma3_text", "rope_theta": 1e6,
+                              "rope_local_base_freq": 1e4, "sliding_window": 4,
+                              "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+  assert g3.layer_types == ("sliding",) * 5 + ("full",) and g3.sliding_rope_theta == 1e4
+  assert g3.rope_theta == 1e6 and g3.rope_scaling.rope_type == "linear" and g3.qk_norm
+  phi = config_from_hf(base | {"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5,
+                               "max_position_embeddings": 1024,
+                               "original_max_position_embeddings": 256,
+                               "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
+                                                "long_factor": [2.0] * 4}})
+  s = phi.rope_scaling
+  assert phi.rotary_dim == 8 and s.rope_type == "longrope"
+  assert s.original_max_position_embeddings == 256
+  assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
+  phi_yarn = config_from_hf(base | {"architectures": ["Phi3ForCausalLM"],
+                                    "rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8,
+                                                     "long_factor": [2.0] * 8}})
+  assert phi_yarn.rope_scaling.rope_type == "longrope"  # transformers' Phi-3 reads it so
+  assert phi_yarn.rope_scaling.original_max_position_embeddings == 4096  # its class default
+  # Qwen2/3 slide only with use_sliding_window, from max_window_layers (default 28) on.
+  qwen = base | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4,
+                 "layer_types": ["full_attention"] * 5 + ["sliding_attention"]}
+  assert config_from_hf(qwen).sliding_window is None
+  assert config_from_hf(qwen | {"use_sliding_window": True}).layer_types == ("full",) * 5 + (
+      "sliding",)
+  # Gemma 3 with only sliding layers keeps their own rotary base; Gemma 3 never caps scores.
+  g3_small = config_from_hf(base | {"model_type": "gemma3_text", "num_hidden_layers": 2,
+                                    "sliding_window": 4, "rope_theta": 1e6,
+                                    "attn_logit_softcapping": 50.0})
+  assert g3_small.layer_types is None and g3_small.sliding_window == 4
+  assert g3_small.sliding_rope_theta == 1e4 and g3_small.attn_softcap is None
+  with pytest.raises(CheckpointError, match="'MixtralForCausalLM' is not supported"):
+    config_from_hf(base | {"architectures": ["MixtralForCausalLM"]})
 
 
 def test_hf_missing_tensor(tmp_path):

@@ -266,8 +266,10 @@ def test_draft_model_cache_has_no_hole_after_plain_steps(tiny_target):
 
 def test_bad_drafter_and_k(tiny_target):
   other = tiny_config(vocab_size=64)
-  with pytest.raises(ValueError, match="draft vocab 64 != target vocab 128"):
-    speculative_generate(tiny_target, DraftModel(Model(other, init_params(other, jax.random.key(0)))),
+  with pytest.raises(ValueError, match=r"draft model model \(llama, vocabulary of 64\) and the"
+                     r" target tiny-target \(llama, vocabulary of 128\) have different"):
+    speculative_generate(tiny_target,
+                         DraftModel(Model(other, init_params(other, jax.random.key(0)))),
                          PROMPTS, max_new_tokens=4)
   for k in (0, -2, 1.5, "4"):
     with pytest.raises(ValueError, match="num_draft_tokens"):

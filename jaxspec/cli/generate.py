@@ -75,7 +75,9 @@ def add_generate_parser(sub) -> None:
                       " EAGLE-2's dynamic tree, or Medusa's best static tree from the head's"
                       " measured accuracies), dynamic:DEPTH,TOPK,TOTAL, a JSON list of paths"
                       " ([[0],[1],[0,0]]) or a .json file of one")
-  g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="parameter dtype (default: the checkpoint's: bfloat16 for a bfloat16"
+                 " checkpoint, float32 otherwise)")
   add_scan_layers(g)
   g.add_argument("--chunk", type=count, default=8,
                  help="decode steps between printed chunks (one prompt, text output)")
@@ -283,7 +285,7 @@ def _generate(args, prompts, sampling, status) -> int:
   t_load = time.perf_counter()
   status.phase("loading the model")
   model = load(args.model, dtype=args.dtype, scan_layers=generate_layout(args.scan_layers))
-  drafter = _make_drafter(args.draft, model, args.dtype)
+  drafter = _make_drafter(args.draft, model, args.dtype or model.cfg.dtype)
   status.phase(None)
   if args.tree is not None:
     from jaxspec.decoding.tree import parse_tree

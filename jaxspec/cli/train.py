@@ -197,8 +197,10 @@ def cmd_train(args) -> int:
       if options:
         raise ValueError(f"draft-model takes no --option (got {sorted(options)}): use"
                          " --num-layers")
+      from jaxspec.models.hf_loader import check_savable
       from jaxspec.train.distill import draft_from_target
-      draft_from_target(target, args.num_layers)  # checks --num-layers before any work
+      # --num-layers, and that the draft's family can be saved, before any work.
+      check_savable(draft_from_target(target, args.num_layers).cfg)
       layers = ()
     else:
       from jaxspec.heads import HEADS

@@ -156,12 +156,16 @@ def _as_hidden(hidden, hidden_layers, lm, tokens) -> Hidden:
 
 
 def forward(lm, params, tokens, cache, *, hidden_layers=(), logits=True, fresh=False, write=True,
-            positions=None, block_mask=None):
+            positions=None, block_mask=None, seq_lengths=None):
   """The loop's forward: (logits [B, T, V], Hidden, new cache with length + T), or with
-  write=False (logits, Hidden, block) where `write_block` later writes the block."""
+  write=False (logits, Hidden, block) where `write_block` later writes the block.
+  `seq_lengths` ([B] prompt lengths of a prefill) reaches block models that take it."""
   if is_block_lm(lm):
+    kw = {"seq_lengths": seq_lengths} if seq_lengths is not None and _takes_seq_lengths(
+        lm) else {}
     return lm.forward_block(params, tokens, cache, hidden_layers=hidden_layers, logits=logits,
-                            fresh=fresh, write=write, positions=positions, block_mask=block_mask)
+                            fresh=fresh, write=write, positions=positions, block_mask=block_mask,
+                            **kw)
   if positions is not None or block_mask is not None:
     raise ValueError(f"tree drafting needs tree attention from the target, which"
                      f" {type(lm).__name__} does not offer (forward_block with positions and"
@@ -195,6 +199,16 @@ def with_length(cache, length):
   return dataclasses.replace(cache, length=length)
 
 
+def _takes_seq_lengths(lm) -> bool:
+  """Whether a block model's prefill takes each row's prompt length (jaxspec's Llama does:
+  length-dependent rotary scaling rotates a prompt by its length)."""
+  import inspect
+  try:
+    return "seq_lengths" in inspect.signature(lm.forward_block).parameters
+  except (TypeError, ValueError):
+    return False
+
+
 def prefill(lm, params, prompt, lengths, max_len: int, *, hidden_layers=(), logits: bool = True,
             buffers=None):
   """Runs the prompt [B, P] through the model; returns (last logits [B, V], Hidden, cache).
@@ -210,8 +224,9 @@ def prefill(lm, params, prompt, lengths, max_len: int, *, hidden_layers=(), logi
       cache = lm.init_cache(params, b, max_len)
     else:
       cache = lm.cache_from_buffers(buffers, b)
+    kw = {"seq_lengths": lengths} if _takes_seq_lengths(lm) else {}
     _, hidden, cache = lm.forward_block(params, prompt, cache, logits=False,
-                                        hidden_layers=hidden_layers, fresh=True)
+                                        hidden_layers=hidden_layers, fresh=True, **kw)
     last = jnp.take_along_axis(hidden.final, (lengths - 1)[:, None, None], axis=1)[:, 0]
     out = lm.logits_from_hidden(params, last) if logits else None
     return out, hidden, with_length(cache, lengths)

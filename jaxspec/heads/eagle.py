@@ -108,14 +108,18 @@ def _eagle_config(target_cfg: LlamaConfig, options: Mapping[str, Any]) -> EagleC
 
 
 def eagle_layer_config(target_cfg: LlamaConfig, cfg: EagleConfig) -> LlamaConfig:
-  """The draft layer's geometry as a one-layer LlamaConfig (rotary settings are the target's)."""
+  """The draft layer's geometry as a one-layer LlamaConfig: the rotary settings are the
+  target's; the layer itself is a plain Llama layer (no window, soft-cap, q/k or sandwich norm
+  of the target's family), as the head trains it."""
   h = cfg.num_heads or target_cfg.num_heads
   return dataclasses.replace(
       target_cfg, num_layers=1, num_heads=h,
       num_kv_heads=cfg.num_kv_heads or target_cfg.num_kv_heads,
       head_dim=cfg.head_dim or target_cfg.head_dim,
       intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
-      attention_bias=False, sliding_window=None, dtype="float32")
+      attention_bias=False, sliding_window=None, layer_types=None, sliding_rope_theta=None,
+      attn_softcap=None, final_softcap=None, query_pre_attn_scalar=None, qk_norm=False,
+      post_norms=False, norm_offset=0.0, embed_scale=False, hidden_act="silu", dtype="float32")
 
 
 class EagleHead(nnx.Module):

@@ -197,8 +197,13 @@ def check_target(config: Mapping[str, Any], target, where: str,
   """Raises CheckpointError when the head's recorded target differs from `target`."""
   rec = config.get("target") or {}
   mine = dict(zip(("hidden_size", "vocab_size", "num_layers"), target_dims(target.cfg)))
-  mine.update({k: v for k, v in _target_record(target.cfg).items() if k in rec})
+  # Compared as JSON stores them (tuples as lists); a recorded rope scaling is compared on the
+  # fields it records (records written before a field existed stay valid).
+  mine.update({k: json.loads(json.dumps(v)) for k, v in _target_record(target.cfg).items()
+               if k in rec})
   for key, value in mine.items():
+    if isinstance(value, dict) and isinstance(rec.get(key), dict):
+      value = {k: value.get(k) for k in rec[key]}
     if rec.get(key) != value:
       raise CheckpointError(
           f"{where} was trained for a target with {key}={rec.get(key)}, but this target"

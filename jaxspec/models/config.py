@@ -28,32 +28,100 @@ def _check_positive(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-  """Llama-3 style frequency scaling of the rotary embedding ("rope_type": "llama3")."""
+  """Scaling of the rotary embedding's frequencies, as Hugging Face's `rope_parameters` name it.
 
+  `rope_type`:
+    "llama3": Llama-3's smooth band between `low_freq_factor` and `high_freq_factor`.
+    "linear": every inverse frequency divided by `factor` (position interpolation).
+    "dynamic": NTK-aware base scaling once a sequence exceeds `original_max_position_embeddings`
+      (the checkpoint's max_position_embeddings), with the base for its length.
+    "yarn": YaRN's blend of interpolated and extrapolated frequencies (`beta_fast`,
+      `beta_slow`, `truncate`) with cos/sin scaled by `attention_factor`.
+    "longrope": per-frequency divisors, `short_factor` while a sequence is within
+      `original_max_position_embeddings` and `long_factor` past it, with cos/sin scaled by
+      `attention_factor`.
+
+  The length-dependent two follow Hugging Face: a prompt is rotated by its own length, every
+  later position p by p + 1, the length when it is decoded, so each position keeps one
+  rotation (speculative and plain decoding agree). The one difference: when a generation
+  crosses the original context, Hugging Face's Phi-3 drops its cache and recomputes the whole
+  sequence with the long factors, where jaxspec keeps the short rotations of the positions
+  before the crossing (outputs there agree exactly; after it they may differ).
+  """
+
+  rope_type: str = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  attention_factor: float = 1.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  short_factor: tuple[float, ...] = ()
+  long_factor: tuple[float, ...] = ()
 
   def __post_init__(self):
-    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported (supported:"
+                       f" {', '.join(ROPE_TYPES)})")
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor",
+                 "beta_fast", "beta_slow"):
       _check_positive(f"rope_scaling.{name}", getattr(self, name))
     _check_int("rope_scaling.original_max_position_embeddings",
                self.original_max_position_embeddings, 1, _MAX_INT32)
-    if self.high_freq_factor == self.low_freq_factor:
+    if self.rope_type == "llama3" and self.high_freq_factor == self.low_freq_factor:
       raise ValueError(f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must differ"
                        " from low_freq_factor: the smooth band between them divides by their"
                        " difference")
+    for name in ("short_factor", "long_factor"):
+      value = getattr(self, name)
+      if not isinstance(value, tuple):
+        raise ValueError(f"rope_scaling.{name} must be a tuple of numbers, got {value!r}")
+      for v in value:
+        _check_positive(f"rope_scaling.{name}", v)
+    if self.rope_type == "longrope" and (not self.short_factor or
+                                         len(self.short_factor) != len(self.long_factor)):
+      raise ValueError("rope_scaling of type 'longrope' needs short_factor and long_factor of"
+                       " equal, nonzero length (one divisor per rotary frequency)")
+
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
-  """Configuration of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
+  """Configuration of a decoder of the Llama lineage: Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
+  Gemma 2/3, Phi-3/4 and SmolLM share one layer structure (pre-norm attention and a gated MLP)
+  and differ in the switches below.
 
   Hashable, so it is passed to `jax.jit` as a static argument; change it with
   `dataclasses.replace`.
+
+  Family switches (defaults are Llama's):
+    hidden_act: the gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU) or
+      "gelu" (the exact erf form).
+    qk_norm: an RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3).
+    post_norms: Gemma 2/3's extra norms on the attention and MLP outputs before each residual
+      add (`LayerParams.post_attn_norm`, `post_mlp_norm`).
+    norm_offset: how the checkpoint stores norm weights: Gemma stores w and scales by (1 + w)
+      (offset 1.0). jaxspec's params hold the scale itself (w + offset, as llama.cpp's GGUFs
+      store Gemma's norms), and with an offset the scale multiplies in float32, as Gemma does.
+    embed_scale: the embeddings are multiplied by sqrt(hidden_size) (Gemma).
+    attn_softcap, final_softcap: cap * tanh(x / cap) of the attention scores and of the
+      logits (Gemma 2); None for none.
+    query_pre_attn_scalar: attention scores scale by query_pre_attn_scalar ** -0.5 instead of
+      head_dim ** -0.5 (Gemma).
+    layer_types: per layer "sliding" or "full" attention (Gemma 2/3 alternate); None: every
+      layer slides when `sliding_window` is set (Mistral), else none does.
+    sliding_rope_theta: the rotary base of sliding layers, unscaled (Gemma 3's local layers);
+      None: every layer uses `rope_theta` and `rope_scaling`.
+    partial_rotary_factor: the fraction of each head's dimensions that is rotated (Phi-4-mini).
   """
 
   vocab_size: int
@@ -74,6 +142,17 @@ class LlamaConfig:
   eos_token_ids: tuple[int, ...] = (2,)
   dtype: str = "float32"  # parameter and activation dtype: "float32" or "bfloat16".
   architecture: str = "llama"
+  hidden_act: str = "silu"
+  qk_norm: bool = False
+  post_norms: bool = False
+  norm_offset: float = 0.0
+  embed_scale: bool = False
+  attn_softcap: float | None = None
+  final_softcap: float | None = None
+  query_pre_attn_scalar: float | None = None
+  layer_types: tuple[str, ...] | None = None
+  sliding_rope_theta: float | None = None
+  partial_rotary_factor: float = 1.0
 
   def __post_init__(self):
     # Every field's type and range, so a checkpoint's nonsense (a NaN rope_theta, a negative
@@ -85,7 +164,7 @@ class LlamaConfig:
     _check_int("num_layers", self.num_layers, 1, _MAX_LAYERS)
     _check_positive("rope_theta", self.rope_theta)
     _check_positive("rms_norm_eps", self.rms_norm_eps)
-    for name in ("tie_embeddings", "attention_bias"):
+    for name in ("tie_embeddings", "attention_bias", "qk_norm", "post_norms", "embed_scale"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.sliding_window is not None:
@@ -106,6 +185,55 @@ class LlamaConfig:
           f" {self.num_kv_heads}: grouped-query attention needs whole groups")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype {self.dtype!r} is not supported: use 'float32' or 'bfloat16'")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported:"
+                       f" {', '.join(ACTIVATIONS)})")
+    if self.norm_offset not in (0.0, 1.0):
+      raise ValueError(f"norm_offset must be 0.0 or 1.0 (Gemma), got {self.norm_offset!r}")
+    for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar", "sliding_rope_theta"):
+      if getattr(self, name) is not None:
+        _check_positive(name, getattr(self, name))
+    if not (isinstance(self.partial_rotary_factor, (int, float))
+            and 0 < self.partial_rotary_factor <= 1):
+      raise ValueError(f"partial_rotary_factor must be in (0, 1], got"
+                       f" {self.partial_rotary_factor!r}")
+    if self.rotary_dim % 2 or self.rotary_dim == 0:
+      raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim"
+                       f" {self.head_dim} rotates {self.rotary_dim} dimensions: it must be an"
+                       " even, nonzero number")
+    if self.layer_types is not None:
+      if (not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers
+          or any(t not in ("sliding", "full") for t in self.layer_types)):
+        raise ValueError(f"layer_types must be a tuple of num_layers ({self.num_layers}) entries"
+                         f" 'sliding' or 'full', got {self.layer_types!r}")
+      if "sliding" in self.layer_types and self.sliding_window is None:
+        raise ValueError("layer_types has sliding layers but sliding_window is None: set the"
+                         " window size")
+    if self.sliding_rope_theta is not None and self.sliding_window is None:
+      raise ValueError("sliding_rope_theta is the rotary base of sliding-window layers, but"
+                       " sliding_window is None: set the window or drop sliding_rope_theta")
+    s = self.rope_scaling
+    if s is not None and s.rope_type == "longrope" and len(s.short_factor) != self.rotary_dim // 2:
+      raise ValueError(f"rope_scaling's LongRoPE factors have {len(s.short_factor)} entries but"
+                       f" the rotary embedding has {self.rotary_dim // 2} frequencies (rotary"
+                       " dimension / 2): the factors belong to another head size")
+
+  @property
+  def rotary_dim(self) -> int:
+    """How many leading dimensions of each head are rotated (Hugging Face's int(K * factor))."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  def is_sliding(self, layer: int) -> bool:
+    """Whether decoder layer `layer` attends within `sliding_window` only."""
+    if self.sliding_window is None:
+      return False
+    return self.layer_types is None or self.layer_types[layer] == "sliding"
+
+  @property
+  def mixed_layers(self) -> bool:
+    """Whether layers differ in attention window or rotary base (Gemma 2/3)."""
+    kinds = {self.is_sliding(i) for i in range(self.num_layers)}
+    return len(kinds) > 1
 
   @property
   def jnp_dtype(self) -> Any:
@@ -114,7 +242,8 @@ class LlamaConfig:
   @property
   def num_params(self) -> int:
     d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
-    per_layer = (d * k * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f + 2 * d)
+    per_layer = (d * k * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f
+                 + (4 if self.post_norms else 2) * d + (2 * k if self.qk_norm else 0))
     if self.attention_bias:
       per_layer += k * (self.num_heads + 2 * self.num_kv_heads)
     head = 0 if self.tie_embeddings else d * self.vocab_size

@@ -10,6 +10,11 @@ class CheckpointError(ValueError):
   """
 
 
+class LayoutError(ValueError):
+  """The weights being read do not fit the requested layout (a mesh axis that does not divide
+  the heads, the MLP width or the vocabulary): the checkpoint is fine, the placement is not."""
+
+
 def malformed(path, e: BaseException) -> CheckpointError:
   """The `CheckpointError` for an unexpected exception while reading `path`: the reader met a
   value it did not expect (a wrong type, an impossible size, an undecodable name)."""
@@ -20,7 +25,7 @@ def malformed(path, e: BaseException) -> CheckpointError:
 def is_reader_failure(e: BaseException) -> bool:
   """Whether an exception raised while reading a checkpoint means the file is malformed (and
   not, say, the device running out of memory or the user interrupting)."""
-  if isinstance(e, (CheckpointError, MemoryError, KeyboardInterrupt, SystemExit)):
+  if isinstance(e, (CheckpointError, LayoutError, MemoryError, KeyboardInterrupt, SystemExit)):
     return False
   name = type(e).__name__
   return not (name.endswith("RuntimeError") and "Jax" in name or name == "XlaRuntimeError")

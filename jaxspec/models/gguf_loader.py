@@ -1,4 +1,5 @@
-"""Loading llama.cpp GGUF checkpoints (architectures `llama` and `qwen2`) into jaxspec `Params`.
+"""Loading llama.cpp GGUF checkpoints into jaxspec `Params`: architectures `llama` (Llama,
+Mistral, SmolLM), `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3` and `phi3`.
 
 Metadata and tensor locations are read with `gguf.GGUFReader`. F32, F16, BF16, Q8_0, Q4_0 and
 Q4_1 tensors are decoded here in vectorised numpy: equal to `gguf.quants` bit for bit, and 2 to
@@ -13,8 +14,16 @@ over a garbage array length, or a numpy reshape error deep inside `gguf`.
 
 llama.cpp's `llama` architecture applies rotary embeddings to interleaved pairs, so
 `convert_hf_to_gguf.py` permutes the rows of the Q and K projections of Hugging Face checkpoints;
-jaxspec uses Hugging Face's rotate-half layout, so the loader undoes that permutation. `qwen2`
-GGUFs use the rotate-half ("neox") layout and are not permuted.
+jaxspec uses Hugging Face's rotate-half layout, so the loader undoes that permutation. The other
+architectures use the rotate-half ("neox") layout and are not permuted.
+
+What llama.cpp's converter changes, undone or followed here: Gemma's norm weights are stored as
+1 + w (jaxspec's params hold the same scale); Phi-3 keeps the fused `attn_qkv` and a fused
+`ffn_up` of [gate; up] rows, split here, and LongRoPE's divisors as `rope_factors_short` /
+`rope_factors_long` tensors. Settings a GGUF does not record are llama.cpp's fixed ones: Gemma 3's
+sliding layers (every sixth layer global, unless `attention.sliding_window_pattern` says) with a
+rotary base of 10000 (unless `rope.freq_base_swa`), and Gemma 2/3's query scaling (head_dim, or
+hidden/heads for the 27B models, as llama.cpp's `f_attention_scale`).
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from jaxspec.models.errors import CheckpointError, read_checkpoint
 from jaxspec.models.llama import Params, rope_inv_freq, stack_params
 from jaxspec.models.model import Model
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+_GEMMA = ("gemma", "gemma2", "gemma3")
 # Types decoded by jaxspec's own kernels; `supported_types()` adds those `gguf.quants` decodes.
 OWN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
@@ -349,8 +359,10 @@ class _Meta:
       raise CheckpointError(f"{self.path}: metadata {key!r} = {v!r} is not an integer")
     return int(v)
 
-  def float(self, key: str, default: Any = _REQUIRED) -> float:
+  def float(self, key: str, default: Any = _REQUIRED) -> float | None:
     v = self.get(key, default)
+    if v is None and default is None:
+      return None
     if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
       raise CheckpointError(f"{self.path}: metadata {key!r} = {v!r} is not a number")
     field = self.fields.get(key)
@@ -431,22 +443,27 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
   return w.reshape(n_head, k // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
+def load_gguf(path: str | os.PathLike, dtype: str | None = None, *, place=None,
+              scan: bool = True) -> Model:
   """Loads a llama.cpp GGUF checkpoint, tokenizer included (see `_load_gguf`); whatever a
   malformed file makes the readers raise comes out as a `CheckpointError` naming the file."""
-  if dtype not in ("float32", "bfloat16"):
-    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
-  return read_checkpoint(path, _load_gguf, path, dtype)
+  if dtype not in (None, "float32", "bfloat16"):
+    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32', 'bfloat16' or None (the"
+                     " checkpoint's)")
+  return read_checkpoint(path, _load_gguf, path, dtype, place, scan)
 
 
-def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
+def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
+               scan: bool = True) -> Model:
   """Loads a llama.cpp GGUF checkpoint, tokenizer included.
 
   Args:
     path: a `.gguf` file of architecture `llama` (Llama, Mistral, SmolLM) or `qwen2`, with
       tensors of any type in `supported_types()` (dequantized at load): F32, F16, BF16, the
       Q4/Q5/Q8 block types, the K-quants Q2_K..Q6_K and the IQ types.
-    dtype: parameter dtype, "float32" or "bfloat16".
+    dtype: parameter dtype, "float32" or "bfloat16"; default the file's: bfloat16 when its
+      matrices are BF16, float32 otherwise (quantized and F16 values are exact in float32).
+    place, scan: as `jaxspec.models.llama.stack_params` (each device receives its shards).
   Returns:
     `Model` with config, params, tokenizer and the file's `general.name`.
   Raises:
@@ -474,6 +491,10 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
         f"{path}: GGUF architecture {arch!r} is not supported (supported:"
         f" {', '.join(SUPPORTED_ARCHITECTURES)}); jaxspec runs Llama-family decoders only")
 
+  experts = meta.int(f"{arch}.expert_count", None)
+  if experts:
+    raise CheckpointError(f"{path}: a mixture-of-experts model ({experts} experts) is not"
+                          " supported; jaxspec runs dense decoders")
   tensors = {t.name: t for t in reader.tensors}
   size = path.stat().st_size
   for t in reader.tensors:  # _scan_gguf checked this already; GGUFReader must agree.
@@ -481,10 +502,11 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
       raise CheckpointError(f"{path} is truncated: tensor {t.name!r} runs past the end")
 
   n_layers = meta.int(f"{arch}.block_count")
-  if n_layers > len(tensors) // 9:  # each block holds at least 9 tensors
+  per_block = 6 if arch == "phi3" else 9  # the fewest tensors one block holds
+  if n_layers > len(tensors) // per_block:
     raise CheckpointError(
-        f"{path}: block_count {n_layers} is more than its {len(tensors)} tensors can hold (9"
-        " per block); the file is corrupt: re-download or re-convert it")
+        f"{path}: block_count {n_layers} is more than its {len(tensors)} tensors can hold"
+        f" ({per_block} per block); the file is corrupt: re-download or re-convert it")
   d = meta.int(f"{arch}.embedding_length")
   n_heads = meta.int(f"{arch}.attention.head_count")
   n_kv = meta.int(f"{arch}.attention.head_count_kv", n_heads)
@@ -497,10 +519,11 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
         f"{path}: model sizes (block_count {n_layers}, embedding_length {d}, head_count"
         f" {n_heads}, head_count_kv {n_kv}, head size {head_dim}, feed_forward_length {ff})"
         " must all be positive; the file is corrupt")
-  if value_dim != head_dim or rope_dim != head_dim:
+  if value_dim != head_dim or not 0 < rope_dim <= head_dim or rope_dim % 2:
     raise CheckpointError(
         f"{path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count"
-        f" {rope_dim} differ; jaxspec needs equal key, value and rotary head sizes")
+        f" {rope_dim}: jaxspec needs equal key and value head sizes and an even rotary size of"
+        " at most the head size")
   if "token_embd.weight" not in tensors:
     raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing; the file is"
                           " incomplete")
@@ -519,7 +542,47 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
 
   scaling = None
   scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-  if "rope_freqs.weight" in tensors:
+  factor = meta.float(f"{arch}.rope.scaling.factor", 1.0)
+  orig_ctx = meta.int(f"{arch}.rope.scaling.original_context_length", None)
+  max_pos = meta.int(f"{arch}.context_length", 8192)
+  if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+    # Phi-3 LongRoPE: per-frequency divisors; the attention factor as llama.cpp's converter
+    # writes it (rope.scaling.attn_factor), else from the context extension as transformers.
+    def factors(name):
+      if name not in tensors:
+        raise CheckpointError(f"{path}: tensor {name!r} is missing beside its LongRoPE pair")
+      t = tensors[name]
+      return tuple(float(x) for x in dequantize(t.data, t.tensor_type, (int(t.shape[0]),)))
+    orig = orig_ctx or max_pos
+    ext = max_pos / orig
+    default_attn = 1.0 if ext <= 1 else math.sqrt(1 + math.log(ext) / math.log(orig))
+    try:
+      scaling = RopeScaling(rope_type="longrope", factor=max(ext, 1.0),
+                            original_max_position_embeddings=orig,
+                            attention_factor=meta.float(f"{arch}.rope.scaling.attn_factor",
+                                                        default_attn),
+                            short_factor=factors("rope_factors_short.weight"),
+                            long_factor=factors("rope_factors_long.weight"))
+    except ValueError as e:
+      raise CheckpointError(f"{path}: invalid LongRoPE factors: {e}") from e
+    if len(scaling.short_factor) != rope_dim // 2:
+      raise CheckpointError(f"{path}: rope_factors_short has {len(scaling.short_factor)}"
+                            f" entries, expected {rope_dim // 2} (rope.dimension_count / 2)")
+  elif scaling_type == "linear" and factor != 1.0:
+    scaling = RopeScaling(rope_type="linear", factor=factor)
+  elif scaling_type == "yarn":
+    # ggml's YaRN scales cos/sin by rope.scaling.attn_factor (default 1) times
+    # 1 + 0.1 ln(factor) (`rope_yarn` in ggml), transformers' default attention factor.
+    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    try:
+      scaling = RopeScaling(
+          rope_type="yarn", factor=factor, original_max_position_embeddings=orig_ctx or max_pos,
+          attention_factor=meta.float(f"{arch}.rope.scaling.attn_factor", 1.0) * mscale,
+          beta_fast=meta.float(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+          beta_slow=meta.float(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
+    except ValueError as e:
+      raise CheckpointError(f"{path}: invalid YaRN rope scaling: {e}") from e
+  elif "rope_freqs.weight" in tensors:
     t = tensors["rope_freqs.weight"]
     factors = dequantize(t.data, t.tensor_type, tuple(int(x) for x in reversed(t.shape)))
     try:
@@ -529,12 +592,52 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
         raise
       raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' is not a Llama-3 rope scaling"
                             f" ({type(e).__name__}: {e}); the file is corrupt") from e
-  elif scaling_type not in ("none", None):
+  elif scaling_type not in ("none", None, "linear"):
     raise CheckpointError(
         f"{path}: rope scaling type {scaling_type!r} (factor"
         f" {meta.get(f'{arch}.rope.scaling.factor', None)}) is not supported; jaxspec supports"
-        " unscaled rotary embeddings and Llama-3 scaling (a rope_freqs tensor)")
+        " unscaled rotary embeddings, linear and YaRN scaling, Llama-3 scaling (a rope_freqs"
+        " tensor) and LongRoPE (rope_factors tensors)")
 
+  # Sliding-window layers: Gemma 2 alternates, Gemma 3 has every sixth layer global (llama.cpp's
+  # fixed patterns, or the file's attention.sliding_window_pattern), Phi-3/Mistral-style files
+  # slide everywhere.
+  # Gemma 2 files written before these keys existed get llama.cpp's defaults (a 4096 window,
+  # caps 50 and 30: `llama-model.cpp`).
+  window = meta.int(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+  layer_types = None
+  pattern = meta.get(f"{arch}.attention.sliding_window_pattern", None)
+  if window:
+    if isinstance(pattern, (list, tuple)):
+      if len(pattern) != n_layers:
+        raise CheckpointError(f"{path}: attention.sliding_window_pattern lists {len(pattern)}"
+                              f" layers, block_count is {n_layers}; the file is inconsistent")
+      layer_types = tuple("sliding" if p else "full" for p in pattern)
+    elif arch in ("gemma2", "gemma3"):
+      every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+      layer_types = tuple("sliding" if (i + 1) % every else "full" for i in range(n_layers))
+    if layer_types is not None and "full" not in layer_types:
+      layer_types = None
+    if layer_types is not None and "sliding" not in layer_types:
+      layer_types, window = None, None
+  gemma = arch in _GEMMA
+  query_scalar = None
+  if arch in ("gemma2", "gemma3"):
+    big = n_layers == (46 if arch == "gemma2" else 62)  # the 27B models: llama.cpp's rule
+    query_scalar = float(d // n_heads if big else head_dim)
+  def softcap(key, gemma2_default):
+    if arch == "gemma3" and key.startswith("attn"):
+      return None  # Gemma 3 never caps attention scores (transformers ignores the setting)
+    default = gemma2_default if arch == "gemma2" else None
+    return (meta.float(f"{arch}.{key}", default) or None) if gemma else None
+  # The rotated share of each head as a factor whose int(head_dim * factor) is rope_dim.
+  partial = rope_dim / head_dim
+  if int(head_dim * partial) != rope_dim:
+    partial = (rope_dim + 0.5) / head_dim
+
+  if dtype is None:
+    kinds = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2]
+    dtype = "bfloat16" if kinds and kinds.count("BF16") * 2 > len(kinds) else "float32"
   eos_ids = tuple(dict.fromkeys(
       i for i in (meta.int(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom"))
       if i is not None))
@@ -546,28 +649,45 @@ def _load_gguf(path: str | os.PathLike, dtype: str = "float32") -> Model:
         rms_norm_eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         tie_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        sliding_window=None, max_position_embeddings=meta.int(f"{arch}.context_length", 8192),
+        sliding_window=window or None, max_position_embeddings=max_pos,
         bos_token_id=meta.int("tokenizer.ggml.bos_token_id", None), eos_token_ids=eos_ids or (2,),
-        dtype=dtype, architecture=arch)
+        dtype=dtype, architecture=arch, hidden_act="gelu_tanh" if gemma else "silu",
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        post_norms="blk.0.post_ffw_norm.weight" in tensors, norm_offset=1.0 if gemma else 0.0,
+        embed_scale=gemma, attn_softcap=softcap("attn_logit_softcapping", 50.0),
+        final_softcap=softcap("final_logit_softcapping", 30.0),
+        query_pre_attn_scalar=query_scalar,
+        layer_types=layer_types,
+        sliding_rope_theta=(meta.float(f"{arch}.rope.freq_base_swa", 10000.0)
+                            if arch == "gemma3" and window else None),
+        partial_rotary_factor=partial)
   except ValueError as e:
     raise CheckpointError(f"{path}: invalid or inconsistent model metadata: {e}") from e
 
-  params = _read_params(tensors, cfg, path)
+  params = _read_params(tensors, cfg, path, place, scan)
   from jaxspec.models.tokenizer import Tokenizer
   tokenizer = Tokenizer.from_gguf(reader.fields) if tokens is not None else None
   return Model(cfg=cfg, params=params, tokenizer=tokenizer,
                name=str(meta.get("general.name", path.stem)))
 
 
-def _read_params(tensors: dict, cfg: LlamaConfig, path: Path) -> Params:
+def _read_params(tensors: dict, cfg: LlamaConfig, path: Path, place=None, scan: bool = True
+                 ) -> Params:
   """Dequantizes and reshapes every weight into jaxspec's layout."""
   d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                    cfg.head_dim)
   names = ["token_embd.weight", "output_norm.weight"]
   names += [] if cfg.tie_embeddings else ["output.weight"]
-  layer_names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                 "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                 "ffn_down.weight"]
+  fused = cfg.architecture == "phi3" and "blk.0.attn_qkv.weight" in tensors
+  layer_names = ["attn_norm.weight", "attn_output.weight", "ffn_norm.weight", "ffn_down.weight"]
+  layer_names += (["attn_qkv.weight"] if fused else
+                  ["attn_q.weight", "attn_k.weight", "attn_v.weight"])
+  layer_names += ["ffn_up.weight"] if cfg.architecture == "phi3" else ["ffn_gate.weight",
+                                                                        "ffn_up.weight"]
+  if cfg.qk_norm:
+    layer_names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+  if cfg.post_norms:
+    layer_names += ["post_attention_norm.weight", "post_ffw_norm.weight"]
   if cfg.attention_bias:
     layer_names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
   names += [f"blk.{i}.{n}" for i in range(cfg.num_layers) for n in layer_names]
@@ -596,18 +716,32 @@ def _read_params(tensors: dict, cfg: LlamaConfig, path: Path) -> Params:
 
   def layer(i):
     p = f"blk.{i}."
-    wq = get(p + "attn_q.weight", (h * k, d))  # [out, in] like Hugging Face
-    wk = get(p + "attn_k.weight", (g * k, d))
+    if fused:  # Phi-3: [q; k; v] rows
+      wq, wk, wv = np.split(get(p + "attn_qkv.weight", ((h + 2 * g) * k, d)),
+                            [h * k, (h + g) * k])
+    else:
+      wq = get(p + "attn_q.weight", (h * k, d))  # [out, in] like Hugging Face
+      wk = get(p + "attn_k.weight", (g * k, d))
+      wv = get(p + "attn_v.weight", (g * k, d))
     if permute:
       wq, wk = _unpermute_rows(wq, h), _unpermute_rows(wk, g)
+    if cfg.architecture == "phi3":  # ffn_up holds [gate; up] rows
+      gate_up = get(p + "ffn_up.weight", (2 * f, d))
+      w_gate, w_up = gate_up[:f], gate_up[f:]
+    else:
+      w_gate, w_up = get(p + "ffn_gate.weight", (f, d)), get(p + "ffn_up.weight", (f, d))
     out = dict(
         attn_norm=get(p + "attn_norm.weight", (d,)),
-        wq=wq.T.reshape(d, h, k), wk=wk.T.reshape(d, g, k),
-        wv=get(p + "attn_v.weight", (g * k, d)).T.reshape(d, g, k),
+        wq=wq.T.reshape(d, h, k), wk=wk.T.reshape(d, g, k), wv=wv.T.reshape(d, g, k),
         wo=get(p + "attn_output.weight", (d, h * k)).T.reshape(h, k, d),
-        mlp_norm=get(p + "ffn_norm.weight", (d,)),
-        w_gate=get(p + "ffn_gate.weight", (f, d)).T, w_up=get(p + "ffn_up.weight", (f, d)).T,
+        mlp_norm=get(p + "ffn_norm.weight", (d,)), w_gate=w_gate.T, w_up=w_up.T,
         w_down=get(p + "ffn_down.weight", (d, f)).T)
+    if cfg.qk_norm:
+      out.update(q_norm=get(p + "attn_q_norm.weight", (k,)),
+                 k_norm=get(p + "attn_k_norm.weight", (k,)))
+    if cfg.post_norms:
+      out.update(post_attn_norm=get(p + "post_attention_norm.weight", (d,)),
+                 post_mlp_norm=get(p + "post_ffw_norm.weight", (d,)))
     if cfg.attention_bias:
       bq, bk = get(p + "attn_q.bias", (h * k,)), get(p + "attn_k.bias", (g * k,))
       if permute:
@@ -616,6 +750,6 @@ def _read_params(tensors: dict, cfg: LlamaConfig, path: Path) -> Params:
                  bv=get(p + "attn_v.bias", (g * k,)).reshape(g, k))
     return out
 
-  lm_head = None if cfg.tie_embeddings else get("output.weight", (cfg.vocab_size, d)).T
-  return stack_params(cfg, layer, get("token_embd.weight", (cfg.vocab_size, d)),
-                      get("output_norm.weight", (d,)), lm_head)
+  lm_head = None if cfg.tie_embeddings else lambda: get("output.weight", (cfg.vocab_size, d)).T
+  return stack_params(cfg, layer, lambda: get("token_embd.weight", (cfg.vocab_size, d)),
+                      lambda: get("output_norm.weight", (d,)), lm_head, place=place, scan=scan)

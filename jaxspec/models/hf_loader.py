@@ -36,8 +36,16 @@ from jaxspec.models.model import Model
 
 # Hugging Face class name <-> jaxspec `LlamaConfig.architecture`.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+# Checkpoints whose text decoder jaxspec runs but whose wrapper (vision tower, projector) it
+# does not: refused with the text-only class to load instead.
+_SAVABLE = ("llama", "mistral", "qwen2")  # what `save_hf` writes
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 
 _ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
               "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
@@ -238,20 +246,116 @@ def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
                           " with the config.json that transformers writes") from e
 
 
+# Activation names of Hugging Face configs -> LlamaConfig.hidden_act.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+_GEMMA = ("gemma", "gemma2", "gemma3")
+
+
+def _rope_scaling(rope: Mapping[str, Any], config: Mapping[str, Any], where: str,
+                  arch: str = "llama") -> RopeScaling | None:
+  """`RopeScaling` from one rope_parameters / rope_scaling dict (None: unscaled)."""
+  rope_type = rope.get("rope_type", rope.get("type"))
+  if rope_type in (None, "default"):
+    return None
+  if arch == "phi3" and rope_type in ("su", "yarn"):
+    rope_type = "longrope"  # transformers' Phi-3 reads both older names as LongRoPE
+  max_pos = int(config.get("max_position_embeddings", 2048))
+  # Where transformers takes the pretraining length from: Phi-3 keeps it beside the rope dict
+  # (its config class defaults it to 4096).
+  orig = int(config.get("original_max_position_embeddings")
+             or rope.get("original_max_position_embeddings")
+             or (4096 if arch == "phi3" else max_pos))
+  if rope_type == "llama3":
+    return RopeScaling(
+        factor=float(rope["factor"]), low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+  if rope_type == "linear":
+    return RopeScaling(rope_type="linear", factor=float(rope["factor"]))
+  if rope_type == "dynamic":  # transformers scales from the config's max_position_embeddings
+    return RopeScaling(rope_type="dynamic", factor=float(rope["factor"]),
+                       original_max_position_embeddings=max_pos)
+  if rope_type == "yarn":
+    factor = rope.get("factor")
+    factor = float(max_pos / orig if factor is None else factor)
+    attn = rope.get("attention_factor")
+    if attn is None:
+      mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+      m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+      attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
+                       attention_factor=float(attn),
+                       beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1),
+                       truncate=bool(rope.get("truncate", True)))
+  if rope_type in ("longrope", "su"):
+    factor = rope.get("factor")
+    factor = float(max_pos / orig if factor is None else factor)
+    attn = rope.get("attention_factor")
+    if attn is None:
+      attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return RopeScaling(rope_type="longrope", factor=max(factor, 1.0),
+                       original_max_position_embeddings=orig, attention_factor=float(attn),
+                       short_factor=tuple(float(x) for x in rope["short_factor"]),
+                       long_factor=tuple(float(x) for x in rope["long_factor"]))
+  raise CheckpointError(f"{where}: rope scaling type {rope_type!r} is not supported; jaxspec"
+                        " supports unscaled rotary embeddings and the 'llama3', 'linear',"
+                        " 'dynamic', 'yarn' and 'longrope' scalings")
+
+
+def _layer_types(config: Mapping[str, Any], arch: str, n_layers: int, where: str
+                 ) -> tuple[str, ...] | None:
+  """Per-layer "sliding"/"full" attention as transformers assigns it (None: uniform)."""
+  if arch == "mistral":  # transformers' Mistral slides every layer (no layer_types)
+    return None
+  if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+    return None  # transformers drops the window then, whatever layer_types say
+  types = config.get("layer_types")
+  if types is not None:
+    if not isinstance(types, list) or len(types) != n_layers:
+      raise CheckpointError(f"{where}: layer_types must list one entry per layer ({n_layers})")
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if any(t not in names for t in types):
+      raise CheckpointError(f"{where}: layer_types {sorted(set(types))} has kinds jaxspec does"
+                            " not run; it supports 'sliding_attention' and 'full_attention'")
+    return tuple(names[t] for t in types)
+  if arch == "gemma2":  # transformers 4.x: every other layer, starting with a sliding one
+    return tuple("sliding" if (i + 1) % 2 else "full" for i in range(n_layers))
+  if arch == "gemma3":
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+                  or 6)
+    return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n_layers))
+  if arch in ("qwen2", "qwen3"):
+    first = int(config.get("max_window_layers", 28))  # transformers' default
+    return tuple("sliding" if i >= first else "full" for i in range(n_layers))
+  return None
+
+
 def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaConfig:
   archs = config.get("architectures") or []
   arch_name = archs[0] if archs else None
   if arch_name is None:
     by_type = {v: k for k, v in ARCHITECTURES.items()}
     arch_name = by_type.get(_MODEL_TYPES.get(config.get("model_type")))
+  if arch_name in _MULTIMODAL:
+    raise CheckpointError(f"{where}: {arch_name} is a multimodal checkpoint; jaxspec runs text"
+                          f" decoders: load a text-only {_MULTIMODAL[arch_name]} checkpoint")
   if arch_name not in ARCHITECTURES:
     raise CheckpointError(
         f"{where}: architecture {arch_name or config.get('model_type')!r} is not supported"
-        f" (supported: {', '.join(ARCHITECTURES)}); jaxspec runs Llama-family decoders only")
+        f" (supported: {', '.join(ARCHITECTURES)})")
   arch = ARCHITECTURES[arch_name]
-  if config.get("hidden_act", "silu") != "silu":
-    raise CheckpointError(f"{where}: hidden_act {config['hidden_act']!r} is not supported;"
-                          " jaxspec's MLP is SwiGLU (silu)")
+  gemma = arch in _GEMMA
+  act_name = (config.get("hidden_activation") if gemma else None) or config.get(
+      "hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+  if arch == "gemma" and act_name == "gelu" and not config.get("hidden_activation"):
+    # Gemma 1's config.json says "gelu" but means the tanh form: transformers rewrites it so
+    # (5.x) or ignores hidden_act for Gemma (4.x).
+    act_name = "gelu_pytorch_tanh"
+  if act_name not in _ACTIVATIONS:
+    raise CheckpointError(f"{where}: hidden activation {act_name!r} is not supported (supported:"
+                          f" {', '.join(_ACTIVATIONS)})")
   if config.get("mlp_bias"):
     raise CheckpointError(f"{where}: mlp_bias is true; jaxspec's MLP has no biases")
   try:
@@ -265,78 +369,82 @@ def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaCon
   head_dim = int(config.get("head_dim") or d // n_heads)
   n_kv = int(config.get("num_key_value_heads") or n_heads)
 
-  rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-  theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-  rope_type = rope.get("rope_type", rope.get("type"))
-  if rope_type in (None, "default"):
-    scaling = None
-  elif rope_type == "llama3":
-    scaling = RopeScaling(
-        factor=float(rope["factor"]), low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
-  else:
-    raise CheckpointError(f"{where}: rope scaling type {rope_type!r} is not supported;"
-                          " jaxspec supports unscaled rotary embeddings and 'llama3' scaling")
+  # Rotary parameters: transformers 5 keeps them in rope_parameters (Gemma 3: one dict per
+  # layer kind), 4.x in rope_theta + rope_scaling (Gemma 3: rope_local_base_freq).
+  rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+  local_theta = config.get("rope_local_base_freq", 10000.0) if arch == "gemma3" else None
+  local_scaling = None
+  if "full_attention" in rope or "sliding_attention" in rope:
+    local = rope.get("sliding_attention") or {}
+    rope = rope.get("full_attention") or {}
+    if local:
+      local_theta = local.get("rope_theta", local_theta)
+      local_scaling = _rope_scaling(local, config, where, arch)
+  theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+  scaling = _rope_scaling(rope, config, where, arch)
+  if local_scaling is not None:
+    raise CheckpointError(f"{where}: rope scaling of the sliding-window layers is not supported;"
+                          " jaxspec scales the global layers' rotary embedding only")
+  partial = float(rope.get("partial_rotary_factor") or config.get("partial_rotary_factor")
+                  or 1.0)
 
-  if partial := config.get("partial_rotary_factor"):
-    if float(partial) != 1.0:
-      raise CheckpointError(f"{where}: partial_rotary_factor {partial} is not supported")
-
-  if arch == "mistral":
-    window = config.get("sliding_window")
-    attention_bias = False
-  elif arch == "qwen2":
-    attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
-    window = None
-    if config.get("use_sliding_window"):
-      first_sliding = int(config.get("max_window_layers", n_layers))
-      if first_sliding < n_layers:
-        if first_sliding > 0:
-          raise CheckpointError(
-              f"{where}: sliding-window attention on layers {first_sliding}.. only (of"
-              f" {n_layers}) is not supported; jaxspec applies one window to all layers")
-        window = config.get("sliding_window")
-  else:
-    attention_bias = _flag(config, "attention_bias", False, where)
-    window = None
-  layer_types = config.get("layer_types")
-  if layer_types and len(set(layer_types)) > 1:
-    raise CheckpointError(f"{where}: mixed layer_types {sorted(set(layer_types))} are not"
-                          " supported; jaxspec applies one attention pattern to all layers")
+  layer_types = _layer_types(config, arch, n_layers, where)
+  window = config.get("sliding_window")
+  if layer_types is not None:
+    if "sliding" not in layer_types or window is None:
+      layer_types, window = None, None
+    elif "full" not in layer_types:
+      layer_types = None  # every layer slides: the Mistral form
+  elif arch in ("qwen2", "qwen3", "llama", "gemma"):
+    window = None  # these slide only where layer_types / use_sliding_window say so
+  if arch == "gemma3" and window is None:
+    local_theta = None  # no sliding layers: one rotary base
+  attention_bias = True if arch == "qwen2" else _flag(config, "attention_bias", False, where)
+  if arch == "phi3" and attention_bias:
+    raise CheckpointError(f"{where}: Phi-3 attention biases are not supported")
 
   eos = _ids(config.get("eos_token_id"))
   bos = config.get("bos_token_id")
   if isinstance(bos, list):
     bos = bos[0] if bos else None
+  num = lambda name: None if config.get(name) is None else float(config[name])
   try:
     return LlamaConfig(
         vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=n_layers,
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rope_theta=theta,
         rope_scaling=scaling, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=_flag(config, "tie_word_embeddings", False, where),
+        tie_embeddings=_flag(config, "tie_word_embeddings", gemma, where),
         attention_bias=attention_bias, sliding_window=None if window is None else int(window),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos) if eos else LlamaConfig.__dataclass_fields__[
             "eos_token_ids"].default,
-        dtype=dtype, architecture=arch)
+        dtype=dtype, architecture=arch, hidden_act=_ACTIVATIONS[act_name],
+        qk_norm=arch in ("qwen3", "gemma3"), post_norms=arch in ("gemma2", "gemma3"),
+        norm_offset=1.0 if gemma else 0.0, embed_scale=gemma,
+        # Gemma 3 never caps attention scores (transformers ignores the setting there).
+        attn_softcap=num("attn_logit_softcapping") if arch == "gemma2" else None,
+        final_softcap=num("final_logit_softcapping") if gemma else None,
+        query_pre_attn_scalar=num("query_pre_attn_scalar") if gemma else None,
+        layer_types=layer_types,
+        sliding_rope_theta=float(local_theta) if local_theta is not None else None,
+        partial_rotary_factor=partial)
   except (TypeError, ValueError) as e:
     raise CheckpointError(f"{where}: inconsistent configuration: {e}") from e
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
   """The config.json dict `transformers` reads for `cfg`."""
-  by_arch = {v: k for k, v in ARCHITECTURES.items()}
-  if cfg.architecture not in by_arch:
-    raise ValueError(f"architecture {cfg.architecture!r} has no Hugging Face class: use one of"
-                     f" {sorted(by_arch)}")
+  by_arch = {v: k for k, v in ARCHITECTURES.items() if v in _SAVABLE}
   if cfg.architecture == "mistral" and cfg.attention_bias:
     raise ValueError("MistralForCausalLM has no attention biases: save this model with"
                      " architecture 'llama' or 'qwen2'")
+  check_savable(cfg)
   if cfg.architecture == "llama" and cfg.sliding_window is not None:
     raise ValueError("LlamaForCausalLM has no sliding window: save this model with architecture"
                      " 'mistral' (or 'qwen2' with biases)")
+  if cfg.architecture == "mistral" and cfg.layer_types is not None:
+    raise ValueError("MistralForCausalLM slides every layer: per-layer windows save as 'qwen2'")
   out: dict[str, Any] = {
       "architectures": [by_arch[cfg.architecture]], "model_type": cfg.architecture,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
@@ -349,12 +457,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
       "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1
                        else list(cfg.eos_token_ids)),
       "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-      "torch_dtype": dtype,
-      "rope_scaling": None if cfg.rope_scaling is None else {
-          "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
-          "low_freq_factor": cfg.rope_scaling.low_freq_factor,
-          "high_freq_factor": cfg.rope_scaling.high_freq_factor,
-          "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings},
+      "torch_dtype": dtype, "rope_scaling": rope_scaling_to_hf(cfg.rope_scaling),
   }
   if cfg.architecture == "llama":
     out.update(attention_bias=cfg.attention_bias, mlp_bias=False)
@@ -364,7 +467,54 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
     sliding = cfg.sliding_window is not None
     out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
                max_window_layers=0 if sliding else cfg.num_layers)
+    if cfg.layer_types is not None:
+      out.update(layer_types=[f"{t}_attention" for t in cfg.layer_types],
+                 max_window_layers=cfg.layer_types.index("sliding"))
   return out
+
+
+def hf_class_name(architecture: str) -> str:
+  """The transformers class of a jaxspec architecture ("gemma3" -> "Gemma3ForCausalLM")."""
+  return {v: k for k, v in ARCHITECTURES.items()}[architecture]
+
+
+def rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
+  """The rope_scaling dict transformers reads for `s` (None: unscaled)."""
+  if s is None:
+    return None
+  out: dict[str, Any] = {"rope_type": s.rope_type, "factor": s.factor}
+  if s.rope_type == "llama3":
+    out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+               original_max_position_embeddings=s.original_max_position_embeddings)
+  elif s.rope_type == "yarn":
+    out.update(original_max_position_embeddings=s.original_max_position_embeddings,
+               attention_factor=s.attention_factor, beta_fast=s.beta_fast,
+               beta_slow=s.beta_slow, truncate=s.truncate)
+  elif s.rope_type == "longrope":
+    out.update(original_max_position_embeddings=s.original_max_position_embeddings,
+               attention_factor=s.attention_factor, short_factor=list(s.short_factor),
+               long_factor=list(s.long_factor))
+  return out
+
+
+# LlamaConfig switches the savable classes (Llama, Mistral, Qwen2) cannot express, with the
+# value they must have.
+_UNSAVABLE = dict(hidden_act="silu", qk_norm=False, post_norms=False, norm_offset=0.0,
+                  embed_scale=False, attn_softcap=None, final_softcap=None,
+                  query_pre_attn_scalar=None, sliding_rope_theta=None, partial_rotary_factor=1.0)
+
+
+def check_savable(cfg: LlamaConfig) -> None:
+  """Raises ValueError, before any work, when `save_hf` cannot write a model of `cfg` (a
+  family whose Hugging Face class jaxspec does not write, or a switch those classes lack)."""
+  if cfg.architecture not in _SAVABLE:
+    raise ValueError(f"saving architecture {cfg.architecture!r} is not supported (jaxspec loads"
+                     f" it, but writes only {', '.join(sorted(_SAVABLE))} checkpoints)")
+  for name, value in _UNSAVABLE.items():
+    if getattr(cfg, name) != value:
+      raise ValueError(f"a {cfg.architecture} checkpoint cannot hold {name}="
+                       f"{getattr(cfg, name)!r}: save_hf writes Llama, Mistral and Qwen2"
+                       " checkpoints only")
 
 
 # -- weights --------------------------------------------------------------------------------------
@@ -396,23 +546,38 @@ def _shard_files(path: Path) -> list[Path]:
   raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
 
 
-def load_hf(path: str | os.PathLike, dtype: str = "float32") -> Model:
+def load_hf(path: str | os.PathLike, dtype: str | None = None, *, place=None,
+            scan: bool = True) -> Model:
   """Loads a Hugging Face checkpoint directory, tokenizer included when tokenizer.json exists.
 
   Args:
     path: directory with config.json and model.safetensors (or shards with an index json).
-    dtype: parameter dtype, "float32" or "bfloat16".
+    dtype: parameter dtype, "float32" or "bfloat16"; default the checkpoint's (config.json's
+      torch_dtype: bfloat16 stays bfloat16, float32 and float16 load as float32).
+    place: lay each weight out on a mesh as it is read (`jaxspec.sharding.rules.Placer`).
+    scan: with `place`, whether the layers come stacked (else one set per layer).
   Returns:
     `Model`.
   Raises:
     CheckpointError: missing or malformed files, unsupported architecture or settings.
   """
-  if dtype not in ("float32", "bfloat16"):
-    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32' or 'bfloat16'")
-  return read_checkpoint(path, _load_hf, path, dtype)
+  if dtype not in (None, "float32", "bfloat16"):
+    raise ValueError(f"dtype {dtype!r} is not supported: use 'float32', 'bfloat16' or None (the"
+                     " checkpoint's)")
+  return read_checkpoint(path, _load_hf, path, dtype, place, scan)
 
 
-def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
+def checkpoint_dtype(config: Mapping[str, Any]) -> str:
+  """The compute dtype for a config.json's stored dtype: "bfloat16" for bfloat16 checkpoints,
+  "float32" otherwise (float16 widens losslessly; jaxspec computes in float32 or bfloat16)."""
+  stored = config.get("torch_dtype") or config.get("dtype")
+  if isinstance(stored, dict):  # per-module dtypes (multimodal configs)
+    stored = next(iter(stored.values()), None)
+  return "bfloat16" if stored == "bfloat16" else "float32"
+
+
+def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool = True
+             ) -> Model:
   path = Path(path)
   if not path.exists():
     raise CheckpointError(f"checkpoint directory {path} does not exist: check the path")
@@ -425,7 +590,7 @@ def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
   config = read_json(config_file)
   if not isinstance(config, dict):
     raise CheckpointError(f"{config_file} is not a JSON object")
-  cfg = config_from_hf(config, dtype, where=str(config_file))
+  cfg = config_from_hf(config, dtype or checkpoint_dtype(config), where=str(config_file))
   shards = _shard_files(path)
 
   # End-of-sequence ids: config.json's, then generation_config.json's (instruct models list
@@ -444,14 +609,15 @@ def _load_hf(path: str | os.PathLike, dtype: str) -> Model:
   if eos:
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos))
   with SafetensorsFiles(shards) as tensors:  # read one tensor at a time, as params need them
-    params = params_from_hf(tensors, cfg, where=str(path))
+    params = params_from_hf(tensors, cfg, where=str(path), place=place, scan=scan)
   name = config.get("_name_or_path") or path.name
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, name=str(name))
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
-                   where: str = "checkpoint") -> Params:
-  """jaxspec `Params` from Hugging Face-named tensors ([out, in] linear weights)."""
+                   where: str = "checkpoint", *, place=None, scan: bool = True) -> Params:
+  """jaxspec `Params` from Hugging Face-named tensors ([out, in] linear weights); `place` and
+  `scan` as `jaxspec.models.llama.stack_params` (each device receives only its shards)."""
   d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                    cfg.head_dim)
 
@@ -468,18 +634,37 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
                             " floating point (quantized safetensors are not supported)")
     return np.asarray(a, np.float32)
 
+  off = np.float32(cfg.norm_offset)  # Gemma stores w for a (1 + w) scale: params hold 1 + w
+  gemma_sandwich = cfg.post_norms
+
   def layer(i):
     p = f"model.layers.{i}."
+    if cfg.architecture == "phi3":  # fused [q; k; v] and [gate; up] rows
+      qkv = get(p + "self_attn.qkv_proj.weight", ((h + 2 * g) * k, d))
+      q_w, k_w, v_w = np.split(qkv, [h * k, (h + g) * k])
+      gate_up = get(p + "mlp.gate_up_proj.weight", (2 * f, d))
+      gate_w, up_w = gate_up[:f], gate_up[f:]
+    else:
+      q_w = get(p + "self_attn.q_proj.weight", (h * k, d))
+      k_w = get(p + "self_attn.k_proj.weight", (g * k, d))
+      v_w = get(p + "self_attn.v_proj.weight", (g * k, d))
+      gate_w = get(p + "mlp.gate_proj.weight", (f, d))
+      up_w = get(p + "mlp.up_proj.weight", (f, d))
     out = dict(
-        attn_norm=get(p + "input_layernorm.weight", (d,)),
-        wq=get(p + "self_attn.q_proj.weight", (h * k, d)).T.reshape(d, h, k),
-        wk=get(p + "self_attn.k_proj.weight", (g * k, d)).T.reshape(d, g, k),
-        wv=get(p + "self_attn.v_proj.weight", (g * k, d)).T.reshape(d, g, k),
+        attn_norm=get(p + "input_layernorm.weight", (d,)) + off,
+        wq=q_w.T.reshape(d, h, k), wk=k_w.T.reshape(d, g, k), wv=v_w.T.reshape(d, g, k),
         wo=get(p + "self_attn.o_proj.weight", (d, h * k)).T.reshape(h, k, d),
-        mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
-        w_gate=get(p + "mlp.gate_proj.weight", (f, d)).T,
-        w_up=get(p + "mlp.up_proj.weight", (f, d)).T,
+        w_gate=gate_w.T, w_up=up_w.T,
         w_down=get(p + "mlp.down_proj.weight", (d, f)).T)
+    if gemma_sandwich:  # Gemma 2/3: post_attention_layernorm is the attention output's norm
+      out.update(post_attn_norm=get(p + "post_attention_layernorm.weight", (d,)) + off,
+                 mlp_norm=get(p + "pre_feedforward_layernorm.weight", (d,)) + off,
+                 post_mlp_norm=get(p + "post_feedforward_layernorm.weight", (d,)) + off)
+    else:
+      out.update(mlp_norm=get(p + "post_attention_layernorm.weight", (d,)) + off)
+    if cfg.qk_norm:
+      out.update(q_norm=get(p + "self_attn.q_norm.weight", (k,)) + off,
+                 k_norm=get(p + "self_attn.k_norm.weight", (k,)) + off)
     if cfg.attention_bias:
       out.update(bq=get(p + "self_attn.q_proj.bias", (h * k,)).reshape(h, k),
                  bk=get(p + "self_attn.k_proj.bias", (g * k,)).reshape(g, k),
@@ -495,9 +680,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
     if "lm_head.weight" not in tensors:
       raise CheckpointError(f"{where}: tensor 'lm_head.weight' is missing but config.json has"
                             " tie_word_embeddings false; set it to true if the head is tied")
-    lm_head = get("lm_head.weight", (cfg.vocab_size, d)).T
-  return stack_params(cfg, layer, get("model.embed_tokens.weight", (cfg.vocab_size, d)),
-                      get("model.norm.weight", (d,)), lm_head)
+    lm_head = lambda: get("lm_head.weight", (cfg.vocab_size, d)).T
+  return stack_params(cfg, layer, lambda: get("model.embed_tokens.weight", (cfg.vocab_size, d)),
+                      lambda: get("model.norm.weight", (d,)) + off, lm_head, place=place,
+                      scan=scan)
 
 
 def params_to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:

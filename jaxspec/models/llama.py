@@ -1,8 +1,11 @@
-"""A Llama-family decoder as pure functions over dataclass pytrees.
+"""A decoder of the Llama lineage as pure functions over dataclass pytrees.
 
-Covers Llama 2/3 (plain and Llama-3 scaled rotary), Mistral (optional sliding window), Qwen2
-(q/k/v biases) and SmolLM: RMSNorm, rotary embeddings in the Hugging Face "rotate half" layout,
-grouped-query attention, SwiGLU MLP, tied or untied LM head. Layers are either stacked on a
+Covers Llama 2/3 (plain, Llama-3, linear, dynamic and YaRN scaled rotary), Mistral (optional
+sliding window), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2/3 (GeGLU, sandwich norms,
+embedding scaling, soft-capping, alternating sliding-window and global layers with their own
+rotary bases), Phi-3/4 (LongRoPE, partial rotary) and SmolLM: RMSNorm, rotary embeddings in the
+Hugging Face "rotate half" layout, grouped-query attention, gated MLP, tied or untied LM head;
+`LlamaConfig`'s family switches select the variant. Layers are either stacked on a
 leading axis and run with `lax.scan`, or held one set per layer and unrolled (`with_scan_layers`);
 unrolled on one CPU device, the matmul weights are held output-major (`OutputMajor`), which
 XLA's CPU matmul multiplies by a few rows without repacking the weight.
@@ -53,6 +56,10 @@ class LayerParams:
   bq: jax.Array | None = None  # [L, H, K] (Qwen2)
   bk: jax.Array | None = None  # [L, G, K]
   bv: jax.Array | None = None  # [L, G, K]
+  q_norm: jax.Array | None = None  # [L, K] (Qwen3, Gemma 3: cfg.qk_norm)
+  k_norm: jax.Array | None = None  # [L, K]
+  post_attn_norm: jax.Array | None = None  # [L, D] (Gemma 2/3: cfg.post_norms)
+  post_mlp_norm: jax.Array | None = None  # [L, D]
 
 
 @_pytree
@@ -166,22 +173,68 @@ def _to_input_major(lp: LayerParams) -> LayerParams:
   return dataclasses.replace(lp, **{name: as_logical(getattr(lp, name)) for name in _OUT_AXES})
 
 
-def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None) -> Params:
+def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None, *, place=None,
+                 scan: bool = True) -> Params:
   """Builds `Params` from host arrays: `layer(i)` returns layer i's LayerParams fields as numpy
-  arrays; they go straight into stacked [L, ...] arrays of cfg's dtype (one copy per weight)."""
+  arrays; `embed`, `final_norm` and `lm_head` are arrays or functions returning them (called
+  one at a time, so no two large tensors wait on the host together).
+
+  Without `place`, the layers go straight into stacked [L, ...] arrays of cfg's dtype (one copy
+  per weight) on the default device. With `place` (`jaxspec.sharding.rules.Placer`: a mesh and
+  sharding rules), each tensor is converted to cfg's dtype alone and every device receives only
+  its shard of it (`place.put`), so host memory holds about one layer in float32 at a time and
+  no device ever holds a full unsharded weight; layers come stacked (`scan`: each layer written
+  into its slot of the stacked array in place) or one per layer. Gemma's norm scales stay
+  float32 (`NORM_FIELDS`).
+  """
   import ml_dtypes
   import numpy as np
   np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
-  to_jax = lambda x: jax.device_put(np.ascontiguousarray(x, np_dtype))
+  # Gemma's (1 + w) norm scales stay float32, as Gemma computes them (`LlamaConfig.norm_offset`):
+  # rounded to bfloat16 they would scale every norm by up to 0.4% off.
+  dtype_of = lambda key: np.float32 if cfg.norm_offset and key in NORM_FIELDS else np_dtype
+  fetch = lambda x: x() if callable(x) else x
+  if place is not None:
+    place.check(cfg)
+    host = lambda key, x: np.ascontiguousarray(fetch(x), dtype_of(key))
+    per_layer: dict[str, list] = {}
+    stacked: dict[str, jax.Array] = {}
+    for i in range(cfg.num_layers):
+      for key, value in layer(i).items():
+        x = host(key, value)
+        if scan:  # written into its slot of the stacked array, which is updated in place
+          if key not in stacked:
+            stacked[key] = place.empty_stacked(key, (cfg.num_layers, *x.shape), x.dtype)
+          stacked[key] = place.set_layer(key, stacked[key], x, i)
+        else:
+          per_layer.setdefault(key, []).append(place.put(key, x, layer_axis=True))
+    if scan:
+      layers = LayerParams(**stacked)
+    else:
+      layers = tuple(LayerParams(**{k: v[i] for k, v in per_layer.items()})
+                     for i in range(cfg.num_layers))
+    embed_a = place.put("embed", host("embed", embed))
+    norm_a = place.put("final_norm", host("final_norm", final_norm))
+    head = fetch(lm_head)
+    return Params(embed=embed_a, layers=layers, final_norm=norm_a,
+                  lm_head=None if head is None else place.put("lm_head", host("lm_head", head)))
+  to_jax = lambda key, x: jax.device_put(np.ascontiguousarray(fetch(x), dtype_of(key)))
   stacked = {}
   for i in range(cfg.num_layers):
     for key, value in layer(i).items():
       if key not in stacked:
-        stacked[key] = np.empty((cfg.num_layers, *value.shape), np_dtype)
+        stacked[key] = np.empty((cfg.num_layers, *value.shape), dtype_of(key))
       stacked[key][i] = value
-  return Params(embed=to_jax(embed), layers=LayerParams(**{k: jax.device_put(v) for k, v in
-                                                           stacked.items()}),
-                final_norm=to_jax(final_norm), lm_head=None if lm_head is None else to_jax(lm_head))
+  params = Params(embed=to_jax("embed", embed),
+                  layers=LayerParams(**{k: jax.device_put(v) for k, v in stacked.items()}),
+                  final_norm=to_jax("final_norm", final_norm), lm_head=None)
+  head = fetch(lm_head)
+  return dataclasses.replace(params, lm_head=None if head is None else to_jax("lm_head", head))
+
+
+# The norm weights (`stack_params` keeps Gemma's in float32).
+NORM_FIELDS = frozenset(("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
+                         "post_mlp_norm", "final_norm"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,25 +376,66 @@ def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params
       w_gate=normal((n, d, f)), w_up=normal((n, d, f)), w_down=normal((n, f, d)),
       bq=normal((n, h, k)) if cfg.attention_bias else None,
       bk=normal((n, g, k)) if cfg.attention_bias else None,
-      bv=normal((n, g, k)) if cfg.attention_bias else None)
+      bv=normal((n, g, k)) if cfg.attention_bias else None,
+      q_norm=jnp.ones((n, k), dt) if cfg.qk_norm else None,
+      k_norm=jnp.ones((n, k), dt) if cfg.qk_norm else None,
+      post_attn_norm=jnp.ones((n, d), dt) if cfg.post_norms else None,
+      post_mlp_norm=jnp.ones((n, d), dt) if cfg.post_norms else None)
   return Params(embed=normal((cfg.vocab_size, d)), layers=layers, final_norm=jnp.ones((d,), dt),
                 lm_head=None if cfg.tie_embeddings else normal((d, cfg.vocab_size)))
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm computed in float32, cast back to x's dtype (as Hugging Face's LlamaRMSNorm)."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, scale_f32: bool = False) -> jax.Array:
+  """RMSNorm computed in float32, cast back to x's dtype (as Hugging Face's LlamaRMSNorm); with
+  `scale_f32` the scale multiplies before the cast (Gemma's order)."""
   xf = x.astype(jnp.float32)
   xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if scale_f32:
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
   return w * xf.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
-  """Inverse frequencies [K/2], with Llama-3 scaling when configured."""
-  half = cfg.head_dim // 2
-  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / cfg.head_dim))
-  s = cfg.rope_scaling
-  if s is None:
+def _base_inv_freq(theta, dim: int) -> jax.Array:
+  return 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+
+
+def _scaling_for(cfg: LlamaConfig, sliding: bool):
+  """(rotary base, scaling) of a layer: Gemma 3's sliding layers have their own, unscaled."""
+  if sliding and cfg.sliding_rope_theta is not None:
+    return cfg.sliding_rope_theta, None
+  return cfg.rope_theta, cfg.rope_scaling
+
+
+def rope_inv_freq(cfg: LlamaConfig, sliding: bool = False) -> jax.Array:
+  """Inverse frequencies [R/2] of the rotated dimensions R (`cfg.rotary_dim`) with the
+  configured scaling; for "dynamic" and "longrope" those of positions within the original
+  context (`rope_tables_for` switches past it)."""
+  dim = cfg.rotary_dim
+  theta, s = _scaling_for(cfg, sliding)
+  inv = _base_inv_freq(theta, dim)
+  if s is None or s.rope_type == "dynamic":
     return inv
+  if s.rope_type == "linear":
+    return inv / s.factor
+  if s.rope_type == "longrope":
+    return 1.0 / (jnp.asarray(s.short_factor, jnp.float32)
+                  * theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  if s.rope_type == "yarn":
+    # YaRN (Peng et al. 2023) as Hugging Face computes it: frequencies that turn fewer than
+    # beta_slow times over the original context are interpolated, those turning more than
+    # beta_fast times kept, and a linear ramp between.
+    def correction_dim(rotations):
+      return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+              / (2 * math.log(theta)))
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return (inv / s.factor) * (1 - keep) + inv * keep
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -351,6 +445,43 @@ def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
   mid = (1 - smooth) * inv / s.factor + smooth * inv
   is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
   return jnp.where(is_mid, mid, scaled)
+
+
+def rope_tables_for(cfg: LlamaConfig, positions: jax.Array, sliding: bool = False,
+                    seq_lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [B, T, 1, R/2] at positions [B, T] for a (sliding or global) layer of `cfg`,
+  scaled by the YaRN/LongRoPE attention factor.
+
+  "dynamic" and "longrope" depend on the sequence length, as in Hugging Face, where a forward
+  over a sequence of n tokens uses the long factors (or the NTK base for n) once n exceeds the
+  original context: a prefill (`seq_lengths`: each row's prompt length) rotates all its
+  positions by its row's length, and every later position p by length p + 1, the length when
+  it is decoded. Each position keeps one rotation, so speculative and plain decoding agree
+  (see `RopeScaling` for the one case that differs from Hugging Face)."""
+  theta, s = _scaling_for(cfg, sliding)
+  inv = rope_inv_freq(cfg, sliding)
+  if s is None or s.rope_type not in ("dynamic", "longrope"):
+    cos, sin = rope_tables(positions, inv)
+  else:
+    dim = cfg.rotary_dim
+    n = positions[:, :, None] + 1
+    if seq_lengths is not None:
+      n = jnp.broadcast_to(seq_lengths[:, None, None], n.shape)
+    beyond = n > s.original_max_position_embeddings
+    expo = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    if s.rope_type == "longrope":
+      far = 1.0 / (jnp.asarray(s.long_factor, jnp.float32) * theta ** expo)
+    else:
+      ratio = s.factor * n.astype(jnp.float32) / s.original_max_position_embeddings - (
+          s.factor - 1)
+      base = theta * jnp.maximum(ratio, 1.0) ** (dim / (dim - 2))
+      far = 1.0 / (base ** expo)
+    freqs = jnp.where(beyond, far, inv)  # [B, T, R/2]
+    angles = positions.astype(jnp.float32)[:, :, None] * freqs
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  if s is not None and s.rope_type in ("yarn", "longrope") and s.attention_factor != 1.0:
+    cos, sin = cos * s.attention_factor, sin * s.attention_factor
+  return cos, sin
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -364,15 +495,32 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, j
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
                tables: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """Rotates x [B, T, N, K] by positions [B, T] in the rotate-half layout (`tables`: the
-  positions' `rope_tables`, when already computed)."""
+  positions' `rope_tables`, when already computed). With R/2 frequencies for R < K (partial
+  rotary), the first R dimensions rotate and the rest pass through."""
   cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
   xf = x.astype(jnp.float32)
-  x1, x2 = jnp.split(xf, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  rd = 2 * cos.shape[-1]
+  x1, x2 = jnp.split(xf[..., :rd], 2, axis=-1)
+  parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+  if rd < x.shape[-1]:
+    parts.append(xf[..., rd:])
+  return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
-def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg):
+def mlp_activation(cfg: LlamaConfig):
+  """The gated MLP's activation: SwiGLU's silu, or GeGLU's gelu (tanh or exact form)."""
+  if cfg.hidden_act == "silu":
+    return jax.nn.silu
+  return functools.partial(jax.nn.gelu, approximate=cfg.hidden_act == "gelu_tanh")
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap) (Gemma 2's soft-capping); x unchanged for cap None."""
+  return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
+              sliding=None):
   """Attention of T new queries over the row's cached prefix plus the new block.
 
   The cached part ([0, length[b])) and the new block are scored separately and normalised by one
@@ -385,6 +533,9 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
     length: [B] valid cache entries per row.
     positions: [B, T] absolute position of every new token.
     block_mask: [B, T, T] bool, which new tokens each new token may attend to.
+    sliding: whether this layer attends within `cfg.sliding_window` only (a Python bool, or a
+      traced one inside a scan over mixed layers); None: every layer slides when the window is
+      set and `cfg.layer_types` is None.
   Returns:
     [B, T, H, K]
   """
@@ -396,22 +547,32 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
   # batch axis: XLA's CPU backend runs such plain batched matmuls several times faster than the
   # five-letter einsum.
   qg = jnp.transpose(q.reshape(b, t, g, r, kd), (0, 2, 3, 1, 4)).reshape(b * g, r * t, kd)
-  scale = 1.0 / math.sqrt(kd)
+  scalar = kd if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
+  scale = 1.0 / math.sqrt(scalar)
   bdot = lambda x, y, cx, cy: lax.dot_general(x, y, (((cx,), (cy,)), ((0,), (0,))),
                                               precision=_precision(x, y),
                                               preferred_element_type=jnp.float32)
   fresh = k_cache is None  # an empty cache (prefill): attend within the new block only
   if fresh:
     k_cache = v_cache = jnp.zeros((b, g, 1, kd), k_new.dtype)
-  s_cache = bdot(qg, k_cache.reshape(b * g, s_len, kd), 2, 2) * scale  # [BG, RT, S]
+  cap = cfg.attn_softcap
+  s_cache = bdot(qg, k_cache.reshape(b * g, s_len, kd), 2, 2)  # [BG, RT, S]
+  s_cache = softcap(s_cache * scale, cap)
   kn = jnp.transpose(k_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
   vn = jnp.transpose(v_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
-  s_new = bdot(qg, kn, 2, 2) * scale  # [BG, RT, T]
+  s_new = softcap(bdot(qg, kn, 2, 2) * scale, cap)  # [BG, RT, T]
   cache_pos = jnp.arange(s_len)
   cache_mask = (cache_pos[None, None, :] < length[:, None, None]) & (not fresh)  # [B, 1, S]
-  if cfg.sliding_window is not None:
-    cache_mask = cache_mask & (cache_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window)
-    block_mask = block_mask & (positions[:, None, :] > positions[:, :, None] - cfg.sliding_window)
+  if sliding is None:
+    sliding = cfg.sliding_window is not None and cfg.layer_types is None
+  if cfg.sliding_window is not None and sliding is not False:
+    w = cfg.sliding_window
+    in_cache = cache_pos[None, None, :] > positions[:, :, None] - w
+    in_block = positions[:, None, :] > positions[:, :, None] - w
+    if sliding is not True:  # traced: a scan over mixed layers
+      in_cache, in_block = in_cache | ~sliding, in_block | ~sliding
+    cache_mask = cache_mask & in_cache
+    block_mask = block_mask & in_block
   # Masks [B, T or 1, S] -> [BG, RT, S] in the (b, g) x (r, t) order of the scores.
   expand = lambda m: jnp.broadcast_to(m[:, None, None], (b, g, r, t, m.shape[-1])).reshape(
       b * g, r * t, m.shape[-1])
@@ -577,7 +738,8 @@ def _after(x: jax.Array, i: int) -> jax.Array:
 def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig, *,
             positions: jax.Array | None = None, block_mask: jax.Array | None = None,
             hidden_layers: tuple[int, ...] = (), logits: bool = True, fresh: bool = False,
-            write: bool = True) -> tuple[jax.Array | None, Hidden, KVCache]:
+            write: bool = True, seq_lengths: jax.Array | None = None
+            ) -> tuple[jax.Array | None, Hidden, KVCache]:
   """One forward pass of T new tokens per row on top of each row's cached prefix.
 
   Row b's tokens are written to the cache at positions length[b] .. length[b]+T-1 and attend
@@ -601,40 +763,62 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
       instead of a new cache, as `(k_new, v_new)` [L, B, T, G, K] for `write_cache`: a caller
       inside a `lax.cond`/`lax.switch` then writes outside it, so the branch never has to pass
       (and XLA never copies) the whole cache.
+    seq_lengths: [B] for a prefill, each row's prompt length: length-dependent rotary scaling
+      ("dynamic", "longrope") then rotates the whole prompt by it (`rope_tables_for`).
   Returns:
     (logits [B, T, V] float32 or None, Hidden, new cache with length + T (or the new block's
     keys and values with write=False)).
   """
   b, t = tokens.shape
   length = cache.length
+  _check_params_match(params, cfg)
   if positions is None:
     positions = length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   if block_mask is None:
     block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-  inv_freq = rope_inv_freq(cfg)
-  tables = rope_tables(positions, inv_freq)
+  tables = rope_tables_for(cfg, positions, seq_lengths=seq_lengths)
+  # Gemma 3's sliding layers rotate with their own base: a second set of tables.
+  local_tables = (rope_tables_for(cfg, positions, sliding=True, seq_lengths=seq_lengths)
+                  if cfg.sliding_rope_theta is not None and cfg.sliding_window is not None
+                  else tables)
   x = embed_tokens(params.embed, tokens, cfg.jnp_dtype)  # [B, T, D]
+  if cfg.embed_scale:
+    x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
   eps = cfg.rms_norm_eps
+  norm = functools.partial(rms_norm, eps=eps, scale_f32=bool(cfg.norm_offset))
+  act = mlp_activation(cfg)
   want = tuple(hidden_layers)
 
-  def layer(x, xs):
-    lp, k_cache, v_cache = xs
-    h = rms_norm(x, lp.attn_norm, eps)
+  def layer(x, xs, sliding=None):
+    lp, k_cache, v_cache = xs[:3]
+    if len(xs) > 3:  # a scan over mixed layers: this layer's kind as a traced bool
+      sliding = xs[3]
+    h = norm(x, lp.attn_norm)
     dt = h.dtype
     q = _dense(h, lp.wq, 1, "btd,dhk->bthk", dt)
     k = _dense(h, lp.wk, 1, "btd,dgk->btgk", dt)
     v = _dense(h, lp.wv, 1, "btd,dgk->btgk", dt)
     if lp.bq is not None:
       q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    q = apply_rope(q, positions, inv_freq, tables)
-    k = apply_rope(k, positions, inv_freq, tables)
+    if lp.q_norm is not None:
+      q, k = norm(q, lp.q_norm), norm(k, lp.k_norm)
+    if sliding is None or local_tables is tables:
+      tab = tables
+    elif isinstance(sliding, bool):
+      tab = local_tables if sliding else tables
+    else:
+      tab = jax.tree.map(lambda a, b_: jnp.where(sliding, a, b_), local_tables, tables)
+    q = apply_rope(q, positions, None, tab)
+    k = apply_rope(k, positions, None, tab)
     attn = attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
-                      positions, block_mask, cfg)
-    x = x + _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
-    h = rms_norm(x, lp.mlp_norm, eps)
+                      positions, block_mask, cfg, sliding=sliding)
+    o = _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
+    x = x + (o if lp.post_attn_norm is None else norm(o, lp.post_attn_norm))
+    h = norm(x, lp.mlp_norm)
     gate = _dense(h, lp.w_gate, 1, "btd,df->btf", dt)
     up = _dense(h, lp.w_up, 1, "btd,df->btf", dt)
-    x = x + _dense(jax.nn.silu(gate) * up, lp.w_down, 1, "btf,fd->btd", dt)
+    m = _dense(act(gate) * up, lp.w_down, 1, "btf,fd->btd", dt)
+    x = x + (m if lp.post_mlp_norm is None else norm(m, lp.post_mlp_norm))
     return x, (k, v, x if want else None)
 
   if not is_scanned(params):  # one tree per layer (`with_scan_layers`): unrolled
@@ -646,7 +830,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
       # slice of the leading axis is a view the attention reads in place.
       j = _after(x, i) if on_cpu else i
       x, outs[i] = layer(x, (lp, lax.dynamic_index_in_dim(cache.k, j, keepdims=False),
-                             lax.dynamic_index_in_dim(cache.v, j, keepdims=False)))
+                             lax.dynamic_index_in_dim(cache.v, j, keepdims=False)),
+                         sliding=cfg.is_sliding(i))
     k_new, v_new, per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs)
     # The new keys and values as values computed after the last layer: writing them into the
     # cache then waits for every layer's read of it, so XLA updates the cache in place instead
@@ -655,14 +840,32 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     keep = _after(x, 0) == 0
     k_new, v_new = jnp.where(keep, k_new, 0), jnp.where(keep, v_new, 0)
   else:
-    x, (k_new, v_new, per_layer) = lax.scan(layer, x, (params.layers, cache.k, cache.v))
-  final = rms_norm(x, params.final_norm, eps)
-  out_logits = logits_from_hidden(params, final) if logits else None
+    xs = (params.layers, cache.k, cache.v)
+    if cfg.mixed_layers:
+      xs += (jnp.array([cfg.is_sliding(i) for i in range(cfg.num_layers)]),)
+      x, (k_new, v_new, per_layer) = lax.scan(layer, x, xs)
+    else:
+      x, (k_new, v_new, per_layer) = lax.scan(
+          functools.partial(layer, sliding=cfg.is_sliding(0)), x, xs)
+  final = norm(x, params.final_norm)
+  out_logits = softcap(logits_from_hidden(params, final), cfg.final_softcap) if logits else None
   layers_out = per_layer[jnp.array(want)] if want else None
   if not write:
     return out_logits, Hidden(final=final, layers=layers_out), (k_new, v_new)
   new_cache = write_cache(cache, k_new, v_new, positions_start=length)
   return out_logits, Hidden(final=final, layers=layers_out), new_cache
+
+
+def _check_params_match(params: Params, cfg: LlamaConfig) -> None:
+  """At trace time: the weights hold the norms and biases the configuration's switches say."""
+  if params.layers is None:
+    return
+  lp = params.layers if is_scanned(params) else params.layers[0]
+  for name, field, want in (("qk_norm", "q_norm", cfg.qk_norm),
+                            ("post_norms", "post_attn_norm", cfg.post_norms)):
+    if want != (getattr(lp, field) is not None):
+      raise ValueError(f"cfg.{name} is {want} but the params {'lack' if want else 'have'}"
+                       f" {field}: load the weights with the configuration they belong to")
 
 
 def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
@@ -733,9 +936,11 @@ class LlamaLM:
     return KVCache(k=buffers[0], v=buffers[1], length=jnp.zeros((batch_size,), jnp.int32))
 
   def forward_block(self, params, tokens, cache: KVCache, *, hidden_layers=(), logits=True,
-                    fresh=False, write=True, positions=None, block_mask=None):
+                    fresh=False, write=True, positions=None, block_mask=None,
+                    seq_lengths=None):
     return forward(params, tokens, cache, self.cfg, hidden_layers=hidden_layers, logits=logits,
-                   fresh=fresh, write=write, positions=positions, block_mask=block_mask)
+                   fresh=fresh, write=write, positions=positions, block_mask=block_mask,
+                   seq_lengths=seq_lengths)
 
   def write_block(self, cache: KVCache, block, start) -> KVCache:
     return write_cache(cache, *block, positions_start=start)
@@ -751,4 +956,4 @@ class LlamaLM:
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
   def logits_from_hidden(self, params, hidden):
-    return logits_from_hidden(params, hidden)
+    return softcap(logits_from_hidden(params, hidden), self.cfg.final_softcap)

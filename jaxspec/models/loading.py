@@ -34,18 +34,21 @@ def bundled_gguf_path() -> Path:
                         f" `{_INSTALL_HINT} --force-reinstall`")
 
 
-def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", *,
-         scan_layers: bool | None = None) -> Model:
+def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None, *,
+         scan_layers: bool | None = None, place=None) -> Model:
   """Loads a model by name or path.
 
   Args:
     name_or_path: None or "smollm2-135m" / "smollm2-135m-instruct" for the bundled GGUF; a path
       to a `.gguf` file; or a Hugging Face model directory (config.json + safetensors).
-    dtype: parameter dtype, "float32" or "bfloat16".
+    dtype: parameter dtype, "float32" or "bfloat16"; default the checkpoint's (bfloat16 for a
+      bfloat16 checkpoint, float32 otherwise: the bundled model, quantized and float16 files).
     scan_layers: True: the layers stacked and run by `lax.scan` (compiles fast); False: one
       set of weights per layer, unrolled (about 1.4x faster steps on XLA's CPU backend, several
       times slower compiles). Default: unrolled on the CPU backend, stacked elsewhere
       (`Model.with_scan_layers` converts later; outputs are bit-identical).
+    place: lay every weight out on a mesh as it is read (`jaxspec.sharding.rules.Placer`,
+      which `jaxspec.load(..., mesh=)` passes).
   Returns:
     `Model` with config, params and tokenizer.
   Raises:
@@ -57,22 +60,23 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str = "float32", 
   if scan_layers is None:
     from jaxspec.models.llama import default_scan_layers
     scan_layers = default_scan_layers()
-  return _load(name_or_path, dtype).with_scan_layers(scan_layers)
+  kw = dict(dtype=dtype, place=place, scan=scan_layers)
+  return _load(name_or_path, kw).with_scan_layers(scan_layers)
 
 
-def _load(name_or_path, dtype: str) -> Model:
+def _load(name_or_path, kw) -> Model:
   if name_or_path is None or str(name_or_path).lower() in BUNDLED_NAMES:
     from jaxspec.models.gguf_loader import load_gguf
-    model = load_gguf(bundled_gguf_path(), dtype=dtype)
+    model = load_gguf(bundled_gguf_path(), **kw)
     model.name = "SmolLM2-135M-Instruct"
     return model
   path = Path(name_or_path).expanduser()
   if path.suffix.lower() == ".gguf":
     from jaxspec.models.gguf_loader import load_gguf
-    return load_gguf(path, dtype=dtype)
+    return load_gguf(path, **kw)
   if path.is_dir():
     from jaxspec.models.hf_loader import load_hf
-    return load_hf(path, dtype=dtype)
+    return load_hf(path, **kw)
   what = "does not exist" if not path.exists() else "is neither a .gguf file nor a directory"
   raise CheckpointError(
       f"cannot load {str(name_or_path)!r}: it is not a known model name and {what}. Pass one of:"

@@ -20,6 +20,7 @@ Logical axes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.models import loading
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.hf_loader import config_from_hf
-from jaxspec.models.llama import KVCache, LayerParams, OutputMajor, Params, input_major
+from jaxspec.models.errors import LayoutError
+from jaxspec.models.llama import (KVCache, LayerParams, OutputMajor, Params, default_scan_layers,
+                                  input_major)
 from jaxspec.models.model import Model
 
 # The logical axes of every weight, in the order of its dimensions.
@@ -52,6 +55,10 @@ PARAM_AXES = dict(
     bq=("layers", "heads", "head_dim"),
     bk=("layers", "kv_heads", "head_dim"),
     bv=("layers", "kv_heads", "head_dim"),
+    q_norm=("layers", "head_dim"),
+    k_norm=("layers", "head_dim"),
+    post_attn_norm=("layers", "embed"),
+    post_mlp_norm=("layers", "embed"),
 )
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # KVCache.k / .v
 
@@ -365,14 +372,71 @@ def model_sharding(model) -> ModelSharding | None:
   return getattr(model, "sharding", None)
 
 
-def load_sharded(name_or_path, mesh, *, dtype: str = "float32", rules: ShardingRules | None = None,
-                 scan_layers: bool | None = None):
+@dataclasses.dataclass(frozen=True)
+class Placer:
+  """Lays weights out on a mesh as a loader reads them (`jaxspec.models.llama.stack_params`'s
+  `place`): each host array goes to the devices with `jax.make_array_from_callback`, which hands
+  every device only its slice, so no device ever holds a full unsharded weight and nothing is
+  staged on one device first."""
+
+  mesh: Mesh
+  rules: ShardingRules = DEFAULT_RULES
+
+  def check(self, cfg: LlamaConfig) -> None:
+    """Before any weight is read: the mesh must divide what it shards."""
+    try:
+      check_fits(cfg, self.mesh, self.rules)
+    except ValueError as e:
+      raise LayoutError(str(e)) from None
+
+  def sharding(self, name: str, shape, layer_axis: bool = False) -> NamedSharding:
+    axes = PARAM_AXES[name][1:] if layer_axis else PARAM_AXES[name]
+    return NamedSharding(self.mesh, _spec_for(shape, axes, self.rules, self.mesh))
+
+  def put(self, name: str, x: np.ndarray, layer_axis: bool = False) -> jax.Array:
+    """Host array `x` of weight `name` (one layer's, without the layer axis, for layer_axis)
+    sharded by the rules: every device receives its own slice of `x`."""
+    sharding = self.sharding(name, x.shape, layer_axis)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  def empty_stacked(self, name: str, shape, dtype) -> jax.Array:
+    """Zeros [L, ...] for weight `name`, created sharded on the devices (`set_layer` fills it)."""
+    return _zeros(tuple(shape), np.dtype(dtype), self.sharding(name, shape))()
+
+  def set_layer(self, name: str, stacked: jax.Array, x: np.ndarray, i: int) -> jax.Array:
+    """`stacked` with layer i set to host array `x`: `x` reaches each device as its shard
+    (`put`) and is written into the donated stacked array in place, so a device holds the
+    stacked weight plus one layer's shard at a time."""
+    layer = self.put(name, x, layer_axis=True)
+    return _set_layer(stacked.sharding)(stacked, layer, np.int32(i))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape, dtype, sharding: NamedSharding):
+  return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _set_layer(sharding: NamedSharding):
+  return jax.jit(lambda s, x, i: jax.lax.dynamic_update_index_in_dim(s, x, i, 0),
+                 out_shardings=sharding, donate_argnums=0)
+
+
+def load_sharded(name_or_path, mesh, *, dtype: str | None = None,
+                 rules: ShardingRules | None = None, scan_layers: bool | None = None):
   """`jaxspec.models.load` with the weights laid out on `mesh` by `rules` (default tensor x
-  data parallel); a Hugging Face directory's config is checked against the mesh before any
-  weight is read."""
+  data parallel) as they are read: every device receives only its shard of each weight,
+  converted to the dtype one tensor at a time on the host (`Placer`). A Hugging Face
+  directory's config is checked against the mesh before any weight is read (a GGUF's as soon
+  as its metadata is)."""
   rules = DEFAULT_RULES if rules is None else rules
   path = None if name_or_path is None else Path(name_or_path).expanduser()
   if path is not None and path.is_dir() and (path / "config.json").is_file():
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
-    check_fits(cfg, mesh, rules)
-  return shard_model(loading.load(name_or_path, dtype, scan_layers=scan_layers), mesh, rules)
+    config = json.loads((path / "config.json").read_text())
+    check_fits(config_from_hf(config, dtype or "float32"), mesh, rules)
+  if scan_layers is None:
+    scan_layers = default_scan_layers()
+  if mesh.size == 1:  # one device: the single-device layouts (output-major weights on a CPU)
+    return shard_model(loading.load(name_or_path, dtype, scan_layers=scan_layers), mesh, rules)
+  model = loading.load(name_or_path, dtype, scan_layers=scan_layers, place=Placer(mesh, rules))
+  return dataclasses.replace(model, sharding=ModelSharding(mesh, rules))

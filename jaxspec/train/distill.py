@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_scanned,
-                                  logits_from_hidden, stacked_layers)
+                                  logits_from_hidden, softcap, stacked_layers)
 from jaxspec.models.model import Model
 from jaxspec.train.data import Dataset
 from jaxspec.train.trainer import TrainConfig, train
@@ -44,7 +44,18 @@ def draft_from_target(target: Model, num_layers: int = 4) -> Model:
   if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < n:
     raise ValueError(f"a draft keeps 1 to {n - 1} of the target's {n} layers, got"
                      f" {num_layers!r}: pass --num-layers in that range")
-  cfg = dataclasses.replace(target.cfg, num_layers=num_layers)
+  cfg, kinds = target.cfg, target.cfg.layer_types
+  if kinds is None:
+    cfg = dataclasses.replace(cfg, num_layers=num_layers)
+  else:  # the kept layers' windows; uniform ones collapse
+    kinds = kinds[:num_layers]
+    if "full" not in kinds:
+      cfg = dataclasses.replace(cfg, num_layers=num_layers, layer_types=None)
+    elif "sliding" not in kinds:
+      cfg = dataclasses.replace(cfg, num_layers=num_layers, layer_types=None,
+                                sliding_window=None, sliding_rope_theta=None)
+    else:
+      cfg = dataclasses.replace(cfg, num_layers=num_layers, layer_types=kinds)
   p = target.params
   if is_scanned(p):
     layers = jax.tree.map(lambda x: jnp.array(x[:num_layers]), p.layers)
@@ -120,9 +131,10 @@ def distill_loss(model: DraftLM, batch: dict[str, jax.Array], frozen: Params, *,
   _, hidden, _ = forward(params, tokens, init_cache(cfg, b, t), cfg, logits=False, fresh=True)
   idx, valid = response_positions(batch["loss_mask"], r)
   take = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
-  q_logits = logits_from_hidden(params, take(hidden.final))  # [B, r, V] float32
-  p_logits = logits_from_hidden(frozen, take(batch["hidden_final"]).astype(
-      frozen.final_norm.dtype))  # [B, r, V]
+  # Both through the final soft-cap (Gemma 2), the distributions the models sample from.
+  q_logits = softcap(logits_from_hidden(params, take(hidden.final)), cfg.final_softcap)
+  p_logits = softcap(logits_from_hidden(frozen, take(batch["hidden_final"]).astype(
+      frozen.final_norm.dtype)), cfg.final_softcap)  # [B, r, V] float32
   logp = jax.nn.log_softmax(p_logits, axis=-1)
   logq = jax.nn.log_softmax(q_logits, axis=-1)
   kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)  # [B, r]
@@ -156,6 +168,8 @@ def distill(target: Model, data: Dataset, out_dir: str | os.PathLike, cfg: Train
   """
   data.check_target(target, hidden=True)
   draft = draft_from_target(target, num_layers)
+  from jaxspec.models.hf_loader import check_savable
+  check_savable(draft.cfg)  # the draft is saved as a Hugging Face checkpoint after training
   out = Path(out_dir)
   module = DraftLM(draft.cfg, draft.params)
   loss = functools.partial(distill_loss, positions=data.max_new_tokens)

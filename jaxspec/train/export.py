@@ -40,8 +40,8 @@ from flax import nnx
 from jaxspec import heads as heads_lib
 from jaxspec.heads import EagleHead, MedusaHeads
 from jaxspec.models.errors import CheckpointError
-from jaxspec.models.hf_loader import (SAVE_DTYPES, config_to_hf, read_json, read_safetensors,
-                                      write_safetensors)
+from jaxspec.models.hf_loader import (SAVE_DTYPES, config_to_hf, hf_class_name, read_json,
+                                      read_safetensors, write_safetensors)
 from jaxspec.models.llama import lm_head_weight
 
 SPECULATORS_VERSION = "0.1.0"
@@ -121,7 +121,7 @@ def export_eagle3(directory: str | os.PathLike, model: EagleHead, target, *,
   layer.update(num_hidden_layers=1, vocab_size=v, architectures=["LlamaForCausalLM"],
                model_type="llama", tie_word_embeddings=False)
   verifier = {"name_or_path": verifier_name_or_path,
-              "architectures": config_to_hf(target.cfg, dtype)["architectures"]}
+              "architectures": [hf_class_name(target.cfg.architecture)]}
   config = {
       "architectures": ["Eagle3Speculator"],
       "speculators_model_type": "eagle3",
