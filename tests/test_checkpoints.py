@@ -467,8 +467,8 @@ def test_hf_unsupported_architecture_and_missing_files(tmp_path):
   with pytest.raises(CheckpointError, match="rope scaling type 'mrope' is not supported"):
     load_hf(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(
-      config | {"architectures": ["Gemma3ForConditionalGeneration"]}))
-  with pytest.raises(CheckpointError, match="multimodal checkpoint.*Gemma3ForCausalLM"):
+      config | {"architectures": ["Mistral3ForConditionalGeneration"]}))
+  with pytest.raises(CheckpointError, match="multimodal checkpoint.*MistralForCausalLM"):
     load_hf(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(config))
   (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")

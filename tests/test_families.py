@@ -415,3 +415,31 @@ def test_gemma_norm_scales_stay_float32_in_bfloat16(name, cases):
     np.testing.assert_array_equal(got, want.astype(np.float32) + np.float32(1), err_msg=field)
   assert m.params.final_norm.dtype == jnp.float32
   assert jaxspec.generate(m, [list(PROMPTS[0])], max_new_tokens=4, stop_ids=[]).lengths[0] == 4
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_decoder(cases, workdir):
+  """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration (a vision tower beside the
+  decoder, tensors under language_model.): jaxspec runs the text decoder alone, with the same
+  logits as transformers' multimodal model on text."""
+  import torch
+  import transformers as T
+  c = cases("gemma3")
+  text = T.AutoModelForCausalLM.from_pretrained(c.hf, dtype=torch.float32)
+  unused = [i for i in range(3, F.VOCAB) if i not in set(PROMPTS.ravel().tolist())][:3]
+  vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+  config = T.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=unused[0],
+                          boi_token_index=unused[1], eoi_token_index=unused[2])
+  mm = T.Gemma3ForConditionalGeneration(config).eval()
+  mm.model.language_model.load_state_dict(text.model.state_dict())
+  path = workdir / "gemma3-multimodal"
+  mm.save_pretrained(path)
+  with torch.no_grad():
+    ref = mm(input_ids=torch.as_tensor(PROMPTS)).logits.float().numpy()
+  np.testing.assert_allclose(ref, c.ref["logits"], atol=ATOL, rtol=0)  # HF agrees with itself
+  m = load(path, "float32", scan_layers=True)
+  assert m.cfg == load(c.hf, "float32", scan_layers=True).cfg
+  logits = forward_jit(m.params, jnp.asarray(PROMPTS, jnp.int32), init_cache(m.cfg, B, MAX_LEN),
+                       m.cfg)[0]
+  np.testing.assert_allclose(np.asarray(logits), ref, atol=ATOL, rtol=0)

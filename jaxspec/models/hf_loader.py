@@ -44,8 +44,47 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
 # Checkpoints whose text decoder jaxspec runs but whose wrapper (vision tower, projector) it
 # does not: refused with the text-only class to load instead.
 _SAVABLE = ("llama", "mistral", "qwen2")  # what `save_hf` writes
-_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+_MULTIMODAL = {"Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# Multimodal checkpoints whose text decoder jaxspec runs by itself (the vision tower and
+# projector are not read): class -> (text class, prefix of the text model's tensor names).
+_TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM",
+                                                          "language_model.")}
+
+
+def text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+  """(the text decoder's config, the prefix of its tensor names) of a config.json: itself and
+  "" for a text model; text_config and "language_model." for Gemma 3's multimodal checkpoints
+  (gemma-3-4b and larger), whose text decoder runs alone."""
+  archs = config.get("architectures") or []
+  if archs and archs[0] in _TEXT_OF_MULTIMODAL and isinstance(config.get("text_config"), dict):
+    cls, prefix = _TEXT_OF_MULTIMODAL[archs[0]]
+    text = dict(config["text_config"], architectures=[cls])
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+      if key in config and key not in text:
+        text[key] = config[key]
+    return text, prefix
+  return config, ""
+
+
+class _Prefixed(Mapping[str, np.ndarray]):
+  """Tensors under `prefix` seen by their text model names ("model.layers.0..." ->
+  "language_model.model.layers.0...")."""
+
+  def __init__(self, tensors: Mapping[str, np.ndarray], prefix: str):
+    self._tensors, self._prefix = tensors, prefix
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self._tensors[self._prefix + name]
+
+  def __contains__(self, name: object) -> bool:
+    return isinstance(name, str) and self._prefix + name in self._tensors
+
+  def __iter__(self) -> Iterator[str]:
+    n = len(self._prefix)
+    return (k[n:] for k in self._tensors if k.startswith(self._prefix))
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self)
 
 _ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
               "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
@@ -237,7 +276,7 @@ def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
                    where: str = "config.json") -> LlamaConfig:
   """A `LlamaConfig` from a Hugging Face config.json dict."""
   try:
-    return _parse_config(config, dtype, where)
+    return _parse_config(text_config(config)[0], dtype, where)
   except CheckpointError:
     raise
   except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError,
@@ -591,12 +630,13 @@ def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool 
   if not isinstance(config, dict):
     raise CheckpointError(f"{config_file} is not a JSON object")
   cfg = config_from_hf(config, dtype or checkpoint_dtype(config), where=str(config_file))
+  prefix = text_config(config)[1]
   shards = _shard_files(path)
 
   # End-of-sequence ids: config.json's, then generation_config.json's (instruct models list
   # their end-of-turn token there), else the tokenizer's.
   generation = path / "generation_config.json"
-  eos = _ids(config.get("eos_token_id"))
+  eos = _ids(text_config(config)[0].get("eos_token_id"))
   if generation.is_file():
     gen = read_json(generation)
     eos += [i for i in _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
@@ -609,7 +649,8 @@ def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool 
   if eos:
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos))
   with SafetensorsFiles(shards) as tensors:  # read one tensor at a time, as params need them
-    params = params_from_hf(tensors, cfg, where=str(path), place=place, scan=scan)
+    view = _Prefixed(tensors, prefix) if prefix else tensors
+    params = params_from_hf(view, cfg, where=str(path), place=place, scan=scan)
   name = config.get("_name_or_path") or path.name
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, name=str(name))
 
