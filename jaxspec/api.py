@@ -246,8 +246,9 @@ def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
     dtype: parameter dtype, "float32" or "bfloat16"; default the checkpoint's (bfloat16 for a
       bfloat16 checkpoint, float32 otherwise).
     mesh: a `jax.sharding.Mesh`: every device receives only its shard of each weight as the
-      checkpoint is read (`jaxspec.sharding.rules.load_sharded`). A Hugging Face directory's
-      config is checked against the mesh before any weight is read.
+      checkpoint is read (`jaxspec.sharding.rules.load_sharded`). The checkpoint's
+      configuration (Hugging Face or GGUF) is checked against the mesh before any weight is
+      read.
     rules: `jaxspec.sharding.ShardingRules` for `mesh` (default tensor x data parallel).
     scan_layers: stacked (True) or unrolled (False) layers; default the backend's.
   Raises:

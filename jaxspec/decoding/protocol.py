@@ -224,9 +224,8 @@ def prefill(lm, params, prompt, lengths, max_len: int, *, hidden_layers=(), logi
       cache = lm.init_cache(params, b, max_len)
     else:
       cache = lm.cache_from_buffers(buffers, b)
-    kw = {"seq_lengths": lengths} if _takes_seq_lengths(lm) else {}
-    _, hidden, cache = lm.forward_block(params, prompt, cache, logits=False,
-                                        hidden_layers=hidden_layers, fresh=True, **kw)
+    _, hidden, cache = forward(lm, params, prompt, cache, logits=False,
+                               hidden_layers=hidden_layers, fresh=True, seq_lengths=lengths)
     last = jnp.take_along_axis(hidden.final, (lengths - 1)[:, None, None], axis=1)[:, 0]
     out = lm.logits_from_hidden(params, last) if logits else None
     return out, hidden, with_length(cache, lengths)

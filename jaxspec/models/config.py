@@ -91,6 +91,18 @@ class RopeScaling:
                        " equal, nonzero length (one divisor per rotary frequency)")
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  """YaRN's attention factor for a context extension `scale`: 0.1 * mscale * ln(scale) + 1
+  (1 for no extension), transformers' and ggml's default."""
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def longrope_attention_factor(scale: float, original: int) -> float:
+  """LongRoPE's attention factor for a context extension `scale` over an `original` context:
+  sqrt(1 + ln(scale) / ln(original)) (1 for no extension), transformers' default."""
+  return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.models.config import LlamaConfig, RopeScaling
+from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
+                                   yarn_mscale)
 from jaxspec.models.errors import CheckpointError, read_checkpoint
 from jaxspec.models.llama import Params, rope_inv_freq, stack_params
 from jaxspec.models.model import Model
@@ -555,29 +556,25 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
       return tuple(float(x) for x in dequantize(t.data, t.tensor_type, (int(t.shape[0]),)))
     orig = orig_ctx or max_pos
     ext = max_pos / orig
-    default_attn = 1.0 if ext <= 1 else math.sqrt(1 + math.log(ext) / math.log(orig))
-    try:
+    try:  # (their count against rope.dimension_count is LlamaConfig's check, below)
       scaling = RopeScaling(rope_type="longrope", factor=max(ext, 1.0),
                             original_max_position_embeddings=orig,
                             attention_factor=meta.float(f"{arch}.rope.scaling.attn_factor",
-                                                        default_attn),
+                                                        longrope_attention_factor(ext, orig)),
                             short_factor=factors("rope_factors_short.weight"),
                             long_factor=factors("rope_factors_long.weight"))
     except ValueError as e:
       raise CheckpointError(f"{path}: invalid LongRoPE factors: {e}") from e
-    if len(scaling.short_factor) != rope_dim // 2:
-      raise CheckpointError(f"{path}: rope_factors_short has {len(scaling.short_factor)}"
-                            f" entries, expected {rope_dim // 2} (rope.dimension_count / 2)")
   elif scaling_type == "linear" and factor != 1.0:
     scaling = RopeScaling(rope_type="linear", factor=factor)
   elif scaling_type == "yarn":
     # ggml's YaRN scales cos/sin by rope.scaling.attn_factor (default 1) times
     # 1 + 0.1 ln(factor) (`rope_yarn` in ggml), transformers' default attention factor.
-    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
     try:
       scaling = RopeScaling(
           rope_type="yarn", factor=factor, original_max_position_embeddings=orig_ctx or max_pos,
-          attention_factor=meta.float(f"{arch}.rope.scaling.attn_factor", 1.0) * mscale,
+          attention_factor=(meta.float(f"{arch}.rope.scaling.attn_factor", 1.0)
+                            * yarn_mscale(factor)),
           beta_fast=meta.float(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
           beta_slow=meta.float(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
     except ValueError as e:

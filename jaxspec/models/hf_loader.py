@@ -1,6 +1,7 @@
 """Hugging Face checkpoint directories (config.json + safetensors) to and from jaxspec `Params`.
 
-Supported architectures: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, in one
+Supported architectures: the classes of `ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma
+1/2/3, Phi-3) and the text decoder of Gemma3ForConditionalGeneration, in one
 `model.safetensors` or in shards listed by `model.safetensors.index.json`. Safetensors files are
 read through the `safetensors` library (`safe_open(..., framework="numpy")`), one tensor at a
 time as the loader asks for it. Its numpy framework returns bfloat16 as `ml_dtypes.bfloat16`
@@ -29,7 +30,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxspec.models.config import LlamaConfig, RopeScaling
+from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
+                                   yarn_mscale)
 from jaxspec.models.errors import CheckpointError, read_checkpoint
 from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
@@ -41,9 +43,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
-# Checkpoints whose text decoder jaxspec runs but whose wrapper (vision tower, projector) it
-# does not: refused with the text-only class to load instead.
 _SAVABLE = ("llama", "mistral", "qwen2")  # what `save_hf` writes
+# Multimodal checkpoints jaxspec does not read (their decoder's tensors sit beside a vision
+# tower it would have to skip): refused with the text-only class to load instead.
 _MULTIMODAL = {"Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 # Multimodal checkpoints whose text decoder jaxspec runs by itself (the vision tower and
 # projector are not read): class -> (text class, prefix of the text model's tensor names).
@@ -315,25 +317,24 @@ def _rope_scaling(rope: Mapping[str, Any], config: Mapping[str, Any], where: str
   if rope_type == "dynamic":  # transformers scales from the config's max_position_embeddings
     return RopeScaling(rope_type="dynamic", factor=float(rope["factor"]),
                        original_max_position_embeddings=max_pos)
-  if rope_type == "yarn":
+  if rope_type in ("yarn", "longrope", "su"):
+    # Without a factor they extend the original context to max_position_embeddings.
     factor = rope.get("factor")
     factor = float(max_pos / orig if factor is None else factor)
     attn = rope.get("attention_factor")
+  if rope_type == "yarn":
     if attn is None:
-      mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
       m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-      attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+      attn = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+              else yarn_mscale(factor))
     return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
                        attention_factor=float(attn),
                        beta_fast=float(rope.get("beta_fast") or 32),
                        beta_slow=float(rope.get("beta_slow") or 1),
                        truncate=bool(rope.get("truncate", True)))
   if rope_type in ("longrope", "su"):
-    factor = rope.get("factor")
-    factor = float(max_pos / orig if factor is None else factor)
-    attn = rope.get("attention_factor")
     if attn is None:
-      attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+      attn = longrope_attention_factor(factor, orig)
     return RopeScaling(rope_type="longrope", factor=max(factor, 1.0),
                        original_max_position_embeddings=orig, attention_factor=float(attn),
                        short_factor=tuple(float(x) for x in rope["short_factor"]),

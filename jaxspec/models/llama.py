@@ -396,7 +396,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, scale_f32: bool = False) ->
 
 
 def _base_inv_freq(theta, dim: int) -> jax.Array:
+  """1 / theta^(2i/dim) for the dim/2 rotated pairs (theta may be an array of bases)."""
   return 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+
+
+def _longrope_inv_freq(theta, factors, dim: int) -> jax.Array:
+  """LongRoPE's 1 / (factor_i * theta^(2i/dim)), in Hugging Face's order of operations."""
+  return 1.0 / (jnp.asarray(factors, jnp.float32)
+                * theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
 
 
 def _scaling_for(cfg: LlamaConfig, sliding: bool):
@@ -418,8 +425,7 @@ def rope_inv_freq(cfg: LlamaConfig, sliding: bool = False) -> jax.Array:
   if s.rope_type == "linear":
     return inv / s.factor
   if s.rope_type == "longrope":
-    return 1.0 / (jnp.asarray(s.short_factor, jnp.float32)
-                  * theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    return _longrope_inv_freq(theta, s.short_factor, dim)
   if s.rope_type == "yarn":
     # YaRN (Peng et al. 2023) as Hugging Face computes it: frequencies that turn fewer than
     # beta_slow times over the original context are interpolated, those turning more than
@@ -468,14 +474,12 @@ def rope_tables_for(cfg: LlamaConfig, positions: jax.Array, sliding: bool = Fals
     if seq_lengths is not None:
       n = jnp.broadcast_to(seq_lengths[:, None, None], n.shape)
     beyond = n > s.original_max_position_embeddings
-    expo = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
     if s.rope_type == "longrope":
-      far = 1.0 / (jnp.asarray(s.long_factor, jnp.float32) * theta ** expo)
-    else:
+      far = _longrope_inv_freq(theta, s.long_factor, dim)
+    else:  # the NTK base for a sequence of n tokens, per position [B, T, 1]
       ratio = s.factor * n.astype(jnp.float32) / s.original_max_position_embeddings - (
           s.factor - 1)
-      base = theta * jnp.maximum(ratio, 1.0) ** (dim / (dim - 2))
-      far = 1.0 / (base ** expo)
+      far = _base_inv_freq(theta * jnp.maximum(ratio, 1.0) ** (dim / (dim - 2)), dim)
     freqs = jnp.where(beyond, far, inv)  # [B, T, R/2]
     angles = positions.astype(jnp.float32)[:, :, None] * freqs
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
@@ -534,8 +538,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
     positions: [B, T] absolute position of every new token.
     block_mask: [B, T, T] bool, which new tokens each new token may attend to.
     sliding: whether this layer attends within `cfg.sliding_window` only (a Python bool, or a
-      traced one inside a scan over mixed layers); None: every layer slides when the window is
-      set and `cfg.layer_types` is None.
+      traced one inside a scan over mixed layers); None: as every layer of `cfg` does when its
+      layers are alike (`LlamaConfig.is_sliding`).
   Returns:
     [B, T, H, K]
   """
@@ -564,7 +568,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
   cache_pos = jnp.arange(s_len)
   cache_mask = (cache_pos[None, None, :] < length[:, None, None]) & (not fresh)  # [B, 1, S]
   if sliding is None:
-    sliding = cfg.sliding_window is not None and cfg.layer_types is None
+    sliding = not cfg.mixed_layers and cfg.is_sliding(0)
   if cfg.sliding_window is not None and sliding is not False:
     w = cfg.sliding_window
     in_cache = cache_pos[None, None, :] > positions[:, :, None] - w

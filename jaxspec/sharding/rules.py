@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,7 +30,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.models import loading
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.hf_loader import config_from_hf
 from jaxspec.models.errors import LayoutError
 from jaxspec.models.llama import (KVCache, LayerParams, OutputMajor, Params, default_scan_layers,
                                   input_major)
@@ -426,14 +423,9 @@ def load_sharded(name_or_path, mesh, *, dtype: str | None = None,
                  rules: ShardingRules | None = None, scan_layers: bool | None = None):
   """`jaxspec.models.load` with the weights laid out on `mesh` by `rules` (default tensor x
   data parallel) as they are read: every device receives only its shard of each weight,
-  converted to the dtype one tensor at a time on the host (`Placer`). A Hugging Face
-  directory's config is checked against the mesh before any weight is read (a GGUF's as soon
-  as its metadata is)."""
+  converted to the dtype one tensor at a time on the host (`Placer`). The checkpoint's
+  configuration is checked against the mesh (`Placer.check`) before any weight is read."""
   rules = DEFAULT_RULES if rules is None else rules
-  path = None if name_or_path is None else Path(name_or_path).expanduser()
-  if path is not None and path.is_dir() and (path / "config.json").is_file():
-    config = json.loads((path / "config.json").read_text())
-    check_fits(config_from_hf(config, dtype or "float32"), mesh, rules)
   if scan_layers is None:
     scan_layers = default_scan_layers()
   if mesh.size == 1:  # one device: the single-device layouts (output-major weights on a CPU)
