@@ -631,6 +631,8 @@ def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool 
   if not isinstance(config, dict):
     raise CheckpointError(f"{config_file} is not a JSON object")
   cfg = config_from_hf(config, dtype or checkpoint_dtype(config), where=str(config_file))
+  if place is not None:  # the mesh against the config before any other file is opened
+    place.check(cfg)
   prefix = text_config(config)[1]
   shards = _shard_files(path)
 
