@@ -523,30 +523,46 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else jnp.tanh(x / cap) * cap
 
 
+# Positions of the cache read per step of the blocked attention (`attention`): a cache of at
+# most this many positions is read whole (one product, no loop); a larger one block by block,
+# up to the batch's longest row only, so a step costs what is cached rather than what was
+# allocated.
+ATTENTION_BLOCK = 512
+
+
 def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
-              sliding=None):
+              sliding=None, layer=None):
   """Attention of T new queries over the row's cached prefix plus the new block.
 
   The cached part ([0, length[b])) and the new block are scored separately and normalised by one
   softmax, so the cache is only read inside this function and written once after all layers.
+  A cache of more than `ATTENTION_BLOCK` positions is read in blocks of that many, from the
+  first block a row may see (the oldest position inside a sliding window) to the block holding
+  the batch's longest row, under an online softmax (a `lax.while_loop` with a traced trip
+  count): the work follows the cached length, not the allocated one.
 
   Args:
     q: [B, T, H, K] rotated queries.
     k_new, v_new: [B, T, G, K] the new block's keys (rotated) and values.
-    k_cache, v_cache: [B, G, S, K] this layer's cache.
+    k_cache, v_cache: [B, G, S, K] this layer's cache, or with `layer` the whole
+      [L, B, G, S, K] cache (only `layer`'s blocks are read: no per-layer copy of the cache).
     length: [B] valid cache entries per row.
     positions: [B, T] absolute position of every new token.
     block_mask: [B, T, T] bool, which new tokens each new token may attend to.
     sliding: whether this layer attends within `cfg.sliding_window` only (a Python bool, or a
       traced one inside a scan over mixed layers); None: as every layer of `cfg` does when its
       layers are alike (`LlamaConfig.is_sliding`).
+    layer: with a whole [L, ...] cache, this layer's index (an int or a traced scalar).
   Returns:
     [B, T, H, K]
   """
   b, t, h, kd = q.shape
   g = cfg.num_kv_heads
   r = h // g
-  s_len = 1 if k_cache is None else k_cache.shape[2]
+  fresh = k_cache is None  # an empty cache (prefill): attend within the new block only
+  if not fresh and layer is None:  # one layer's cache: the same reads with a leading axis of 1
+    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  s_len = 0 if fresh else k_cache.shape[3]
   # Queries grouped by kv head, with (R, T) folded into one matmul row axis and (B, G) into one
   # batch axis: XLA's CPU backend runs such plain batched matmuls several times faster than the
   # five-letter einsum.
@@ -556,39 +572,77 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
   bdot = lambda x, y, cx, cy: lax.dot_general(x, y, (((cx,), (cy,)), ((0,), (0,))),
                                               precision=_precision(x, y),
                                               preferred_element_type=jnp.float32)
-  fresh = k_cache is None  # an empty cache (prefill): attend within the new block only
-  if fresh:
-    k_cache = v_cache = jnp.zeros((b, g, 1, kd), k_new.dtype)
   cap = cfg.attn_softcap
-  s_cache = bdot(qg, k_cache.reshape(b * g, s_len, kd), 2, 2)  # [BG, RT, S]
-  s_cache = softcap(s_cache * scale, cap)
-  kn = jnp.transpose(k_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
-  vn = jnp.transpose(v_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
-  s_new = softcap(bdot(qg, kn, 2, 2) * scale, cap)  # [BG, RT, T]
-  cache_pos = jnp.arange(s_len)
-  cache_mask = (cache_pos[None, None, :] < length[:, None, None]) & (not fresh)  # [B, 1, S]
+  score = lambda keys: softcap(bdot(qg, keys, 2, 2) * scale, cap)  # [BG, RT, S]
   if sliding is None:
     sliding = not cfg.mixed_layers and cfg.is_sliding(0)
-  if cfg.sliding_window is not None and sliding is not False:
-    w = cfg.sliding_window
-    in_cache = cache_pos[None, None, :] > positions[:, :, None] - w
-    in_block = positions[:, None, :] > positions[:, :, None] - w
-    if sliding is not True:  # traced: a scan over mixed layers
-      in_cache, in_block = in_cache | ~sliding, in_block | ~sliding
-    cache_mask = cache_mask & in_cache
-    block_mask = block_mask & in_block
-  # Masks [B, T or 1, S] -> [BG, RT, S] in the (b, g) x (r, t) order of the scores.
+  windowed = cfg.sliding_window is not None and sliding is not False
+  w = cfg.sliding_window
+
+  def cache_mask(pos):
+    """[B, T or 1, n] which of the cache positions `pos` [n] each query may see."""
+    m = pos[None, None, :] < length[:, None, None]
+    if windowed:
+      inside = pos[None, None, :] > positions[:, :, None] - w
+      m = m & (inside if sliding is True else inside | ~sliding)
+    return m
+
+  # Masks [B, T or 1, n] -> [BG, RT, n] in the (b, g) x (r, t) order of the scores.
   expand = lambda m: jnp.broadcast_to(m[:, None, None], (b, g, r, t, m.shape[-1])).reshape(
       b * g, r * t, m.shape[-1])
   neg = jnp.float32(-1e30)
-  s_cache = jnp.where(expand(cache_mask), s_cache, neg)
-  s_new = jnp.where(expand(block_mask), s_new, neg)
-  m = jnp.maximum(s_cache.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
-  p_cache = jnp.exp(s_cache - m)
-  p_new = jnp.exp(s_new - m)
-  denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
-  out = (bdot(p_cache.astype(v_cache.dtype), v_cache.reshape(b * g, s_len, kd), 2, 1)
-         + bdot(p_new.astype(vn.dtype), vn, 2, 1)) / denom  # [BG, RT, K]
+  kn = jnp.transpose(k_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
+  vn = jnp.transpose(v_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
+  if windowed:
+    in_block = positions[:, None, :] > positions[:, :, None] - w
+    block_mask = block_mask & (in_block if sliding is True else in_block | ~sliding)
+  # The new block first: every query sees itself, so its running maximum is a real score and a
+  # cache block with nothing visible adds exp(-1e30 - max) = 0.
+  s_new = jnp.where(expand(block_mask), score(kn), neg)  # [BG, RT, T]
+  m = s_new.max(-1, keepdims=True)
+  if fresh:
+    p_new = jnp.exp(s_new - m)
+    out = bdot(p_new.astype(vn.dtype), vn, 2, 1) / p_new.sum(-1, keepdims=True)
+  elif s_len <= ATTENTION_BLOCK:  # a small cache: read whole, one softmax over both parts
+    kc = lax.dynamic_index_in_dim(k_cache, layer, keepdims=False).reshape(b * g, s_len, kd)
+    vc = lax.dynamic_index_in_dim(v_cache, layer, keepdims=False).reshape(b * g, s_len, kd)
+    s_cache = jnp.where(expand(cache_mask(jnp.arange(s_len))), score(kc), neg)
+    m = jnp.maximum(m, s_cache.max(-1, keepdims=True))
+    p_cache, p_new = jnp.exp(s_cache - m), jnp.exp(s_new - m)
+    denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
+    out = (bdot(p_cache.astype(vc.dtype), vc, 2, 1)
+           + bdot(p_new.astype(vn.dtype), vn, 2, 1)) / denom  # [BG, RT, K]
+  else:
+    blk = ATTENTION_BLOCK
+    p_new = jnp.exp(s_new - m)
+    init = (m, p_new.sum(-1, keepdims=True), bdot(p_new.astype(vn.dtype), vn, 2, 1))
+    # Blocks [first, last): up to the longest row, from the oldest position a sliding window
+    # of the batch still sees.
+    last = (jnp.max(length) + blk - 1) // blk
+    first = jnp.int32(0)
+    if windowed:
+      oldest = jnp.maximum(jnp.min(positions) - w + 1, 0) // blk
+      first = oldest if sliding is True else jnp.where(sliding, oldest, 0)
+
+    def body(carry):
+      i, m, l, acc = carry
+      # A last block that would run past the cache is read ending at its end; the positions it
+      # shares with the block before are masked out.
+      start = jnp.minimum(i * blk, s_len - blk)
+      read = lambda c: lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, g, blk, kd)
+                                         ).reshape(b * g, blk, kd)
+      pos = start + jnp.arange(blk)
+      vis = cache_mask(pos) & (pos >= i * blk)[None, None, :]
+      s = jnp.where(expand(vis), score(read(k_cache)), neg)  # [BG, RT, blk]
+      m2 = jnp.maximum(m, s.max(-1, keepdims=True))
+      p = jnp.exp(s - m2)
+      c = jnp.exp(m - m2)
+      vb = read(v_cache)
+      return (i + 1, m2, l * c + p.sum(-1, keepdims=True),
+              acc * c + bdot(p.astype(vb.dtype), vb, 2, 1))
+
+    _, m, l, acc = lax.while_loop(lambda c: c[0] < last, body, (first,) + init)
+    out = acc / l
   out = jnp.transpose(out.reshape(b, g, r, t, kd), (0, 3, 1, 2, 4))
   return out.reshape(b, t, h, kd).astype(q.dtype)
 
@@ -794,9 +848,9 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   want = tuple(hidden_layers)
 
   def layer(x, xs, sliding=None):
-    lp, k_cache, v_cache = xs[:3]
-    if len(xs) > 3:  # a scan over mixed layers: this layer's kind as a traced bool
-      sliding = xs[3]
+    lp, idx = xs[:2]
+    if len(xs) > 2:  # a scan over mixed layers: this layer's kind as a traced bool
+      sliding = xs[2]
     h = norm(x, lp.attn_norm)
     dt = h.dtype
     q = _dense(h, lp.wq, 1, "btd,dhk->bthk", dt)
@@ -814,8 +868,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
       tab = jax.tree.map(lambda a, b_: jnp.where(sliding, a, b_), local_tables, tables)
     q = apply_rope(q, positions, None, tab)
     k = apply_rope(k, positions, None, tab)
-    attn = attention(q, k, v, None if fresh else k_cache, None if fresh else v_cache, length,
-                      positions, block_mask, cfg, sliding=sliding)
+    attn = attention(q, k, v, None if fresh else cache.k, None if fresh else cache.v, length,
+                      positions, block_mask, cfg, sliding=sliding, layer=idx)
     o = _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
     x = x + (o if lp.post_attn_norm is None else norm(o, lp.post_attn_norm))
     h = norm(x, lp.mlp_norm)
@@ -829,13 +883,11 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     outs = [None] * len(params.layers)
     on_cpu = jax.default_backend() == "cpu"
     for i, lp in enumerate(params.layers):
-      # On the CPU, a slice at an index computed after the layer's input keeps XLA from
-      # copying out every layer's cache before the first layer (`_after`); elsewhere a static
-      # slice of the leading axis is a view the attention reads in place.
+      # On the CPU, reading the cache at an index computed after the layer's input keeps XLA
+      # from copying out every layer's cache before the first layer (`_after`); elsewhere a
+      # static index reads the cache in place.
       j = _after(x, i) if on_cpu else i
-      x, outs[i] = layer(x, (lp, lax.dynamic_index_in_dim(cache.k, j, keepdims=False),
-                             lax.dynamic_index_in_dim(cache.v, j, keepdims=False)),
-                         sliding=cfg.is_sliding(i))
+      x, outs[i] = layer(x, (lp, j), sliding=cfg.is_sliding(i))
     k_new, v_new, per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs)
     # The new keys and values as values computed after the last layer: writing them into the
     # cache then waits for every layer's read of it, so XLA updates the cache in place instead
@@ -844,7 +896,9 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     keep = _after(x, 0) == 0
     k_new, v_new = jnp.where(keep, k_new, 0), jnp.where(keep, v_new, 0)
   else:
-    xs = (params.layers, cache.k, cache.v)
+    # The cache is read inside each layer at the scan's layer index (not scanned over as a
+    # per-layer input, which would copy each layer's whole cache out).
+    xs = (params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32))
     if cfg.mixed_layers:
       xs += (jnp.array([cfg.is_sliding(i) for i in range(cfg.num_layers)]),)
       x, (k_new, v_new, per_layer) = lax.scan(layer, x, xs)

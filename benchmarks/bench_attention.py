@@ -1,0 +1,137 @@
+"""Decode cost against the allocated cache (`max_len`) and the cached length.
+
+A random model of `tiny_config(hidden_size=256, intermediate_size=512, num_layers=4,
+num_heads=8, num_kv_heads=4, head_dim=32, vocab_size=512)`, greedy: plain
+`jaxspec.decoding.decode`, and `speculative_decode` with k = 4 and the `Oracle` drafter proposing
+the target's own continuation (every step verifies 5 positions and emits 5 tokens).
+
+Tables (ms per step, the prefill excluded: see `time_rounds`):
+  1. 80 cached tokens (16-token prompts, 64 new tokens) for each `max_len`;
+  2. against the cached length (prompts of P tokens, max_len fixed at the largest);
+  3. a ragged batch (rows of 100 and 8,000 tokens) against two rows of 8,000 and two of 100.
+
+Every configuration is compiled first, then they are timed round-robin (`--repeats` rounds; the
+median per configuration), so machine noise falls on all of them alike.
+
+    .venv/bin/python benchmarks/bench_attention.py [--out benchmarks/results/attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import ROOT, machine, write_json
+from jaxspec.decoding import decode, speculative_decode
+from jaxspec.drafters import Oracle
+from jaxspec.models.config import tiny_config
+from jaxspec.models.synthetic import random_model
+
+CFG = dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+           head_dim=32, vocab_size=512, max_position_embeddings=70000)
+
+
+def make_run(model, batch: int, prompt_len: int, new: int, max_len: int, spec: bool,
+             lengths=None):
+  """A compiled generation of up to `new` tokens: a function of the number of new tokens (a
+  traced value, so one program serves both lengths `time_rounds` runs)."""
+  rng = np.random.default_rng(0)
+  lengths = np.full((batch,), prompt_len, np.int32) if lengths is None else np.asarray(
+      lengths, np.int32)
+  p = int(lengths.max())
+  ids = jnp.asarray(rng.integers(1, CFG["vocab_size"], (batch, p)), jnp.int32)
+  lens = jnp.asarray(lengths)
+  if spec:
+    # The oracle proposes the target's own greedy continuation, every draft kept: every draft
+    # is accepted, each step verifies k + 1 = 5 positions and emits 5 tokens.
+    ref = decode(model, ids, lens, 0, max_new_tokens=new + 8, logprobs=False).tokens
+    drafter = Oracle(reference=ref, alpha=1.0, vocab=CFG["vocab_size"])
+    fn = jax.jit(lambda params, dp, ids, lens, n: speculative_decode(
+        model, drafter, ids, lens, 0, max_new_tokens=n, capacity=new, num_draft_tokens=4,
+        max_len=max_len, logprobs=False, target_params=params, drafter_params=dp).lengths)
+    args = (model.params, drafter.params, ids, lens)
+  else:
+    fn = jax.jit(lambda params, ids, lens, n: decode(
+        model, ids, lens, 0, max_new_tokens=n, capacity=new, max_len=max_len, logprobs=False,
+        target_params=params).lengths)
+    args = (model.params, ids, lens)
+  return lambda n: fn(*args, jnp.int32(n))
+
+
+def time_rounds(runs: dict, new: int, steps_per_token: float, repeats: int) -> dict:
+  """ms per decoding step of each run: (time of `new` tokens - time of `new // 8`) over the
+  steps between, so the prefill (whose cost grows with the prompt) cancels out. The runs are
+  timed round-robin; each length takes its fastest time (this shared machine's noise only ever
+  slows a run down)."""
+  short = new // 8
+  for fn in runs.values():
+    jax.block_until_ready(fn(new))
+  times = {name: {new: [], short: []} for name in runs}
+  for _ in range(repeats):
+    for name, fn in runs.items():
+      for n in (new, short):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(n))
+        times[name][n].append(time.perf_counter() - t0)
+  steps = (new - short) * steps_per_token
+  return {name: 1e3 * (min(ts[new]) - min(ts[short])) / steps for name, ts in times.items()}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--max-lens", default="80,1024,8192,32768")
+  ap.add_argument("--cached", default="128,1024,4096,16384")
+  ap.add_argument("--batches", default="1,4")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--new", type=int, default=64)
+  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention.json"))
+  args = ap.parse_args()
+  model = random_model(tiny_config(**CFG))
+  new = args.new
+  result = dict(machine=machine(), config=CFG, new_tokens=new, repeats=args.repeats, tables={})
+
+  # 1. The allocated size alone changes: 16-token prompts, 64 new tokens.
+  for batch in [int(b) for b in args.batches.split(",")]:
+    for spec in (False, True):
+      runs = {}
+      for ml in [int(x) for x in args.max_lens.split(",")]:
+        ml = max(ml, 16 + new + (6 if spec else 0))
+        runs[ml] = make_run(model, batch, 16, new, ml, spec)
+      med = time_rounds(runs, new, 0.2 if spec else 1.0, args.repeats)
+      base = min(med)
+      rows = {str(ml): dict(ms_per_step=ms, ratio=ms / med[base]) for ml, ms in med.items()}
+      name = f"max_len/{'spec_k4' if spec else 'plain'}/batch{batch}"
+      result["tables"][name] = rows
+      print(name, {k: f"{v['ms_per_step']:.2f} ms ({v['ratio']:.2f}x)" for k, v in rows.items()})
+
+  # 2. The cached length changes, max_len fixed at the largest.
+  cached = [int(x) for x in args.cached.split(",")]
+  top = max(cached) + new + 8
+  for batch in [int(b) for b in args.batches.split(",")]:
+    for spec in (False, True):
+      runs = {c: make_run(model, batch, c, new, top, spec) for c in cached}
+      med = time_rounds(runs, new, 0.2 if spec else 1.0, args.repeats)
+      rows = {str(c): dict(ms_per_step=ms) for c, ms in med.items()}
+      name = f"cached/{'spec_k4' if spec else 'plain'}/batch{batch}"
+      result["tables"][name] = dict(max_len=top, rows=rows)
+      print(name, f"max_len {top}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
+
+  # 3. Ragged rows: 100 and 8,000 tokens against two rows of 8,000 and two of 100.
+  ml = 8000 + new + 8 + 24000
+  runs = {"100+8000": make_run(model, 2, 0, new, ml, False, lengths=[100, 8000]),
+          "8000+8000": make_run(model, 2, 0, new, ml, False, lengths=[8000, 8000]),
+          "100+100": make_run(model, 2, 0, new, ml, False, lengths=[100, 100])}
+  med = time_rounds(runs, new, 1.0, args.repeats)
+  rows = {k: dict(ms_per_step=ms) for k, ms in med.items()}
+  result["tables"]["ragged/plain/batch2"] = dict(max_len=ml, rows=rows)
+  print("ragged", f"max_len {ml}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
+  write_json(Path(args.out), result)
+
+
+if __name__ == "__main__":
+  main()
