@@ -152,7 +152,7 @@ class LlamaConfig:
   max_position_embeddings: int = 8192
   bos_token_id: int | None = 1
   eos_token_ids: tuple[int, ...] = (2,)
-  dtype: str = "float32"  # parameter and KV-cache dtype: "float32" or "bfloat16".
+  dtype: str = "float32"  # parameter dtype: "float32" or "bfloat16".
   # Activations, products and the KV cache: None (the default) computes in `dtype`; "float32"
   # keeps everything but the weights float32 (see `act_dtype`).
   compute_dtype: str | None = None
@@ -256,7 +256,7 @@ class LlamaConfig:
 
   @property
   def jnp_dtype(self) -> Any:
-    """The weights' and the KV cache's dtype."""
+    """The weights' dtype (activations' and the KV cache's: `act_dtype`)."""
     return jnp.dtype(self.dtype)
 
   @property
