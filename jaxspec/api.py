@@ -237,7 +237,7 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
 
 
 def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
-         scan_layers: bool | None = None) -> Model:
+         scan_layers: bool | None = None, compute_dtype: str | None = None) -> Model:
   """Loads a model by name or path (`jaxspec.models.load`), laid out on `mesh` when given.
 
   Args:
@@ -251,6 +251,9 @@ def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
       read.
     rules: `jaxspec.sharding.ShardingRules` for `mesh` (default tensor x data parallel).
     scan_layers: stacked (True) or unrolled (False) layers; default the backend's.
+    compute_dtype: None (activations, products and the KV cache in `dtype`) or "float32"
+      (those in float32 over bfloat16 weights: greedy speculative output then equals plain
+      greedy output as a float32 model's does; see `jaxspec.models.load`).
   Raises:
     CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
     ValueError: the mesh does not divide the model's heads, MLP width or vocabulary.
@@ -258,6 +261,8 @@ def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
   if mesh is None:
     if rules is not None:
       raise ValueError("rules= lays a model out on a mesh: pass mesh= too")
-    return models_loading.load(name_or_path, dtype, scan_layers=scan_layers)
-  return sharding_rules.load_sharded(name_or_path, mesh, dtype=dtype, rules=rules,
-                                     scan_layers=scan_layers)
+    return models_loading.load(name_or_path, dtype, scan_layers=scan_layers,
+                               compute_dtype=compute_dtype)
+  models_loading.check_compute_dtype(compute_dtype)
+  return models_loading.with_compute_dtype(sharding_rules.load_sharded(
+      name_or_path, mesh, dtype=dtype, rules=rules, scan_layers=scan_layers), compute_dtype)

@@ -134,7 +134,7 @@ def check_cache_fits(cfg: LlamaConfig, batch: int, max_len: int) -> None:
   """Raises ValueError (before anything compiles) when a [batch, max_len] KV cache cannot be
   held: past `MAX_POSITIONS` positions, or larger than the device's memory."""
   need = 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim \
-      * cfg.jnp_dtype.itemsize
+      * cfg.act_dtype.itemsize
   limits.check_cache(need, batch, max_len)
 
 
@@ -149,7 +149,7 @@ def take_cache_buffers(cfg: LlamaConfig, batch_size: int,
                        max_len: int) -> tuple[jax.Array, jax.Array]:
   """(k, v) buffers [L, B, G, max_len, K] for a prefill to donate: the kept ones of the last
   call when the shapes match, else `init_cache`'s zeros (the kept ones are freed first)."""
-  bufs = _CACHE_POOL.pop(_pool_key(cfg, batch_size, max_len, cfg.jnp_dtype), None)
+  bufs = _CACHE_POOL.pop(_pool_key(cfg, batch_size, max_len, cfg.act_dtype), None)
   _CACHE_POOL.clear()
   if bufs is not None and not any(b.is_deleted() for b in bufs):
     return bufs

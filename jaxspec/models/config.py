@@ -152,7 +152,10 @@ class LlamaConfig:
   max_position_embeddings: int = 8192
   bos_token_id: int | None = 1
   eos_token_ids: tuple[int, ...] = (2,)
-  dtype: str = "float32"  # parameter and activation dtype: "float32" or "bfloat16".
+  dtype: str = "float32"  # parameter dtype: "float32" or "bfloat16".
+  # Activations, products and the KV cache: None (the default) computes in `dtype`; "float32"
+  # keeps everything but the weights float32 (see `act_dtype`).
+  compute_dtype: str | None = None
   architecture: str = "llama"
   hidden_act: str = "silu"
   qk_norm: bool = False
@@ -197,6 +200,10 @@ class LlamaConfig:
           f" {self.num_kv_heads}: grouped-query attention needs whole groups")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype {self.dtype!r} is not supported: use 'float32' or 'bfloat16'")
+    if self.compute_dtype not in (None, "float32"):
+      raise ValueError(f"compute_dtype {self.compute_dtype!r} is not supported: use None (compute"
+                       " in the weights' dtype) or 'float32' (float32 arithmetic over bfloat16"
+                       " weights)")
     if self.hidden_act not in ACTIVATIONS:
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported:"
                        f" {', '.join(ACTIVATIONS)})")
@@ -249,7 +256,22 @@ class LlamaConfig:
 
   @property
   def jnp_dtype(self) -> Any:
+    """The weights' dtype (activations' and the KV cache's: `act_dtype`)."""
     return jnp.dtype(self.dtype)
+
+  @property
+  def act_dtype(self) -> Any:
+    """The dtype of activations, products and the KV cache: `compute_dtype`, or `dtype` when
+    None.
+
+    "float32" over bfloat16 weights: every product reads the bfloat16 weights into float32
+    arithmetic; the residual stream, norms, attention and the KV cache are float32, as in a
+    float32 model whose weights were rounded to bfloat16. A one-token decode step and a
+    (k+1)-token verify pass then differ by float32 summation order only, as a float32 model's
+    do, where in bfloat16 each product's rounding to bfloat16 can differ between the two and
+    grow through the layers (greedy speculative decoding can then pick another token at a
+    near-tie: see the models guide)."""
+    return jnp.dtype(self.dtype if self.compute_dtype is None else self.compute_dtype)
 
   @property
   def num_params(self) -> int:

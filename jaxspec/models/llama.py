@@ -353,8 +353,9 @@ def default_scan_layers(backend: str | None = None) -> bool:
 
 
 def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-  """An empty cache for `batch_size` rows of up to `max_len` positions."""
-  dtype = cfg.jnp_dtype if dtype is None else dtype
+  """An empty cache for `batch_size` rows of up to `max_len` positions, in the compute dtype
+  (`LlamaConfig.act_dtype`) unless `dtype` is given."""
+  dtype = cfg.act_dtype if dtype is None else dtype
   shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                  length=jnp.zeros((batch_size,), jnp.int32))
@@ -839,7 +840,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   local_tables = (rope_tables_for(cfg, positions, sliding=True, seq_lengths=seq_lengths)
                   if cfg.sliding_rope_theta is not None and cfg.sliding_window is not None
                   else tables)
-  x = embed_tokens(params.embed, tokens, cfg.jnp_dtype)  # [B, T, D]
+  act_dtype = cfg.act_dtype
+  x = embed_tokens(params.embed, tokens, act_dtype).astype(act_dtype)  # [B, T, D]
   if cfg.embed_scale:
     x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
   eps = cfg.rms_norm_eps
@@ -908,6 +910,10 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   final = norm(x, params.final_norm)
   out_logits = softcap(logits_from_hidden(params, final), cfg.final_softcap) if logits else None
   layers_out = per_layer[jnp.array(want)] if want else None
+  # Hidden states leave in the weights' dtype, whatever the compute dtype: drafting heads and
+  # draft states are typed by the model's dtype.
+  final = final.astype(cfg.jnp_dtype)
+  layers_out = None if layers_out is None else layers_out.astype(cfg.jnp_dtype)
   if not write:
     return out_logits, Hidden(final=final, layers=layers_out), (k_new, v_new)
   new_cache = write_cache(cache, k_new, v_new, positions_start=length)

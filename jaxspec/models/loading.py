@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -35,7 +36,7 @@ def bundled_gguf_path() -> Path:
 
 
 def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None, *,
-         scan_layers: bool | None = None, place=None) -> Model:
+         scan_layers: bool | None = None, place=None, compute_dtype: str | None = None) -> Model:
   """Loads a model by name or path.
 
   Args:
@@ -49,6 +50,10 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None
       (`Model.with_scan_layers` converts later; outputs are bit-identical).
     place: lay every weight out on a mesh as it is read (`jaxspec.sharding.rules.Placer`,
       which `jaxspec.load(..., mesh=)` passes).
+    compute_dtype: None: activations, products and the KV cache in `dtype`; "float32": those
+      in float32 over weights kept in `dtype` (`LlamaConfig.compute_dtype`; with bfloat16
+      weights, greedy speculative output then equals plain greedy output as a float32 model's
+      does, where bfloat16 arithmetic may depart from it at near-ties).
   Returns:
     `Model` with config, params and tokenizer.
   Raises:
@@ -60,8 +65,24 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None
   if scan_layers is None:
     from jaxspec.models.llama import default_scan_layers
     scan_layers = default_scan_layers()
+  check_compute_dtype(compute_dtype)
   kw = dict(dtype=dtype, place=place, scan=scan_layers)
-  return _load(name_or_path, kw).with_scan_layers(scan_layers)
+  return with_compute_dtype(_load(name_or_path, kw).with_scan_layers(scan_layers), compute_dtype)
+
+
+def check_compute_dtype(compute_dtype) -> None:
+  """Raises ValueError, before any file is read, for a compute dtype `LlamaConfig` refuses."""
+  if compute_dtype not in (None, "float32"):
+    raise ValueError(f"compute_dtype {compute_dtype!r} is not supported: use None (compute in the"
+                     " weights' dtype) or 'float32' (float32 arithmetic over bfloat16 weights)")
+
+
+def with_compute_dtype(model: Model, compute_dtype: str | None) -> Model:
+  """`model` computing in `compute_dtype` (`LlamaConfig.compute_dtype`); itself for None."""
+  if compute_dtype is None:
+    return model
+  return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg,
+                                                            compute_dtype=compute_dtype))
 
 
 def _load(name_or_path, kw) -> Model:

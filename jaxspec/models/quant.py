@@ -144,7 +144,8 @@ def quantize(model_or_params: Model | Params, precision: str) -> Model | Params:
     model_or_params: a float `Model` or `Params` (float32 or bfloat16 weights).
     precision: "int8" (weight-only, per output channel; activations, norms and biases stay in
       the model's dtype, which is also the compute dtype), "bfloat16" or "float32" (every float
-      weight cast; a Model's cfg.dtype follows, so activations and the KV cache use it too).
+      weight cast; a Model's cfg.dtype follows, so activations and the KV cache use it too,
+      unless its cfg.compute_dtype names another, which is kept).
   Returns:
     A new `Model` (same tokenizer, name suffixed "-int8" / "-bfloat16" / "-float32") or
     `Params`, as given. The input is not modified.
