@@ -35,7 +35,7 @@ def bundled_gguf_path() -> Path:
 
 
 def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None, *,
-         scan_layers: bool | None = None, place=None) -> Model:
+         scan_layers: bool | None = None, place=None, allow_nonfinite: bool = False) -> Model:
   """Loads a model by name or path.
 
   Args:
@@ -49,18 +49,23 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None
       (`Model.with_scan_layers` converts later; outputs are bit-identical).
     place: lay every weight out on a mesh as it is read (`jaxspec.sharding.rules.Placer`,
       which `jaxspec.load(..., mesh=)` passes).
+    allow_nonfinite: load weights holding NaN or infinite values; by default each tensor is
+      checked as it is converted and such a weight is a CheckpointError naming it.
   Returns:
     `Model` with config, params and tokenizer.
   Raises:
-    CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
+    CheckpointError: unknown name, missing path, a checkpoint that cannot be read, or one
+      whose weights hold NaN or infinite values (without `allow_nonfinite`).
   """
+  if not isinstance(allow_nonfinite, bool):
+    raise ValueError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
   if scan_layers is not None and not isinstance(scan_layers, bool):
     raise ValueError(f"scan_layers must be True, False or None (the backend's default), got"
                      f" {scan_layers!r}")
   if scan_layers is None:
     from jaxspec.models.llama import default_scan_layers
     scan_layers = default_scan_layers()
-  kw = dict(dtype=dtype, place=place, scan=scan_layers)
+  kw = dict(dtype=dtype, place=place, scan=scan_layers, allow_nonfinite=allow_nonfinite)
   return _load(name_or_path, kw).with_scan_layers(scan_layers)
 
 
