@@ -237,7 +237,8 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
 
 
 def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
-         scan_layers: bool | None = None, compute_dtype: str | None = None) -> Model:
+         scan_layers: bool | None = None, compute_dtype: str | None = None,
+         allow_nonfinite: bool = False) -> Model:
   """Loads a model by name or path (`jaxspec.models.load`), laid out on `mesh` when given.
 
   Args:
@@ -254,15 +255,19 @@ def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,
     compute_dtype: None (activations, products and the KV cache in `dtype`) or "float32"
       (those in float32 over bfloat16 weights: greedy speculative output then equals plain
       greedy output as a float32 model's does; see `jaxspec.models.load`).
+    allow_nonfinite: load weights holding NaN or infinite values; by default each tensor is
+      checked as it is converted, and such a weight is a CheckpointError naming it.
   Raises:
-    CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
+    CheckpointError: unknown name, missing path, a checkpoint that cannot be read, or one
+      whose weights hold NaN or infinite values (without `allow_nonfinite`).
     ValueError: the mesh does not divide the model's heads, MLP width or vocabulary.
   """
   if mesh is None:
     if rules is not None:
       raise ValueError("rules= lays a model out on a mesh: pass mesh= too")
     return models_loading.load(name_or_path, dtype, scan_layers=scan_layers,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, allow_nonfinite=allow_nonfinite)
   models_loading.check_compute_dtype(compute_dtype)
   return models_loading.with_compute_dtype(sharding_rules.load_sharded(
-      name_or_path, mesh, dtype=dtype, rules=rules, scan_layers=scan_layers), compute_dtype)
+      name_or_path, mesh, dtype=dtype, rules=rules, scan_layers=scan_layers,
+      allow_nonfinite=allow_nonfinite), compute_dtype)

@@ -40,3 +40,26 @@ def read_checkpoint(path, reader, *args):
     if is_reader_failure(e):
       raise malformed(path, e) from e
     raise
+
+
+def refuse_nonfinite(x, tensor: str, where) -> None:
+  """Raises a `CheckpointError` naming `tensor` when float array `x` holds a NaN or an infinity.
+
+  Called on each tensor as a loader converts it, so the check reads memory the conversion just
+  wrote: one sum over `x` (any NaN or infinity makes it non-finite), and only when the sum is
+  not finite a look at the values themselves (a sum of large finite values may overflow).
+  """
+  import numpy as np  # kept out of the module's imports: errors.py is imported everywhere
+  with np.errstate(over="ignore", invalid="ignore"):
+    total = np.add.reduce(x, axis=None)
+  if np.isfinite(total):
+    return
+  bad = ~np.isfinite(x)
+  n = int(np.count_nonzero(bad))
+  if not n:
+    return
+  first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
+  raise CheckpointError(
+      f"{where}: tensor {tensor!r} holds {n} non-finite values of {x.size} ({x[first]} at index"
+      f" {list(first)}); the weights are corrupt: re-download or re-convert the checkpoint, or"
+      " pass allow_nonfinite=True to load them as they are")

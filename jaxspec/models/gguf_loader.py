@@ -1,16 +1,22 @@
 """Loading llama.cpp GGUF checkpoints into jaxspec `Params`: architectures `llama` (Llama,
 Mistral, SmolLM), `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3` and `phi3`.
 
-Metadata and tensor locations are read with `gguf.GGUFReader`. F32, F16, BF16, Q8_0, Q4_0 and
+Metadata and tensor locations are read here (`_read_gguf`); `gguf` supplies the type tables and
+the decoders of the types below that jaxspec has no kernel for. F32, F16, BF16, Q8_0, Q4_0 and
 Q4_1 tensors are decoded here in vectorised numpy: equal to `gguf.quants` bit for bit, and 2 to
 3 times faster than it on a 2048x2048 Q8_0, Q4_0, Q4_1 or BF16 matrix. Every other type that
 `gguf.quants.dequantize` implements (the K-quants Q2_K..Q6_K, Q5_0, Q5_1, the IQ types, TQ1_0,
 TQ2_0, MXFP4, ...) is decoded by it. Quantized weights are dequantized to float32 once at load
 time and then cast to the requested dtype.
 
-Before `GGUFReader` sees a file, `_scan_gguf` walks its header with bounds checks: a truncated or
-corrupt file is reported as a `CheckpointError` instead of a huge allocation, an endless loop
-over a garbage array length, or a numpy reshape error deep inside `gguf`.
+`_read_gguf` walks the header with bounds checks: a truncated or corrupt file is reported as a
+`CheckpointError` instead of a huge allocation or an endless loop over a garbage array length.
+Every tensor's byte range is checked before any tensor is read (aligned to `general.alignment`,
+inside the data section, not overlapping another, of the size its type and shape need); arrays
+of numbers in the metadata stay views of the memory-mapped file, so the arrays a tokenizer does
+not read (a `gpt2` tokenizer's `tokenizer.ggml.scores`) cost nothing; arrays of strings are
+bounded before their first item is read (`MAX_VOCAB` tokens and merges). Each weight is
+refused when it decodes to a NaN or an infinity (`allow_nonfinite=True` loads it anyway).
 
 llama.cpp's `llama` architecture applies rotary embeddings to interleaved pairs, so
 `convert_hf_to_gguf.py` permutes the rows of the Q and K projections of Hugging Face checkpoints;
@@ -28,6 +34,7 @@ hidden/heads for the 27B models, as llama.cpp's `f_attention_scale`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import mmap
@@ -40,9 +47,10 @@ import numpy as np
 
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
-from jaxspec.models.errors import CheckpointError, read_checkpoint
+from jaxspec.models.errors import CheckpointError, read_checkpoint, refuse_nonfinite
 from jaxspec.models.llama import Params, rope_inv_freq, stack_params
 from jaxspec.models.model import Model
+from jaxspec.models.tokenizer import MAX_VOCAB
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 _GEMMA = ("gemma", "gemma2", "gemma3")
@@ -51,8 +59,9 @@ OWN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
-# GGUF metadata value types: id -> byte size for scalars.
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF metadata value types: id -> struct format (and numpy dtype) of scalars.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
 
@@ -184,7 +193,7 @@ def dequantize(raw: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> np.ndarra
   return out.reshape(shape)
 
 
-# -- header validation ----------------------------------------------------------------------------
+# -- header and metadata --------------------------------------------------------------------------
 
 
 class _Cursor:
@@ -211,119 +220,213 @@ class _Cursor:
     self.pos += 8
     return v
 
-  def skip(self, n: int, what: str):
-    self.need(n, what)
-    self.pos += n
-
   def string(self, what: str) -> bytes:
     n = self.u64(f"{what} length")
     self.need(n, what)
-    s = bytes(self.buf[self.pos:self.pos + n])
+    s = self.buf[self.pos:self.pos + n]
     self.pos += n
     return s
 
 
-def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
-  if vtype in _SCALAR_SIZES:
-    cur.skip(_SCALAR_SIZES[vtype], f"value of {key!r}")
-  elif vtype == _STRING:
-    cur.skip(cur.u64(f"string length of {key!r}"), f"string value of {key!r}")
-  elif vtype == _ARRAY and depth < 4:
-    itype = cur.u32(f"array type of {key!r}")
-    count = cur.u64(f"array length of {key!r}")
-    if itype in _SCALAR_SIZES:
-      cur.skip(count * _SCALAR_SIZES[itype], f"array {key!r} of {count} items")
-    else:
-      # Each string or nested array takes at least 8 bytes: bound the loop by the file size.
-      cur.need(count * 8, f"array {key!r} of {count} items")
-      for _ in range(count):
-        _skip_value(cur, itype, key, depth + 1)
-  else:
-    raise CheckpointError(f"{cur.path} is corrupt: metadata {key!r} has unknown value type"
-                          f" {vtype}; re-download or re-convert it")
-
-
-# Metadata arrays jaxspec does not read (outside tokenizer.*) are bounded: the gguf package's
-# reader walks every element in Python, so a million-element array took 34 s and 950 MB to load.
+# Metadata arrays are bounded before their first item is read: outside tokenizer.* (where
+# jaxspec reads only per-layer settings) by this; tokenizer.* arrays of strings (tokens, merges)
+# by the vocabulary limit. Arrays of numbers cost nothing until read: they stay views of the
+# memory-mapped file, so a tokenizer's arrays that its model does not read (a gpt2 tokenizer's
+# scores) are never touched.
 MAX_UNNEEDED_ARRAY = 65536
 
 
-def _check_unneeded_array(cur: _Cursor, key: str, path: Path) -> None:
-  """Peeks at an array's length (the cursor does not move) and refuses one past the bound."""
-  pos = cur.pos
-  cur.u32(f"array type of {key!r}")
+def _decode(raw: bytes, key: str, path: Path) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise CheckpointError(f"{path} is corrupt: metadata {key!r} is not UTF-8 text ({e});"
+                          " re-download or re-convert it") from None
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
+  """One metadata value: a Python scalar (float32 kept as np.float32, which `_Meta.float`
+  prints shortest), a str, a read-only numpy view for an array of numbers, a list otherwise."""
+  if vtype in _SCALAR_FORMATS:
+    fmt = _SCALAR_FORMATS[vtype]
+    cur.need(struct.calcsize(fmt), f"value of {key!r}")
+    (v,) = struct.unpack_from(fmt, cur.buf, cur.pos)
+    cur.pos += struct.calcsize(fmt)
+    return np.float32(v) if vtype == 6 else v
+  if vtype == _STRING:
+    return _decode(cur.string(f"string value of {key!r}"), key, cur.path)
+  if vtype != _ARRAY or depth >= 4:
+    raise CheckpointError(f"{cur.path} is corrupt: metadata {key!r} has unknown value type"
+                          f" {vtype}; re-download or re-convert it")
+  itype = cur.u32(f"array type of {key!r}")
   count = cur.u64(f"array length of {key!r}")
-  cur.pos = pos
-  if count > MAX_UNNEEDED_ARRAY:
+  tokenizer = key.startswith("tokenizer.")
+  limit = MAX_VOCAB if tokenizer else MAX_UNNEEDED_ARRAY
+  if count > limit and tokenizer and itype not in _SCALAR_FORMATS:
     raise CheckpointError(
-        f"{path}: metadata array {key!r} has {count} items; jaxspec reads no such array and"
+        f"{cur.path}: metadata array {key!r} has {count} items, more than jaxspec's vocabulary"
+        f" limit of {MAX_VOCAB} (real vocabularies have at most 262,144 tokens); the file is"
+        " corrupt: re-download or re-convert it")
+  if count > limit and not tokenizer:
+    raise CheckpointError(
+        f"{cur.path}: metadata array {key!r} has {count} items; jaxspec reads no such array and"
         f" bounds them at {MAX_UNNEEDED_ARRAY} to keep loading fast: remove it (gguf's"
         " gguf_new_metadata.py --remove-metadata) and load again")
+  if itype in _SCALAR_FORMATS:
+    dtype = np.dtype(_SCALAR_FORMATS[itype])
+    cur.need(count * dtype.itemsize, f"array {key!r} of {count} items")
+    view = np.frombuffer(cur.buf, dtype, count, cur.pos)
+    cur.pos += count * dtype.itemsize
+    return view
+  # Each string or nested array takes at least 8 bytes: a garbage count fails here, at once.
+  cur.need(count * 8, f"array {key!r} of {count} items")
+  if itype != _STRING:
+    return [_read_value(cur, itype, key, depth + 1) for _ in range(count)]
+  buf, pos, size, out = cur.buf, cur.pos, cur.size, []
+  unpack = struct.Struct("<Q").unpack_from
+  for i in range(count):  # the loop over a vocabulary: kept to the bare reads
+    if pos + 8 > size:
+      cur.pos = pos
+      cur.need(8, f"item {i} of array {key!r}")
+    (n,) = unpack(buf, pos)
+    pos += 8
+    if pos + n > size:
+      cur.pos = pos
+      cur.need(n, f"item {i} of array {key!r}")
+    out.append(buf[pos:pos + n])
+    pos += n
+  cur.pos = pos
+  try:
+    return [b.decode("utf-8") for b in out]
+  except UnicodeDecodeError:
+    bad = next(i for i, b in enumerate(out) if not _utf8(b))
+    raise CheckpointError(f"{cur.path} is corrupt: item {bad} of metadata {key!r} is not UTF-8"
+                          " text; re-download or re-convert it") from None
 
 
-def _scan_gguf(path: Path) -> None:
-  """Validates the GGUF header and that every tensor's bytes lie inside the file."""
+def _utf8(b: bytes) -> bool:
+  try:
+    b.decode("utf-8")
+  except UnicodeDecodeError:
+    return False
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+  """One tensor of a GGUF file, after its byte range was checked.
+
+  Attributes:
+    name: the tensor's GGUF name ("blk.0.attn_q.weight").
+    shape: GGUF dimensions, innermost (the row) first: reversed numpy order.
+    tensor_type: its `gguf.GGMLQuantizationType`.
+    data: its bytes, a read-only uint8 view of the memory-mapped file (nothing is read yet).
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  tensor_type: Any
+  data: np.ndarray
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+  """Metadata values and tensors of a GGUF file, with every size, offset and range checked
+  before anything is allocated from it.
+
+  Tensor ranges are checked as llama.cpp's reader checks them, and more: each offset is a
+  multiple of `general.alignment` (default 32), each range lies inside the file's data section,
+  no two ranges overlap, and each range's size is what the tensor's type and shape need. So a
+  wrong offset, a wrong type id or a cut file is a `CheckpointError` naming the tensor, before
+  any tensor is decoded.
+
+  Returns:
+    (metadata key -> value as `_read_value` gives it, tensor name -> `GGUFTensor`), in file
+    order.
+  """
   size = path.stat().st_size
   if size < 24:
     raise CheckpointError(f"{path} is not a GGUF file: only {size} bytes long")
-  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-    if buf[:4] != _GGUF_MAGIC:
-      raise CheckpointError(f"{path} is not a GGUF file: it starts with {bytes(buf[:4])!r}, not"
-                            " b'GGUF' (pass a .gguf file from llama.cpp's converter)")
-    cur = _Cursor(buf, size, path)
-    cur.pos = 4
-    version = cur.u32("version")
-    if version & 0xFFFF == 0:
-      raise CheckpointError(f"{path} is a big-endian GGUF file, which is not supported:"
-                            " convert it with llama.cpp's little-endian converter")
-    if version not in (2, 3):
-      raise CheckpointError(f"{path} is GGUF version {version}; only versions 2 and 3 are"
-                            " supported: re-convert it with a recent llama.cpp")
-    n_tensors = cur.u64("tensor count")
-    n_kv = cur.u64("metadata count")
-    # A metadata entry takes >= 13 bytes and a tensor entry >= 24, so garbage counts fail here.
-    if n_kv * 13 + n_tensors * 24 > size:
-      raise CheckpointError(f"{path} is truncated or corrupt: it claims {n_kv} metadata entries"
-                            f" and {n_tensors} tensors but has only {size} bytes")
-    alignment = _DEFAULT_ALIGNMENT
-    for _ in range(n_kv):
-      key = cur.string("metadata key").decode("utf-8", "replace")
-      vtype = cur.u32(f"type of {key!r}")
-      if key == "general.alignment" and vtype == 4:
-        alignment = cur.u32("general.alignment")
-        if alignment == 0 or alignment & (alignment - 1):
-          raise CheckpointError(f"{path} is corrupt: general.alignment {alignment} is not a"
-                                " power of two")
-      else:
-        if vtype == _ARRAY and not key.startswith("tokenizer."):
-          _check_unneeded_array(cur, key, path)
-        _skip_value(cur, vtype, key)
-    sizes = _quant_sizes()
-    infos = []
-    for _ in range(n_tensors):
-      name = cur.string("tensor name").decode("utf-8", "replace")
-      n_dims = cur.u32(f"rank of tensor {name!r}")
-      if n_dims > 8:
-        raise CheckpointError(f"{path} is corrupt: tensor {name!r} has rank {n_dims}")
-      dims = [cur.u64(f"shape of tensor {name!r}") for _ in range(n_dims)]
-      type_id = cur.u32(f"type of tensor {name!r}")
-      offset = cur.u64(f"offset of tensor {name!r}")
-      if type_id not in sizes:
-        raise CheckpointError(
-            f"{path}: tensor {name!r} has unknown ggml type id {type_id}; the file is corrupt or"
-            " from a newer llama.cpp than the installed gguf package knows")
-      type_name, block, block_bytes = sizes[type_id]
-      if dims and dims[0] % block:
-        raise CheckpointError(f"{path} is corrupt: tensor {name!r} rows of {dims[0]} are not"
-                              f" whole {type_name} blocks of {block}")
-      infos.append((name, math.prod(dims) // block * block_bytes, offset))
-    data_start = -(-cur.pos // alignment) * alignment
-    for name, n_bytes, offset in infos:
-      end = data_start + offset + n_bytes
-      if end > size:
-        raise CheckpointError(
-            f"{path} is truncated: tensor {name!r} needs bytes up to {end} but the file has"
-            f" {size}; re-download or re-convert it")
+  with open(path, "rb") as f:
+    # Not closed here: the numpy views of metadata arrays and tensors keep the map alive.
+    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  if buf[:4] != _GGUF_MAGIC:
+    raise CheckpointError(f"{path} is not a GGUF file: it starts with {bytes(buf[:4])!r}, not"
+                          " b'GGUF' (pass a .gguf file from llama.cpp's converter)")
+  cur = _Cursor(buf, size, path)
+  cur.pos = 4
+  version = cur.u32("version")
+  if version & 0xFFFF == 0:
+    raise CheckpointError(f"{path} is a big-endian GGUF file, which is not supported:"
+                          " convert it with llama.cpp's little-endian converter")
+  if version not in (2, 3):
+    raise CheckpointError(f"{path} is GGUF version {version}; only versions 2 and 3 are"
+                          " supported: re-convert it with a recent llama.cpp")
+  n_tensors = cur.u64("tensor count")
+  n_kv = cur.u64("metadata count")
+  # A metadata entry takes >= 13 bytes and a tensor entry >= 24, so garbage counts fail here.
+  if n_kv * 13 + n_tensors * 24 > size:
+    raise CheckpointError(f"{path} is truncated or corrupt: it claims {n_kv} metadata entries"
+                          f" and {n_tensors} tensors but has only {size} bytes")
+  fields: dict[str, Any] = {}
+  for _ in range(n_kv):
+    key = _decode(cur.string("metadata key"), "metadata key", path)
+    vtype = cur.u32(f"type of {key!r}")
+    if key in fields:
+      raise CheckpointError(f"{path} is corrupt: metadata {key!r} appears twice")
+    fields[key] = _read_value(cur, vtype, key)
+  alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+  if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+      or alignment & (alignment - 1)):
+    raise CheckpointError(f"{path} is corrupt: general.alignment {alignment!r} is not a power of"
+                          " two")
+  sizes = _quant_sizes()
+  infos = []
+  for _ in range(n_tensors):
+    name = _decode(cur.string("tensor name"), "tensor name", path)
+    n_dims = cur.u32(f"rank of tensor {name!r}")
+    if n_dims > 8:
+      raise CheckpointError(f"{path} is corrupt: tensor {name!r} has rank {n_dims}")
+    dims = tuple(cur.u64(f"shape of tensor {name!r}") for _ in range(n_dims))
+    type_id = cur.u32(f"type of tensor {name!r}")
+    offset = cur.u64(f"offset of tensor {name!r}")
+    if type_id not in sizes:
+      raise CheckpointError(
+          f"{path}: tensor {name!r} has unknown ggml type id {type_id}; the file is corrupt or"
+          " from a newer llama.cpp than the installed gguf package knows")
+    type_name, block, block_bytes = sizes[type_id]
+    if dims and dims[0] % block:
+      raise CheckpointError(f"{path} is corrupt: tensor {name!r} rows of {dims[0]} are not"
+                            f" whole {type_name} blocks of {block}")
+    infos.append((name, dims, type_id, offset, math.prod(dims) // block * block_bytes))
+  data_start = -(-cur.pos // alignment) * alignment
+  fix = "the file is corrupt: re-download or re-convert it"
+  for name, dims, type_id, offset, n_bytes in infos:
+    what = f"tensor {name!r} ({sizes[type_id][0]}, shape {list(dims)}, {n_bytes} bytes)"
+    if offset % alignment:
+      raise CheckpointError(f"{path}: {what} starts at data offset {offset}, which is not a"
+                            f" multiple of general.alignment {alignment}; {fix}")
+    if data_start + offset + n_bytes > size:
+      raise CheckpointError(
+          f"{path} is truncated: tensor {name!r} needs bytes up to"
+          f" {data_start + offset + n_bytes} ({n_bytes} bytes of {sizes[type_id][0]}, shape"
+          f" {list(dims)}) but the file has {size}: it is cut short, or the tensor's type, shape"
+          " or offset is wrong; re-download or re-convert it")
+  by_start = sorted(infos, key=lambda t: (t[3], t[4]))
+  for a, b in zip(by_start, by_start[1:]):
+    if a[3] + a[4] > b[3] and a[4] and b[4]:
+      raise CheckpointError(
+          f"{path}: tensor {a[0]!r} ({sizes[a[2]][0]}, {a[4]} bytes from data offset {a[3]})"
+          f" overlaps tensor {b[0]!r} (from data offset {b[3]}): a tensor's type or offset is"
+          f" wrong; {fix}")
+  import gguf  # the type enum only; imported late like everywhere in this module
+  tensors: dict[str, GGUFTensor] = {}
+  for name, dims, type_id, offset, n_bytes in infos:
+    if name in tensors:
+      raise CheckpointError(f"{path} is corrupt: tensor {name!r} appears twice")
+    tensors[name] = GGUFTensor(name=name, shape=dims,
+                               tensor_type=gguf.GGMLQuantizationType(type_id),
+                               data=np.frombuffer(buf, np.uint8, n_bytes, data_start + offset))
+  return fields, tensors
 
 
 # -- metadata -> config ---------------------------------------------------------------------------
@@ -332,20 +435,24 @@ _REQUIRED = object()
 
 
 class _Meta:
-  def __init__(self, reader, path: Path):
-    self.fields, self.path = reader.fields, path
+  """Typed access to metadata values (`_read_gguf`'s), with errors that name the key."""
+
+  def __init__(self, fields: dict[str, Any], path: Path):
+    self.fields, self.path = fields, path
 
   def get(self, key: str, default: Any = _REQUIRED) -> Any:
-    field = self.fields.get(key)
-    if field is None:
+    if key not in self.fields:
       if default is _REQUIRED:
         raise CheckpointError(f"{self.path}: metadata {key!r} is missing; the file is incomplete"
                               " (re-convert it with llama.cpp's convert_hf_to_gguf.py)")
       return default
-    try:
-      return field.contents()
-    except (ValueError, UnicodeDecodeError, IndexError) as e:
-      raise CheckpointError(f"{self.path}: metadata {key!r} is unreadable: {e}") from e
+    v = self.fields[key]
+    if isinstance(v, np.ndarray):  # a view of the file until a key jaxspec reads asks for it
+      if v.size > MAX_UNNEEDED_ARRAY:
+        raise CheckpointError(f"{self.path}: metadata {key!r} has {v.size} values, more than"
+                              f" the {MAX_UNNEEDED_ARRAY} jaxspec accepts; the file is corrupt")
+      return v.tolist()
+    return v
 
   def int(self, key: str, default: Any = _REQUIRED) -> int | None:
     v = self.get(key, default)
@@ -366,10 +473,9 @@ class _Meta:
       return None
     if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
       raise CheckpointError(f"{self.path}: metadata {key!r} = {v!r} is not a number")
-    field = self.fields.get(key)
-    if field is not None and field.parts[-1].dtype == np.float32:
+    if isinstance(v, np.float32):
       # The shortest decimal that rounds to the stored float32: 1e-05, not 9.999999747e-06.
-      return float(str(np.float32(v)))
+      return float(str(v))
     return float(v)
 
 
@@ -445,17 +551,17 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike, dtype: str | None = None, *, place=None,
-              scan: bool = True) -> Model:
+              scan: bool = True, allow_nonfinite: bool = False) -> Model:
   """Loads a llama.cpp GGUF checkpoint, tokenizer included (see `_load_gguf`); whatever a
   malformed file makes the readers raise comes out as a `CheckpointError` naming the file."""
   if dtype not in (None, "float32", "bfloat16"):
     raise ValueError(f"dtype {dtype!r} is not supported: use 'float32', 'bfloat16' or None (the"
                      " checkpoint's)")
-  return read_checkpoint(path, _load_gguf, path, dtype, place, scan)
+  return read_checkpoint(path, _load_gguf, path, dtype, place, scan, allow_nonfinite)
 
 
 def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
-               scan: bool = True) -> Model:
+               scan: bool = True, allow_nonfinite: bool = False) -> Model:
   """Loads a llama.cpp GGUF checkpoint, tokenizer included.
 
   Args:
@@ -465,11 +571,14 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
     dtype: parameter dtype, "float32" or "bfloat16"; default the file's: bfloat16 when its
       matrices are BF16, float32 otherwise (quantized and F16 values are exact in float32).
     place, scan: as `jaxspec.models.llama.stack_params` (each device receives its shards).
+    allow_nonfinite: load weights that hold NaN or infinite values instead of refusing them.
   Returns:
     `Model` with config, params, tokenizer and the file's `general.name`.
   Raises:
-    CheckpointError: missing, truncated or malformed file; unsupported architecture or tensor
-      type (both named in the message).
+    CheckpointError: missing, truncated or malformed file (a tensor's byte range misaligned,
+      outside the data section, overlapping another or of the wrong size for its type and
+      shape); unsupported architecture or tensor type (both named in the message); a weight
+      with NaN or infinite values (named), unless `allow_nonfinite`.
   """
   path = Path(path)
   if not path.exists():
@@ -477,15 +586,8 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
   if not path.is_file():
     raise CheckpointError(f"{path} is not a file: pass a .gguf file (load Hugging Face"
                           " directories with load_hf)")
-  _scan_gguf(path)
-  import gguf  # imported late: a slow import that only GGUF loading needs
-  try:
-    reader = gguf.GGUFReader(path)
-  except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError,
-          struct.error) as e:
-    raise CheckpointError(f"{path} is not a valid GGUF file ({type(e).__name__}: {e});"
-                          " re-download or re-convert it") from e
-  meta = _Meta(reader, path)
+  fields, tensors = _read_gguf(path)
+  meta = _Meta(fields, path)
   arch = meta.get("general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise CheckpointError(
@@ -496,11 +598,6 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
   if experts:
     raise CheckpointError(f"{path}: a mixture-of-experts model ({experts} experts) is not"
                           " supported; jaxspec runs dense decoders")
-  tensors = {t.name: t for t in reader.tensors}
-  size = path.stat().st_size
-  for t in reader.tensors:  # _scan_gguf checked this already; GGUFReader must agree.
-    if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-      raise CheckpointError(f"{path} is truncated: tensor {t.name!r} runs past the end")
 
   n_layers = meta.int(f"{arch}.block_count")
   per_block = 6 if arch == "phi3" else 9  # the fewest tensors one block holds
@@ -633,7 +730,7 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
     partial = (rope_dim + 0.5) / head_dim
 
   if dtype is None:
-    kinds = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2]
+    kinds = [t.tensor_type.name for t in tensors.values() if len(t.shape) == 2]
     dtype = "bfloat16" if kinds and kinds.count("BF16") * 2 > len(kinds) else "float32"
   eos_ids = tuple(dict.fromkeys(
       i for i in (meta.int(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom"))
@@ -661,16 +758,34 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
   except ValueError as e:
     raise CheckpointError(f"{path}: invalid or inconsistent model metadata: {e}") from e
 
-  params = _read_params(tensors, cfg, path, place, scan)
+  params = _read_params(tensors, cfg, path, place, scan, allow_nonfinite)
   from jaxspec.models.tokenizer import Tokenizer
-  tokenizer = Tokenizer.from_gguf(reader.fields) if tokens is not None else None
+  tokenizer = Tokenizer.from_gguf(fields, source=str(path)) if tokens is not None else None
   return Model(cfg=cfg, params=params, tokenizer=tokenizer,
                name=str(meta.get("general.name", path.stem)))
 
 
-def _read_params(tensors: dict, cfg: LlamaConfig, path: Path, place=None, scan: bool = True
-                 ) -> Params:
-  """Dequantizes and reshapes every weight into jaxspec's layout."""
+# Block types whose values are float16 scales (and minimums) times small integers: finite scales
+# give finite values, so checking the scales (1/9 to 1/17 of the bytes) checks the tensor.
+_SCALE_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
+
+
+def _scales_finite(t: GGUFTensor) -> bool:
+  """True when `t`'s values are certainly finite from its block scales alone; False means look
+  at the decoded values (another type, or a non-finite scale)."""
+  name = t.tensor_type.name
+  if name not in _SCALE_BYTES:
+    return False
+  block_bytes = _quant_sizes()[int(t.tensor_type)][2]
+  bits = t.data.reshape(-1, block_bytes)[:, :_SCALE_BYTES[name]].view("<u2")
+  # A float16 is a NaN or an infinity exactly when its exponent bits are all ones.
+  return bool((bits & np.uint16(0x7C00)).max(initial=0) < 0x7C00)
+
+
+def _read_params(tensors: dict, cfg: LlamaConfig, path: Path, place=None, scan: bool = True,
+                 allow_nonfinite: bool = False) -> Params:
+  """Dequantizes and reshapes every weight into jaxspec's layout (each refused, unless
+  `allow_nonfinite`, when it decodes to a NaN or an infinity)."""
   d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                    cfg.head_dim)
   names = ["token_embd.weight", "output_norm.weight"]
@@ -707,7 +822,11 @@ def _read_params(tensors: dict, cfg: LlamaConfig, path: Path, place=None, scan: 
     if got != shape:
       raise CheckpointError(f"{path}: tensor {name!r} has shape {got}, expected {shape} from"
                             " the metadata; the file is inconsistent")
-    return dequantize(t.data, t.tensor_type, shape)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite values: refused below
+      out = dequantize(t.data, t.tensor_type, shape)
+    if not (allow_nonfinite or _scales_finite(t)):
+      refuse_nonfinite(out, name, path)
+    return out
 
   permute = cfg.architecture == "llama"  # llama.cpp permutes Q/K rows for `llama` only
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
-from jaxspec.models.errors import CheckpointError, read_checkpoint
+from jaxspec.models.errors import CheckpointError, read_checkpoint, refuse_nonfinite
 from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
 
@@ -587,7 +587,7 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *, place=None,
-            scan: bool = True) -> Model:
+            scan: bool = True, allow_nonfinite: bool = False) -> Model:
   """Loads a Hugging Face checkpoint directory, tokenizer included when tokenizer.json exists.
 
   Args:
@@ -596,15 +596,17 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *, place=None,
       torch_dtype: bfloat16 stays bfloat16, float32 and float16 load as float32).
     place: lay each weight out on a mesh as it is read (`jaxspec.sharding.rules.Placer`).
     scan: with `place`, whether the layers come stacked (else one set per layer).
+    allow_nonfinite: load weights holding NaN or infinite values instead of refusing them.
   Returns:
     `Model`.
   Raises:
-    CheckpointError: missing or malformed files, unsupported architecture or settings.
+    CheckpointError: missing or malformed files, unsupported architecture or settings; a
+      weight with NaN or infinite values (named), unless `allow_nonfinite`.
   """
   if dtype not in (None, "float32", "bfloat16"):
     raise ValueError(f"dtype {dtype!r} is not supported: use 'float32', 'bfloat16' or None (the"
                      " checkpoint's)")
-  return read_checkpoint(path, _load_hf, path, dtype, place, scan)
+  return read_checkpoint(path, _load_hf, path, dtype, place, scan, allow_nonfinite)
 
 
 def checkpoint_dtype(config: Mapping[str, Any]) -> str:
@@ -616,8 +618,8 @@ def checkpoint_dtype(config: Mapping[str, Any]) -> str:
   return "bfloat16" if stored == "bfloat16" else "float32"
 
 
-def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool = True
-             ) -> Model:
+def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool = True,
+             allow_nonfinite: bool = False) -> Model:
   path = Path(path)
   if not path.exists():
     raise CheckpointError(f"checkpoint directory {path} does not exist: check the path")
@@ -653,15 +655,19 @@ def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool 
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos))
   with SafetensorsFiles(shards) as tensors:  # read one tensor at a time, as params need them
     view = _Prefixed(tensors, prefix) if prefix else tensors
-    params = params_from_hf(view, cfg, where=str(path), place=place, scan=scan)
+    params = params_from_hf(view, cfg, where=str(path), place=place, scan=scan,
+                            allow_nonfinite=allow_nonfinite)
   name = config.get("_name_or_path") or path.name
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, name=str(name))
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
-                   where: str = "checkpoint", *, place=None, scan: bool = True) -> Params:
+                   where: str = "checkpoint", *, place=None, scan: bool = True,
+                   allow_nonfinite: bool = False) -> Params:
   """jaxspec `Params` from Hugging Face-named tensors ([out, in] linear weights); `place` and
-  `scan` as `jaxspec.models.llama.stack_params` (each device receives only its shards)."""
+  `scan` as `jaxspec.models.llama.stack_params` (each device receives only its shards). Each
+  tensor holding a NaN or an infinity is a CheckpointError naming it, unless
+  `allow_nonfinite`."""
   d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                    cfg.head_dim)
 
@@ -676,7 +682,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
     if a.dtype not in _FLOAT_DTYPES:
       raise CheckpointError(f"{where}: tensor {name!r} has dtype {a.dtype}; weights must be"
                             " floating point (quantized safetensors are not supported)")
-    return np.asarray(a, np.float32)
+    a = np.asarray(a, np.float32)
+    if not allow_nonfinite:  # checked as it is converted, one tensor at a time
+      refuse_nonfinite(a, name, where)
+    return a
 
   off = np.float32(cfg.norm_offset)  # Gemma stores w for a (1 + w) scale: params hold 1 + w
   gemma_sandwich = cfg.post_norms

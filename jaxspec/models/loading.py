@@ -36,7 +36,8 @@ def bundled_gguf_path() -> Path:
 
 
 def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None, *,
-         scan_layers: bool | None = None, place=None, compute_dtype: str | None = None) -> Model:
+         scan_layers: bool | None = None, place=None, compute_dtype: str | None = None,
+         allow_nonfinite: bool = False) -> Model:
   """Loads a model by name or path.
 
   Args:
@@ -54,11 +55,16 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None
       in float32 over weights kept in `dtype` (`LlamaConfig.compute_dtype`; with bfloat16
       weights, greedy speculative output then equals plain greedy output as a float32 model's
       does, where bfloat16 arithmetic may depart from it at near-ties).
+    allow_nonfinite: load weights holding NaN or infinite values; by default each tensor is
+      checked as it is converted and such a weight is a CheckpointError naming it.
   Returns:
     `Model` with config, params and tokenizer.
   Raises:
-    CheckpointError: unknown name, missing path, or a checkpoint that cannot be read.
+    CheckpointError: unknown name, missing path, a checkpoint that cannot be read, or one
+      whose weights hold NaN or infinite values (without `allow_nonfinite`).
   """
+  if not isinstance(allow_nonfinite, bool):
+    raise ValueError(f"allow_nonfinite must be True or False, got {allow_nonfinite!r}")
   if scan_layers is not None and not isinstance(scan_layers, bool):
     raise ValueError(f"scan_layers must be True, False or None (the backend's default), got"
                      f" {scan_layers!r}")
@@ -66,7 +72,7 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None
     from jaxspec.models.llama import default_scan_layers
     scan_layers = default_scan_layers()
   check_compute_dtype(compute_dtype)
-  kw = dict(dtype=dtype, place=place, scan=scan_layers)
+  kw = dict(dtype=dtype, place=place, scan=scan_layers, allow_nonfinite=allow_nonfinite)
   return with_compute_dtype(_load(name_or_path, kw).with_scan_layers(scan_layers), compute_dtype)
 
 

@@ -8,8 +8,12 @@ templates render the way `transformers` renders them (sandboxed jinja2, `trim_bl
 
 from __future__ import annotations
 
+import contextvars
 import datetime
+import functools
 import json
+import math
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,12 +88,137 @@ def _spm_merges(pieces: Sequence[str], scores: Sequence[float],
   return [m for _, _, m in ranked]
 
 
+# Limits of one chat-template rendering. A checkpoint's template is code from the checkpoint's
+# author, and `jaxspec generate` renders it by default: these bound what it can make the process
+# do (real templates stay orders of magnitude below them). Past a limit, rendering stops with a
+# ValueError (also a `jinja2.sandbox.SecurityError`) naming the template and the limit.
+MAX_TEMPLATE_CHARS = 1 << 24  # characters of output, and of any string or list it builds
+MAX_TEMPLATE_STEPS = 1_000_000  # loop iterations and range() items, together
+MAX_TEMPLATE_SECONDS = 10.0  # wall-clock time of one rendering
+# The most tokens a tokenizer may hold, checked before a GGUF's tokens are read: real
+# vocabularies have at most 262,144, so four times that refuses only a corrupt or hostile file.
+MAX_VOCAB = 1 << 20
+
+
+class _Budget:
+  """What one rendering has spent: steps (loop iterations and range items) and time."""
+
+  def __init__(self, source: str):
+    self.source, self.steps = source, 0
+    self.deadline = time.monotonic() + MAX_TEMPLATE_SECONDS
+
+  def exceeded(self, what: str):
+    from jinja2.sandbox import SecurityError
+    return SecurityError(f"the chat template of {self.source} exceeded {what}")
+
+  def charge(self, n: int) -> None:
+    self.steps += n
+    if self.steps > MAX_TEMPLATE_STEPS:
+      raise self.exceeded(f"the limit of {MAX_TEMPLATE_STEPS:,} loop iterations and range()"
+                          " items per rendering")
+    if time.monotonic() > self.deadline:
+      raise self.exceeded(f"the limit of {MAX_TEMPLATE_SECONDS:g} s per rendering")
+
+  def size(self, n: int, what: str) -> None:
+    if n > MAX_TEMPLATE_CHARS:
+      raise self.exceeded(f"the limit of {MAX_TEMPLATE_CHARS:,} characters or items per"
+                          f" output, string or list ({what} of {n:,})")
+
+
+# The budget of the rendering in progress (one per thread or task; None outside a rendering).
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("_BUDGET", default=None)
+
+
+def _budget() -> _Budget:
+  return _BUDGET.get() or _Budget("this tokenizer")
+
+
+def _charged(iterable):
+  """`iterable`'s items, each charged one step of the rendering's budget."""
+  budget = _budget()
+  for x in iterable:
+    budget.charge(1)
+    yield x
+
+
+def _length(x: Any) -> int | None:
+  return len(x) if isinstance(x, (str, bytes, list, tuple)) else None
+
+
+@functools.cache
+def _bounded_environment_class():
+  """An `ImmutableSandboxedEnvironment` whose templates cannot exhaust the process: loops and
+  range() draw on a per-rendering step budget (the template's For loops are rewritten to iterate
+  through `_charged`; `range` is `_chat_environment`'s), and the operators, methods and
+  filters that multiply sizes (`*`, `+`, `~`, `**`, `join`, padding, `center`, `indent`) check
+  the size of their result before building it."""
+  from jinja2 import nodes
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  from jinja2.visitor import NodeTransformer
+
+  class Bound(NodeTransformer):
+    def visit_For(self, node):
+      self.generic_visit(node)
+      node.iter = nodes.Call(nodes.EnvironmentAttribute("_charged"), [node.iter], [], None,
+                             None, lineno=node.lineno)
+      return node
+
+    def visit_Concat(self, node):
+      self.generic_visit(node)
+      return nodes.Call(nodes.EnvironmentAttribute("_concat"), list(node.nodes), [], None, None,
+                        lineno=node.lineno)
+
+  class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def _parse(self, source, name, filename):
+      tree = Bound().visit(super()._parse(source, name, filename))
+      tree.set_environment(self)
+      return tree
+
+    _charged = staticmethod(_charged)
+
+    def _concat(self, *parts):
+      budget = _budget()
+      strs = [str(p) for p in parts]  # as jinja2's str_join
+      budget.size(sum(map(len, strs)), "a ~ concatenation")
+      return "".join(strs)
+
+    def call_binop(self, context, operator, left, right):
+      budget = _budget()
+      if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+          if _length(seq) is not None and isinstance(n, int):
+            budget.size(_length(seq) * max(n, 0), "a repetition")
+      elif operator == "+" and _length(left) is not None and _length(right) is not None:
+        budget.size(_length(left) + _length(right), "a concatenation")
+      elif (operator == "**" and isinstance(left, int) and isinstance(right, int)
+            and abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > 4096):
+        raise budget.exceeded(f"the limit of 4096-bit integers ({left} ** {right})")
+      return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
+      budget = _budget()
+      method = getattr(__obj, "__name__", None)
+      if isinstance(getattr(__obj, "__self__", None), str):
+        if method in ("ljust", "rjust", "center", "zfill") and args and isinstance(args[0], int):
+          budget.size(args[0], f"str.{method}")
+        elif method == "join" and args and isinstance(args[0], (list, tuple)):
+          budget.size(sum(len(x) for x in args[0] if isinstance(x, str)), "str.join")
+        elif method == "expandtabs":
+          budget.size(len(__obj.__self__) * (args[0] if args and isinstance(args[0], int)
+                                             else 8), "str.expandtabs")
+      return super().call(__context, __obj, *args, **kwargs)
+
+  return BoundedEnvironment
+
+
 def _chat_environment():
   """The sandboxed jinja2 environment `transformers` renders chat templates with."""
   import jinja2
-  from jinja2 import nodes
+  from jinja2 import nodes, pass_eval_context
   from jinja2.ext import Extension
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  from jinja2.filters import do_center, do_indent, do_join
 
   class GenerationTag(Extension):
     # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in
@@ -114,9 +243,36 @@ def _chat_environment():
   def strftime_now(fmt):
     return datetime.datetime.now().strftime(fmt)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[GenerationTag, jinja2.ext.loopcontrols])
-  env.filters["tojson"] = tojson
+  def bounded_range(*args):
+    r = range(*args)
+    try:
+      n = len(r)
+    except OverflowError:  # more than sys.maxsize items
+      n = MAX_TEMPLATE_STEPS + 1
+    _budget().charge(n)
+    return r
+
+  @pass_eval_context
+  def join(eval_ctx, value, d="", attribute=None):
+    items = list(_charged(value))
+    _budget().size(sum(len(x) for x in items if isinstance(x, str)) + len(d) * len(items),
+                   "a join")
+    return do_join(eval_ctx, items, d, attribute)
+
+  def center(value, width=80):
+    _budget().size(width if isinstance(width, int) else 0, "a center width")
+    return do_center(value, width)
+
+  def indent(s, width=4, first=False, blank=False):
+    lines = str(s).count("\n") + 1
+    _budget().size(len(str(s)) + lines * (width if isinstance(width, int) else len(str(width))),
+                   "an indent")
+    return do_indent(s, width, first, blank)
+
+  env = _bounded_environment_class()(trim_blocks=True, lstrip_blocks=True,
+                                     extensions=[GenerationTag, jinja2.ext.loopcontrols])
+  env.filters.update(tojson=tojson, join=join, center=center, indent=indent)
+  env.globals["range"] = bounded_range
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
   return env
@@ -140,12 +296,28 @@ def _chat_template_error(e: Exception, message: str) -> Exception:
   return err
 
 
+def _template_failed(e: Exception) -> str:
+  return (f"the model's chat template failed: {type(e).__name__}: {e}; fix the checkpoint's"
+          " chat_template, or pass a plain prompt (--no-chat)")
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_list(value: Any) -> list:
+  """A metadata array as a list: GGUFReader fields give lists, `_read_gguf` numpy views."""
+  return value.tolist() if isinstance(value, np.ndarray) else list(value)
+
+
 class Tokenizer:
   """Text <-> token ids for one model, with its chat template and end-of-sequence ids.
 
   Attributes:
     backend: the wrapped `tokenizers.Tokenizer`.
     chat_template: jinja2 source of the chat template, or None.
+    template_source: where the template came from (a file, a GGUF key), for error messages.
     bos_token, eos_token: their strings (template variables), or None.
     bos_token_id: id of the BOS token, or None.
     eos_token_ids: ids that end a generation.
@@ -156,7 +328,14 @@ class Tokenizer:
   def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None,
                bos_token: str | None = None, eos_token: str | None = None,
                eos_token_ids: Iterable[int] = (), add_bos: bool = False,
-               extra_template_vars: Mapping[str, Any] | None = None):
+               extra_template_vars: Mapping[str, Any] | None = None,
+               template_source: str | None = None):
+    self.template_source = template_source or "this tokenizer"
+    if chat_template is not None and not isinstance(chat_template, str):
+      raise CheckpointError(
+          f"{self.template_source}: the chat template is not a string of jinja2 source but"
+          f" {type(chat_template).__name__} {_short(chat_template)}; fix or remove it in the"
+          " checkpoint")
     self.backend = backend
     self.chat_template = chat_template
     self.bos_token = bos_token
@@ -204,11 +383,21 @@ class Tokenizer:
     """Renders `messages` ([{"role": ..., "content": ...}, ...]) with the model's template.
 
     Extra keyword arguments become template variables (e.g. `tools`, `enable_thinking`).
+    Rendering is sandboxed and bounded: at most `MAX_TEMPLATE_CHARS` characters of output (and
+    per string or list the template builds), `MAX_TEMPLATE_STEPS` loop iterations and range()
+    items, and `MAX_TEMPLATE_SECONDS` seconds.
+
+    Raises:
+      ValueError: the template fails, raises, or passes a limit (the message names the
+        template and the limit); the error is also an instance of the jinja2 error behind it
+        (`jinja2.TemplateError`, `jinja2.sandbox.SecurityError` for a limit).
     """
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template: pass a plain prompt string to"
                        " `encode`, or load a checkpoint whose metadata has one")
     import jinja2
+    budget = _Budget(self.template_source)
+    token = _BUDGET.set(budget)
     try:
       if self._compiled is None:
         self._compiled = _chat_environment().from_string(self.chat_template)
@@ -216,12 +405,21 @@ class Tokenizer:
       variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                        tools=None, documents=None)
       variables.update(kwargs)
-      return self._compiled.render(messages=[dict(m) for m in messages],
-                                   add_generation_prompt=add_generation_prompt, **variables)
-    except jinja2.TemplateError as e:  # a broken template, or its own raise_exception
-      raise _chat_template_error(e, (
-          f"the model's chat template failed: {type(e).__name__}: {e}; fix the checkpoint's"
-          " chat_template, or pass a plain prompt (--no-chat)")) from e
+      chunks, n = [], 0
+      for chunk in self._compiled.generate(messages=[dict(m) for m in messages],
+                                           add_generation_prompt=add_generation_prompt,
+                                           **variables):
+        n += len(chunk)
+        budget.size(n, "the output")
+        chunks.append(chunk)
+      return "".join(chunks)
+    except (MemoryError, RecursionError, OverflowError) as e:  # what the limits do not foresee
+      limit = budget.exceeded(f"what a rendering may do ({type(e).__name__}: {e})")
+      raise _chat_template_error(limit, _template_failed(limit)) from e
+    except jinja2.TemplateError as e:  # a broken template, a limit, or its own raise_exception
+      raise _chat_template_error(e, _template_failed(e)) from e
+    finally:
+      _BUDGET.reset(token)
 
   def encode_chat(self, prompt_or_messages: str | Sequence[Mapping[str, Any]],
                   add_generation_prompt: bool = True) -> list[int]:
@@ -258,18 +456,27 @@ class Tokenizer:
   # -- constructors ---------------------------------------------------------------------------
 
   @classmethod
-  def from_gguf(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+  def from_gguf(cls, fields: Mapping[str, Any], *, source: str | None = None) -> "Tokenizer":
     """Builds the tokenizer described by GGUF metadata.
 
     Args:
-      fields: `gguf.GGUFReader(...).fields`, or a dict of plain metadata values.
+      fields: `gguf.GGUFReader(...).fields`, or a dict of plain metadata values (arrays as
+        lists or numpy arrays).
+      source: where the metadata came from, for error messages (the file's path).
+    Raises:
+      CheckpointError: no tokenizer, an unsupported one, more than `MAX_VOCAB` tokens, or a
+        chat template that is not a string.
     """
     model = _field_value(fields, "tokenizer.ggml.model")
     tokens = _field_value(fields, "tokenizer.ggml.tokens")
     if model is None or tokens is None:
       raise CheckpointError("GGUF file has no tokenizer (tokenizer.ggml.model / tokens metadata"
                             " missing): load the model's Hugging Face directory instead")
-    types = _field_value(fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if len(tokens) > MAX_VOCAB:
+      raise CheckpointError(f"{source or 'GGUF tokenizer'}: {len(tokens)} tokens, more than"
+                            f" jaxspec's vocabulary limit of {MAX_VOCAB}; the file is corrupt")
+    types = _field_value(fields, "tokenizer.ggml.token_type")
+    types = [_NORMAL] * len(tokens) if types is None else _as_list(types)
     if len(types) != len(tokens):
       raise CheckpointError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token"
                             " types: the file's metadata is corrupt")
@@ -306,6 +513,7 @@ class Tokenizer:
       default_add_bos = False
     elif model == "llama":
       scores = _field_value(fields, "tokenizer.ggml.scores")
+      scores = None if scores is None else _as_list(scores)
       if scores is None or len(scores) != len(tokens):
         raise CheckpointError("GGUF SentencePiece tokenizer needs one tokenizer.ggml.scores"
                               " entry per token: the file's metadata is incomplete")
@@ -335,7 +543,9 @@ class Tokenizer:
     return cls(backend, chat_template=_field_value(fields, "tokenizer.chat_template"),
                bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
                add_bos=_field_value(fields, "tokenizer.ggml.add_bos_token", default_add_bos),
-               extra_template_vars={"unk_token": unk or ""})
+               extra_template_vars={"unk_token": unk or ""},
+               template_source=(f"{source}: tokenizer.chat_template" if source else
+                                "GGUF metadata tokenizer.chat_template"))
 
   @classmethod
   def from_hf_dir(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
@@ -368,12 +578,20 @@ class Tokenizer:
       return value if isinstance(value, str) else None
 
     template = config.get("chat_template")
+    source = f"{config_file}: chat_template"
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+      for i, t in enumerate(template):
+        if not (isinstance(t, dict) and isinstance(t.get("template"), str)):
+          raise CheckpointError(
+              f"{config_file}: chat_template entry {i} ({_short(t)}) is not"
+              ' {"name": ..., "template": "<jinja2 source>"}; fix or remove it, or pass a plain'
+              " prompt (--no-chat)")
+      named = {t.get("name"): t["template"] for t in template}
       template = named.get("default", next(iter(named.values()), None))
     jinja_file = path / "chat_template.jinja"
     if template is None and jinja_file.is_file():
       template = jinja_file.read_text(encoding="utf-8")
+      source = str(jinja_file)
     bos, eos = token_str(config.get("bos_token")), token_str(config.get("eos_token"))
     add_bos = config.get("add_bos_token")
     if add_bos is None and bos is not None:
@@ -384,7 +602,8 @@ class Tokenizer:
           backend.encode("a", add_special_tokens=False).ids[:1] != [bos_id])
     extra = {k: token_str(config.get(k)) or "" for k in ("unk_token", "pad_token")}
     return cls(backend, chat_template=template, bos_token=bos, eos_token=eos,
-               eos_token_ids=eos_token_ids, add_bos=bool(add_bos), extra_template_vars=extra)
+               eos_token_ids=eos_token_ids, add_bos=bool(add_bos), extra_template_vars=extra,
+               template_source=source)
 
 
 class StreamDecoder:

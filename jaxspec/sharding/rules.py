@@ -420,15 +420,20 @@ def _set_layer(sharding: NamedSharding):
 
 
 def load_sharded(name_or_path, mesh, *, dtype: str | None = None,
-                 rules: ShardingRules | None = None, scan_layers: bool | None = None):
+                 rules: ShardingRules | None = None, scan_layers: bool | None = None,
+                 allow_nonfinite: bool = False):
   """`jaxspec.models.load` with the weights laid out on `mesh` by `rules` (default tensor x
   data parallel) as they are read: every device receives only its shard of each weight,
   converted to the dtype one tensor at a time on the host (`Placer`). The checkpoint's
-  configuration is checked against the mesh (`Placer.check`) before any weight is read."""
+  configuration is checked against the mesh (`Placer.check`) before any weight is read, and
+  each weight for NaN and infinite values on the host, before it is placed (unless
+  `allow_nonfinite`)."""
   rules = DEFAULT_RULES if rules is None else rules
   if scan_layers is None:
     scan_layers = default_scan_layers()
   if mesh.size == 1:  # one device: the single-device layouts (output-major weights on a CPU)
-    return shard_model(loading.load(name_or_path, dtype, scan_layers=scan_layers), mesh, rules)
-  model = loading.load(name_or_path, dtype, scan_layers=scan_layers, place=Placer(mesh, rules))
+    return shard_model(loading.load(name_or_path, dtype, scan_layers=scan_layers,
+                                    allow_nonfinite=allow_nonfinite), mesh, rules)
+  model = loading.load(name_or_path, dtype, scan_layers=scan_layers, place=Placer(mesh, rules),
+                       allow_nonfinite=allow_nonfinite)
   return dataclasses.replace(model, sharding=ModelSharding(mesh, rules))
