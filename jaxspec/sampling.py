@@ -47,7 +47,7 @@ class Sampling:
   def __post_init__(self):
     for name in ("temperature", "top_k", "top_p", "min_p"):
       v = getattr(self, name)
-      if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+      if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or getattr(v, "ndim", 1) == 0:
         _check_value(name, v)
         continue
       vals = tuple(v.tolist() if hasattr(v, "tolist") else v)
@@ -273,6 +273,10 @@ def resolve_sampling(sampling) -> Sampling:
   if sampling is None:
     return GREEDY
   if isinstance(sampling, dict):
+    unknown = set(sampling) - {f.name for f in dataclasses.fields(Sampling)}
+    if unknown:
+      raise ValueError(f"sampling has unknown fields {sorted(map(str, unknown))}: Sampling takes"
+                       " temperature, top_k, top_p and min_p")
     return Sampling(**sampling)
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a jaxspec Sampling (or, inside jit,"
