@@ -6,7 +6,6 @@ gets past the checks ends there (a valid call, for the fuzz; a missed check, for
 list), so nothing is compiled and the whole module runs in seconds."""
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ import pytest
 import jaxspec
 from jaxspec import DraftModel, NGram, Sampling
 from jaxspec.decoding import decode, functional, speculative_decode
-from jaxspec.sampling import SamplingArrays, row_keys
+from jaxspec.sampling import row_keys
 
 
 class Reached(Exception):
@@ -25,8 +24,8 @@ class Reached(Exception):
 
 @pytest.fixture
 def no_programs(monkeypatch):
-  """Every compiled program of the wrappers and the functional core raises `Reached`; every
-  jit compilation meanwhile is counted (none may happen)."""
+  """Every compiled program of the wrappers and the functional core (their jitted entry
+  points and the wrappers' compile cache) raises `Reached` instead of compiling."""
   from jaxspec import api, runner
 
   def reached(*a, **kw):
@@ -129,8 +128,8 @@ def _pool_arrays(b):
 
 
 def _mutations(rng, good: dict, b: int):
-  """(argument, value) pairs: one argument of `good` replaced, or a sampling field replaced
-  in a Sampling or in SamplingArrays."""
+  """One (argument, value) mutation: an argument of `good`, or a field of a `Sampling`
+  ("sampling.<field>") or of `SamplingArrays` ("arrays.<field>"), and the value to put there."""
   pool = _POOL + _pool_arrays(b)
   name = str(rng.choice(sorted(good) + ["sampling.field", "arrays.field"]))
   if name.endswith(".field"):
