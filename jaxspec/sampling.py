@@ -33,7 +33,8 @@ class Sampling:
   different settings in one batch; its length must be the batch size).
 
   Attributes:
-    temperature: 0 for greedy decoding, > 0 to sample.
+    temperature: 0 for greedy decoding, > 0 to sample (one so small that logits / temperature
+      overflows float32 acts as its limit, the argmax: see `process_logits`).
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1 keeps all.
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 keeps all.
