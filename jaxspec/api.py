@@ -69,7 +69,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 128,
     max_new_tokens: tokens to generate per row.
     sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy. Values are passed as
       arrays, so changing them does not recompile.
-    key: PRNG key or int seed for sampling (row b's randomness depends only on key and b).
+    key: PRNG key or int seed for sampling (row b's randomness depends only on key and b),
+      or one key per row (a key array [B]): `jaxspec.sampling.row_keys(key, N)[i:j]` for
+      prompts i..j-1 of N gives them the texts they get in one N-row call.
     stop_ids: tokens that end a row (included in the output); default the model's EOS ids.
     max_len: KV-cache size; default just enough for the longest prompt plus max_new_tokens.
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
@@ -83,7 +85,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 128,
   prep = prepare_prompts(model, prompts, max_new_tokens, max_len=max_len)
   stops = stop_ids_for(model, stop_ids)
   b = prep.tokens.shape[0]
-  key = as_key(key)
+  key = as_key(key, b)
   args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
           sp_user.arrays(b), key)
   static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len, max_new_tokens=int(max_new_tokens),
@@ -131,7 +133,7 @@ def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
   b = prep.tokens.shape[0]
   sp = sp_user.arrays(b)
   init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
-               as_key(key), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
+               as_key(key, b), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
   init_exe, c1 = compiled(plain.init_decode_jit, "stream-init", *init_args)
   state0 = jax.eval_shape(plain.init_decode_jit, *init_args)
   loop_exe, c2 = compiled(plain.decode_loop_jit, "stream-loop", model.params, state0, sp,
@@ -166,7 +168,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy.
     num_draft_tokens: k, drafts per step, or "auto" (default): every step chooses k in
       0..k_max from the measured acceptance and step costs (k = 0 is a plain decode step).
-    key: PRNG key or int seed.
+    key: PRNG key or int seed, or one key per row (a key array [B]; see `generate`).
     stop_ids: tokens that end a row; default the target's EOS ids.
     max_len: cache size; default just enough (prompt + max_new_tokens + k + 1).
     temperature: shorthand for `sampling=Sampling(temperature=...)`.

@@ -5,6 +5,7 @@ drafter protocol they implement is `jaxspec.decoding.drafter`."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -68,8 +69,10 @@ class DraftModel(Drafter):
     elif not isinstance(self.model, Model):
       raise ValueError(f"DraftModel takes a jaxspec Model or a jaxspec.decoding.Target(lm, params),"
                        f" got {type(self.model).__name__}: wrap a CausalLM as Target(lm, params)")
-    if not 0.0 <= self.p_min < 1.0:
-      raise ValueError(f"p_min must be in [0, 1) (0 = never stop early), got {self.p_min}")
+    if isinstance(self.p_min, bool) or not isinstance(self.p_min, numbers.Real) \
+        or not 0.0 <= self.p_min < 1.0:
+      raise ValueError(f"p_min must be a number in [0, 1) (0 = never stop early), got"
+                       f" {self.p_min!r}")
     if self.coupled is not None and not isinstance(self.coupled, bool):
       raise ValueError(f"coupled must be True, False or None (coupled under \"auto\"), got"
                        f" {self.coupled!r}")

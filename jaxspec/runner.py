@@ -90,9 +90,17 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
       if model.tokenizer is None:
         raise ValueError(f"prompt {i} is a string but the model has no tokenizer: pass token ids")
       p = model.tokenizer.encode(p)
-    p = [int(t) for t in np.asarray(p).reshape(-1)]
-    if not p:
+    try:
+      arr = np.asarray(p)
+    except (ValueError, TypeError):  # ragged nesting, or items numpy cannot hold
+      arr = None
+    if arr is not None and arr.size == 0:
       raise ValueError(f"prompt {i} is empty: every row needs at least one token to condition on")
+    if arr is None or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+      what = f"dtype {arr.dtype}" if arr is not None else type(p).__name__
+      raise ValueError(f"prompt {i} must be a string or a list of integer token ids, got"
+                       f" {what} ({str(p)[:40]}): token ids are ints, not floats or None")
+    p = [int(t) for t in arr.reshape(-1)]
     bad = [t for t in p if not 0 <= t < model.cfg.vocab_size]
     if bad:
       raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary"
@@ -614,7 +622,7 @@ class SpecRun:
     static = dict(lm=LlamaLM(target.cfg), drafter=drafter, policy=policy,
                   max_new_tokens=max_new_tokens, stop_ids=stops)
     self.init_args = (self.tparams, self.dparams, jnp.asarray(prep.tokens),
-                      jnp.asarray(prep.lengths), self.sp, as_key(key))
+                      jnp.asarray(prep.lengths), self.sp, as_key(key, b))
     # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
     init_static = dict(max_len=prep.max_len, seq_cap=prep.max_len + policy.k_max + 1,
                        max_steps=self.max_steps, **static)
@@ -804,7 +812,7 @@ class HostRun(SpecRun):
     t0 = time.perf_counter()
     # Target side: the fused loop's prefill, with a stand-in drafter that keeps the prefill's
     # hidden states (when the real drafter reads them) as its state, for the drafter's init.
-    self.tinit_args = (self.tparams, None, tok, lens, self.sp_t, as_key(key))
+    self.tinit_args = (self.tparams, None, tok, lens, self.sp_t, as_key(key, b))
     tstatic = dict(init_static, drafter=host.HiddenOnly(drafter.uses_target_hidden,
                                                         drafter.hidden_layers))
     tstate0, hid0, fctx0 = jax.eval_shape(functools.partial(host.host_target_init, **tstatic),

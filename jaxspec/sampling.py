@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -32,7 +33,8 @@ class Sampling:
   different settings in one batch; its length must be the batch size).
 
   Attributes:
-    temperature: 0 for greedy decoding, > 0 to sample.
+    temperature: 0 for greedy decoding, > 0 to sample (one so small that logits / temperature
+      overflows float32 acts as its limit, the argmax: see `process_logits`).
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1 keeps all.
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 keeps all.
@@ -46,7 +48,7 @@ class Sampling:
   def __post_init__(self):
     for name in ("temperature", "top_k", "top_p", "min_p"):
       v = getattr(self, name)
-      if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+      if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or getattr(v, "ndim", 1) == 0:
         _check_value(name, v)
         continue
       vals = tuple(v.tolist() if hasattr(v, "tolist") else v)
@@ -157,12 +159,24 @@ def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   """Temperature-scaled, filtered float32 logits [B, ..., V] for the sampled rows.
 
   Rows with temperature 0 come back unscaled (their distribution is the argmax one-hot; see
-  `probs`). Filtering sorts the vocabulary, so it runs only when some row asks for it.
+  `probs`). A positive temperature below float32's resolution for the logits (one where some
+  |logit| / temperature exceeds float32's largest value, ~3.4e38: below about 1e-37 for
+  logits near 30) acts as its limit T -> 0: 0 on the largest logit's tokens and -inf elsewhere,
+  so the distribution is the argmax one-hot (uniform over exact ties) and the chosen token's
+  log-probability is 0 (log(1/n) for n tied), finite. Filtering sorts the vocabulary, so it
+  runs only when some row asks for it.
   """
   logits = logits.astype(jnp.float32)
   nd = logits.ndim
   temp = _expand(sp.temperature, nd)
-  logits = jnp.where(temp > 0, logits / jnp.where(temp > 0, temp, 1.0), logits)
+  hot = temp > 0
+  scaled = logits / jnp.where(hot, temp, 1.0)
+  # A temperature so small that logits / temperature overflows float32 would give inf - inf =
+  # NaN in the softmax: such positions take the T -> 0 limit of the distribution instead, which
+  # the overflow cannot change: 0 on the tokens of the largest logit, -inf elsewhere.
+  over = jnp.any(jnp.isinf(scaled) & jnp.isfinite(logits), axis=-1, keepdims=True)
+  limit = jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), 0.0, -jnp.inf)
+  logits = jnp.where(hot, jnp.where(over, limit, scaled), logits)
   needs = jnp.any((sp.temperature > 0) & ((sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)))
   return lax.cond(needs, lambda l: _filter_sorted(l, sp), lambda l: l, logits)
 
@@ -239,7 +253,11 @@ def position_keys(row_keys: jax.Array, start: jax.Array, width: int) -> jax.Arra
 
 
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
-  """Independent per-row keys [B]: row b's stream depends only on (key, b)."""
+  """Independent per-row keys [B]: row b's stream depends only on (key, b). Per-row keys
+  (a key array [B]) come back as they are, so `row_keys(key, N)[i:j]` passed as a batch's key
+  draws rows i..j-1 as the N-row batch does."""
+  if key.ndim == 1 and key.shape[0] == batch_size:
+    return key
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch_size))
 
 
@@ -256,6 +274,10 @@ def resolve_sampling(sampling) -> Sampling:
   if sampling is None:
     return GREEDY
   if isinstance(sampling, dict):
+    unknown = set(sampling) - {f.name for f in dataclasses.fields(Sampling)}
+    if unknown:
+      raise ValueError(f"sampling has unknown fields {sorted(map(str, unknown))}: Sampling takes"
+                       " temperature, top_k, top_p and min_p")
     return Sampling(**sampling)
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a jaxspec Sampling (or, inside jit,"
@@ -265,9 +287,10 @@ def resolve_sampling(sampling) -> Sampling:
 
 def sampling_arrays(sampling, batch_size: int) -> SamplingArrays:
   """`SamplingArrays` [B] from a `Sampling` (one value, or one per row), a dict or None
-  (`resolve_sampling`), or from `SamplingArrays` (checked: every field [B]). Raises ValueError
-  naming a field of the wrong shape or dtype; works on traced arrays (only shapes are
-  checked)."""
+  (`resolve_sampling`), or from `SamplingArrays` (checked: every field [B], and, where an array
+  is concrete, every row's value in the range `Sampling` allows). Raises ValueError naming a
+  field of the wrong shape or dtype, or the row whose value is out of range; works on traced
+  arrays (only their shapes can be checked before the program runs)."""
   if not isinstance(sampling, SamplingArrays):
     return resolve_sampling(sampling).arrays(batch_size)
   out = {}
@@ -276,6 +299,35 @@ def sampling_arrays(sampling, batch_size: int) -> SamplingArrays:
     if not hasattr(x, "shape") or tuple(x.shape) != (batch_size,):
       raise ValueError(f"SamplingArrays.{f.name} must have shape [{batch_size}] (one value per"
                        f" row of the batch), got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(x, jax.core.Tracer):
+      _check_rows(f.name, x)
     want = jnp.int32 if f.name == "top_k" else jnp.float32
     out[f.name] = jnp.asarray(x, want)
   return SamplingArrays(**out)
+
+
+def _check_rows(name: str, x) -> None:
+  """Raises ValueError naming `SamplingArrays.<name>` and the first row whose concrete value
+  `Sampling` would refuse (a fractional top_k included: the int32 cast would change it)."""
+  a = np.asarray(x)
+  if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer)
+                                 or np.issubdtype(a.dtype, np.floating)):
+    raise ValueError(f"SamplingArrays.{name} must hold numbers, got dtype {a.dtype}")
+  f = a.astype(np.float64)
+  lo, hi = {"temperature": (0, np.inf), "top_k": (0, 2**31 - 1), "top_p": (0, 1),
+            "min_p": (0, 1)}[name]
+  ok = np.isfinite(f) & (f >= lo) & (f <= hi)
+  if name == "top_k":
+    ok &= f == np.round(f)
+  elif name == "top_p":
+    ok &= f > 0
+  if ok.all():
+    return
+  # The first bad row, with `Sampling`'s message for its value.
+  for r, v in enumerate(a.tolist()):
+    if name == "top_k" and isinstance(v, float) and v.is_integer():
+      v = int(v)
+    try:
+      _check_value(name, v, per_row=True)
+    except ValueError as e:
+      raise ValueError(f"SamplingArrays.{name}, row {r}: {e}") from None

@@ -117,6 +117,23 @@ def test_prompts_files_give_one_result_per_prompt_in_order(bundled, capsys, tmp_
   assert res.err.splitlines()[-1].startswith(f"[jaxspec] 2 prompts, {n} new tokens, ")
 
 
+def test_a_prompts_sample_depends_on_seed_and_index_not_on_batch_size(bundled, capsys,
+                                                                       tmp_path):
+  """One prompt six times, sampled: six different texts, each the same whatever --batch-size
+  (prompt i draws from --seed and i), and another --seed gives others."""
+  txt = tmp_path / "same.txt"
+  txt.write_text(f"{P1}\n" * 6)
+  sampled = ["--prompts", str(txt), "--max-new-tokens", "6", "--draft", "none", "--json",
+             "--temperature", "1.0"]
+
+  def ids(*flags):
+    return [r["token_ids"] for r in _records(_generate(capsys, *sampled, *flags).out)]
+  by6 = ids("--seed", "3", "--batch-size", "6")
+  assert len({tuple(r) for r in by6}) == 6, by6
+  assert ids("--seed", "3", "--batch-size", "4") == by6  # batches of 4 and 2
+  assert ids("--seed", "4", "--batch-size", "6") != by6
+
+
 def test_speculative_json_stats_and_exact_text(bundled, capsys):
   (plain,) = _records(_generate(capsys, P1, *PLAIN, "--json").out)
   res = _generate(capsys, P1, "--max-new-tokens", "8", "--draft", "ngram",

@@ -338,7 +338,8 @@ def test_bad_input_is_refused_before_tracing(target):
       (dict(sampling=SamplingArrays(jnp.zeros(3), jnp.zeros(2, jnp.int32), jnp.ones(2),
                                     jnp.zeros(2))), "temperature must have shape \\[2\\]"),
       (dict(num_draft_tokens="auto"), "needs cost=CostModel"),
-      (dict(key=jax.random.split(key, 2)), "one PRNG key"),
+      (dict(key=jax.random.split(key, 3)), "3 per-row keys for a batch of 2 rows"),
+      (dict(key=jax.random.split(key, 4).reshape(2, 2)), "one PRNG key"),
       (dict(drafter="ngram"), "must be a jaxspec Drafter"),
   ]
   for kw, msg in cases:

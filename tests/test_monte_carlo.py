@@ -65,7 +65,9 @@ def _mc_drafter(name, target, draft):
   if name == "draft-model":
     return DraftModel(draft), 2, {}
   if name == "draft-model-p_min":
-    return DraftModel(draft, p_min=0.3), 3, {}
+    # The draft's top probability is below 0.5 at about a third of its drafts here (below 0.3
+    # at none): drafts are stopped by p_min, and the test counts them.
+    return DraftModel(draft, p_min=0.5), 3, {}
   if name == "auto":  # k changes with the acceptance model; plain steps happen
     cost = CostModel(ks=(0, 1, 2, 3), seconds=(1.0, 1.3, 1.45, 1.6))
     return DraftModel(draft), "auto", dict(auto=AutoK(k_max=3), cost=cost)
@@ -95,3 +97,20 @@ def test_monte_carlo_later_positions(small_vocab, name):
   assert st_["target_passes"] >= 3
   if name == "auto":
     assert len(set(st_["k_per_step"])) > 1, st_["k_per_step"]
+  if name == "draft-model":  # the count below is exact: no p_min, no draft stopped
+    assert _drafts_stopped(out, k) == 0
+  if name == "draft-model-p_min":
+    assert _drafts_stopped(out, k) > 0.1 * k * _row_steps(out), st_["drafted_per_row"][:8]
+
+
+def _row_steps(out) -> int:
+  """Verify passes over all live rows: tau is new tokens emitted (after the prefill's first)
+  per live row-step."""
+  emitted = int(out.lengths.sum()) - len(out.lengths)
+  return round(emitted / out.stats["tau"])
+
+
+def _drafts_stopped(out, k: int) -> int:
+  """Drafts not proposed in a run whose every step asked for k: those p_min stopped."""
+  assert out.stats["plain_steps"] == 0 and set(out.stats["k_per_step"]) == {k}
+  return k * _row_steps(out) - sum(out.stats["drafted_per_row"])

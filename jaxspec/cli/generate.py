@@ -42,8 +42,8 @@ def add_generate_parser(sub) -> None:
                       " stderr): a text file of one prompt per line, or a .jsonl file of objects"
                       " with a 'prompt' field (or Spec-Bench's 'turns': the first turn is the"
                       " prompt); blank lines are skipped. Rows are independent: under greedy"
-                      " decoding each text is the one the prompt alone gives (sampled, row i of"
-                      " a batch draws from --seed and i)")
+                      " decoding each text is the one the prompt alone gives; sampled, prompt i"
+                      " of the file draws from --seed and i, whatever --batch-size)")
   g.add_argument("--batch-size", type=count, default=8,
                  help="prompts of --prompts generated together, in one call (default 8; the"
                       " last batch may be smaller)")
@@ -312,7 +312,15 @@ def _generate(args, prompts, sampling, status) -> int:
   if drafter is not None and args.num_draft_tokens == "auto" and args.k_max is not None:
     from jaxspec.decoding.adaptive import AutoK
     auto = AutoK(k_max=args.k_max)
-  common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed)
+  from jaxspec.decoding.functional import as_key
+  from jaxspec.sampling import row_keys
+  try:
+    # Prompt i of the file draws with fold_in(key(seed), i) in every batch it lands in, so its
+    # text does not depend on --batch-size.
+    keys = row_keys(as_key(args.seed), len(ids))
+  except ValueError as e:
+    raise SystemExit(f"error: --seed: {e}")
+  common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling)
   spec_kw = dict(num_draft_tokens=args.num_draft_tokens, auto=auto)
   label = draft_label(args.draft, drafter)
   # Batches in file order; each batch's results are printed as soon as it is done.
@@ -321,9 +329,11 @@ def _generate(args, prompts, sampling, status) -> int:
   for start in range(0, len(ids), size):
     try:
       if args.prompts is None:
-        rows, info, spec = _stream_one(model, drafter, ids[0], common, spec_kw, args)
+        rows, info, spec = _stream_one(model, drafter, ids[0], dict(common, key=keys[:1]),
+                                       spec_kw, args)
       else:
-        rows, info, spec = _run_batch(model, drafter, ids[start:start + size], common, spec_kw)
+        rows, info, spec = _run_batch(model, drafter, ids[start:start + size],
+                                      dict(common, key=keys[start:start + size]), spec_kw)
     except ValueError as e:
       raise SystemExit(f"error: {e}")
     runs.append(run_stats(info, spec, sum(len(r) for r, _ in rows), load_s=load_s,

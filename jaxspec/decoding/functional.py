@@ -99,9 +99,13 @@ def _check_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[int, in
   return int(b), int(p)
 
 
-def as_key(key) -> jax.Array:
+def as_key(key, batch_size: int | None = None) -> jax.Array:
   """A PRNG key from None (seed 0), an integer seed in [-2**63, 2**64) or one key (typed, or a
-  raw uint32 [2]); traced keys pass through. Raises ValueError for anything else."""
+  raw uint32 [2]); or per-row keys: a typed key array [B] (or raw uint32 [B, 2]), row b drawing
+  from keys[b] where one key gives row b fold_in(key, b) (`jaxspec.sampling.row_keys`), so
+  `row_keys(key, N)[i:j]` reproduces rows i..j-1 of an N-row call in a batch of their own.
+  Traced keys pass through. Raises ValueError for anything else, and for per-row keys whose
+  count is not `batch_size` (when given)."""
   if key is None:
     return jax.random.key(0)
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
@@ -109,14 +113,22 @@ def as_key(key) -> jax.Array:
       raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
     # jax.random.key takes an int64: a seed in [2**63, 2**64) as its two's complement.
     return jax.random.key(int(key) - 2**64 if int(key) >= 2**63 else int(key))
-  if isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-                                     and key.shape == ()):
-    return key
-  if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
-    return jax.random.wrap_key_data(jnp.asarray(key))
-  raise ValueError(f"key must be an integer seed or one PRNG key (jax.random.key(seed)), got"
-                   f" {type(key).__name__}{tuple(getattr(key, 'shape', ()))}: under jax.vmap"
-                   " map over a batch of keys so each call sees one")
+  out = None
+  if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) \
+      and key.ndim <= 1:
+    out = key
+  elif isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 \
+      and key.ndim in (1, 2) and key.shape[-1] == 2:
+    out = jax.random.wrap_key_data(jnp.asarray(key))
+  if out is None or (out.ndim == 1 and out.shape[0] < 1):
+    raise ValueError(f"key must be an integer seed, one PRNG key (jax.random.key(seed)) or one"
+                     f" key per row (a key array [B]), got {type(key).__name__}"
+                     f"{tuple(getattr(key, 'shape', ()))}: under jax.vmap map over a batch of"
+                     " keys so each call sees one")
+  if out.ndim == 1 and batch_size is not None and out.shape[0] != batch_size:
+    raise ValueError(f"key holds {out.shape[0]} per-row keys for a batch of {batch_size} rows:"
+                     " give one key, or exactly one per row")
+  return out
 
 
 def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
@@ -143,6 +155,37 @@ def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
     raise ValueError(f"max_new_tokens must be in [1, capacity={capacity}], got {max_new_tokens}:"
                      " raise capacity (static) or lower max_new_tokens")
   return jnp.asarray(max_new_tokens, jnp.int32), int(capacity)
+
+
+def _check_pad_id(pad_id) -> int:
+  """pad_id as an int in the int32 range of the output tokens."""
+  if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) \
+      or not -2**31 <= pad_id < 2**31:
+    raise ValueError(f"pad_id must be an integer in [-2**31, 2**31) (the token written past each"
+                     f" row's length in the int32 output), got {pad_id!r}")
+  return int(pad_id)
+
+
+def _check_drafter_params(drafter: Drafter, dparams) -> None:
+  """Raises ValueError unless `dparams` has the structure and leaf shapes of `drafter.params`
+  (the weights the drafter's functions index), before anything is traced."""
+  want = drafter.params
+  got_def, want_def = jax.tree.structure(dparams), jax.tree.structure(want)
+  if got_def != want_def:
+    raise ValueError(f"drafter_params must have the structure of drafter.params (the"
+                     f" {drafter.name} drafter's weights): expected {_short(want_def)}, got"
+                     f" {_short(got_def)}")
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(dparams)):
+    gs, ws = tuple(getattr(g, "shape", ())), tuple(getattr(w, "shape", ()))
+    if gs != ws:
+      where = jax.tree_util.keystr(path)
+      raise ValueError(f"drafter_params{where} has shape {gs} where drafter.params{where} has"
+                       f" {ws}: pass weights of the drafter's own shapes")
+
+
+def _short(treedef, limit: int = 200) -> str:
+  s = str(treedef)
+  return s if len(s) <= limit else s[:limit] + "..."
 
 
 def check_stop_ids(stop_ids) -> tuple[int, ...]:
@@ -200,8 +243,10 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     drafter: a `Drafter` (NGram(), DraftModel(model), a head from `load_head`, `Oracle`...).
     prompt_ids: [B, P] int token ids, right-padded.
     prompt_lengths: [B] int tokens per row, in [1, P].
-    key: one PRNG key (or an int seed); row b's token j is drawn with fold_in(fold_in(key, b),
-      j), as `decode` and the host wrappers draw it.
+    key: one PRNG key (or an int seed), or one key per row ([B] key array); row b's token j
+      is drawn with fold_in(row_key_b, j), where one key gives row_key_b = fold_in(key, b), as
+      `decode` and the host wrappers draw it (per-row keys let a batch be split without
+      changing any row's draws: pass `jaxspec.sampling.row_keys(key, N)[i:j]`).
     max_new_tokens: new tokens per row, an int or a traced int scalar <= capacity.
     capacity: static output width and cache budget (default max_new_tokens, which must then be
       an int).
@@ -222,7 +267,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   """
   tgt = protocol.as_target(target, target_params)
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
-  key = as_key(key)
+  key = as_key(key, b)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   _check_drafter(tgt, drafter)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
@@ -236,6 +281,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   drafter = resolve_coupled(drafter, policy.auto)
   sp = sampling_lib.sampling_arrays(sampling, b)
   stops = check_stop_ids(stop_ids)
+  pad = _check_pad_id(pad_id)
   if max_len is None:
     max_len = p + capacity + policy.k_max + 1
   elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
@@ -244,11 +290,15 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                      f" {p + capacity + policy.k_max + 1}, got {max_len!r}")
   _check_cache(tgt.lm, tgt.params, b, int(max_len))
   costs = costs_array(policy, cost) if policy.auto else jnp.zeros((len(policy.buckets),))
-  dparams = drafter.params if drafter_params is None else drafter_params
+  if drafter_params is None:
+    dparams = drafter.params
+  else:
+    _check_drafter_params(drafter, drafter_params)
+    dparams = drafter_params
   return _speculative_jit(tgt, dparams, jnp.asarray(prompt_ids, jnp.int32),
                           jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
                           costs, drafter=drafter, policy=policy, capacity=capacity,
-                          max_len=int(max_len), stop_ids=stops, pad_id=int(pad_id))
+                          max_len=int(max_len), stop_ids=stops, pad_id=pad)
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "policy", "capacity", "max_len",
@@ -275,10 +325,11 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   arguments without the drafter (max_len default P + capacity)."""
   tgt = protocol.as_target(target, target_params)
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
-  key = as_key(key)
+  key = as_key(key, b)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   sp = sampling_lib.sampling_arrays(sampling, b)
   stops = check_stop_ids(stop_ids)
+  pad = _check_pad_id(pad_id)
   if max_len is None:
     max_len = p + capacity
   elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
@@ -288,7 +339,7 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   _check_cache(tgt.lm, tgt.params, b, int(max_len))
   return _decode_jit(tgt, jnp.asarray(prompt_ids, jnp.int32),
                      jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
-                     capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=int(pad_id),
+                     capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=pad,
                      logprobs=bool(logprobs))
 
 
