@@ -558,7 +558,7 @@ MIN_COST_SPAN = 256
 def _longest(state) -> int:
   """The longest row's length (prompt + emitted) of a loop state: where the costs are weighed."""
   st = getattr(state, "t", state)
-  return int(np.asarray(st.seq_len).max())
+  return int(to_host(st.seq_len).max())  # gathered first on a multi-host mesh
 
 
 def state_at_length(state: SpecState, length: int) -> SpecState:
@@ -750,9 +750,10 @@ class SpecRun:
 
   def short_state(self, state: SpecState) -> SpecState | None:
     """The state to time the costs at a short cache too, or None when the prompt is too short
-    for the difference to show (`measure_costs`)."""
+    for the difference to show (`measure_costs`). Unsharded runs only: the compiled loop of a
+    sharded one takes its state in the layout it was compiled for."""
     short = self.policy.k_max + 2
-    if _longest(state) - short < MIN_COST_SPAN:
+    if self.target.sharding is not None or _longest(state) - short < MIN_COST_SPAN:
       return None
     return state_at_length(state, short)
 

@@ -412,3 +412,22 @@ def test_auto_configs_refuse_bad_fields_naming_them():
   for make, name in cases:
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
       make()
+
+
+def test_auto_times_the_costs_at_two_cache_lengths(tiny_target):
+  """A prompt longer than `runner.MIN_COST_SPAN`: every k is timed at the prompt's length and at
+  a short cache (`runner.state_at_length`), the cost model records its growth per position (>=
+  0) from the short length, and the run's tokens are still generate's."""
+  from jaxspec import runner
+  prompt = [[(7 * i) % 100 + 3 for i in range(runner.MIN_COST_SPAN + 20)]]
+  ref = generate(tiny_target, prompt, max_new_tokens=6, stop_ids=())
+  out = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
+                             num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=())
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  st = out.stats
+  assert st["cost_model_length"] == 2 + 2  # k_max + 2 positions
+  assert list(st["cost_model_per_token"]) == ["0", "1", "2"]
+  assert all(v >= 0 for v in st["cost_model_per_token"].values())
+  cm = CostModel.from_ratios(st["cost_model"], st["cost_model_per_token"],
+                             st["cost_model_length"])
+  np.testing.assert_allclose(cm.at((0, 1, 2)), list(st["cost_model"].values()), rtol=1e-6)
