@@ -10,8 +10,10 @@ Three pieces, each a pure function over arrays so they run inside the jitted loo
   drafter whose proposals are free (made before k is chosen) is observed on plain steps too:
   the emitted token says whether its first draft would have been accepted (`update_counts`).
 * **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
-  every compiled width k (k = 0 is a plain one-token decode step): measured at start-up on the
-  actual batch, cache size and drafter (`measure`), or given (`CostModel`).
+  every compiled width k (k = 0 is a plain one-token decode step), and how they grow per cached
+  position: measured at start-up on the actual batch, cache size and drafter, at the prompt's
+  length and at a short cache (`jaxspec.runner.measure_costs`), or given (`CostModel`). The
+  controller weighs them at the longest live row's current length.
 * **The controller.** With E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a[b, i] the expected tokens a
   live row emits when k drafts are verified (at most as many as the drafter really proposed),
   choose the width k maximising sum_b E_b(k) / cost(k). For i.i.d. acceptance alpha this is the
