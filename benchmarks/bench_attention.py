@@ -6,7 +6,7 @@ num_heads=8, num_kv_heads=4, head_dim=32, vocab_size=512)`, greedy: plain
 the target's own continuation (every step verifies 5 positions and emits 5 tokens).
 
 Tables (ms per step, the prefill excluded: see `time_rounds`):
-  1. 80 cached tokens (16-token prompts, 64 new tokens) for each `max_len`;
+  1. 80 cached tokens (16-token prompts, 64 new tokens; speculative 256) for each `max_len`;
   2. against the cached length (prompts of P tokens, max_len fixed at the largest);
   3. a ragged batch (rows of 100 and 8,000 tokens) against two rows of 8,000 and two of 100.
 
@@ -32,6 +32,7 @@ from jaxspec.drafters import Oracle
 from jaxspec.models.config import tiny_config
 from jaxspec.models.synthetic import random_model
 
+SPEC_TOKENS = 4  # the speculative runs generate 4x the plain runs' tokens: as many steps
 CFG = dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
            head_dim=32, vocab_size=512, max_position_embeddings=70000)
 
@@ -95,14 +96,16 @@ def main():
   new = args.new
   result = dict(machine=machine(), config=CFG, new_tokens=new, repeats=args.repeats, tables={})
 
-  # 1. The allocated size alone changes: 16-token prompts, 64 new tokens.
+  # 1. The allocated size alone changes: 16-token prompts, 64 new tokens (speculative: 256,
+  # so that as many steps as plain decoding's stand out of the timing noise).
   for batch in [int(b) for b in args.batches.split(",")]:
     for spec in (False, True):
       runs = {}
+      n = SPEC_TOKENS * new if spec else new
       for ml in [int(x) for x in args.max_lens.split(",")]:
-        ml = max(ml, 16 + new + (6 if spec else 0))
-        runs[ml] = make_run(model, batch, 16, new, ml, spec)
-      med = time_rounds(runs, new, 0.2 if spec else 1.0, args.repeats)
+        ml = max(ml, 16 + n + (6 if spec else 0))
+        runs[ml] = make_run(model, batch, 16, n, ml, spec)
+      med = time_rounds(runs, n, 0.2 if spec else 1.0, args.repeats)
       base = min(med)
       rows = {str(ml): dict(ms_per_step=ms, ratio=ms / med[base]) for ml, ms in med.items()}
       name = f"max_len/{'spec_k4' if spec else 'plain'}/batch{batch}"
@@ -111,11 +114,12 @@ def main():
 
   # 2. The cached length changes, max_len fixed at the largest.
   cached = [int(x) for x in args.cached.split(",")]
-  top = max(cached) + new + 8
+  top = max(cached) + SPEC_TOKENS * new + 8
   for batch in [int(b) for b in args.batches.split(",")]:
     for spec in (False, True):
-      runs = {c: make_run(model, batch, c, new, top, spec) for c in cached}
-      med = time_rounds(runs, new, 0.2 if spec else 1.0, args.repeats)
+      n = SPEC_TOKENS * new if spec else new
+      runs = {c: make_run(model, batch, c, n, top, spec) for c in cached}
+      med = time_rounds(runs, n, 0.2 if spec else 1.0, args.repeats)
       rows = {str(c): dict(ms_per_step=ms) for c, ms in med.items()}
       name = f"cached/{'spec_k4' if spec else 'plain'}/batch{batch}"
       result["tables"][name] = dict(max_len=top, rows=rows)

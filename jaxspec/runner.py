@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import fused, host, limits
+from jaxspec.decoding import fused, host, limits, protocol
 from jaxspec.decoding.limits import MAX_POSITIONS  # noqa: F401 - public here too
-from jaxspec.decoding.adaptive import CostModel
+from jaxspec.decoding.adaptive import CostModel, isotonic
 from jaxspec.decoding.drafter import DraftContext, Drafter, resolve_coupled
 from jaxspec.decoding.functional import as_key, check_drafter_for, check_stop_ids
 from jaxspec.decoding.plain import DecodeState
@@ -120,7 +120,8 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
   padded_len = min(padded_len, max_len)
   if max_len > model.cfg.max_position_embeddings:
     pass  # rotary extrapolates; Hugging Face does not refuse either
-  check_cache_fits(model.cfg, len(rows), int(max_len))
+  check_cache_fits(model.cfg, len(rows), int(max_len), prompt_len=padded_len,
+                   verify_tokens=max(extra, 1), params=model.params)
   toks = np.zeros((len(rows), padded_len), np.int32)
   for i, p in enumerate(rows):
     toks[i, : len(p)] = p
@@ -138,12 +139,25 @@ def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...
   return check_stop_ids(stop_ids)
 
 
-def check_cache_fits(cfg: LlamaConfig, batch: int, max_len: int) -> None:
-  """Raises ValueError (before anything compiles) when a [batch, max_len] KV cache cannot be
-  held: past `MAX_POSITIONS` positions, or larger than the device's memory."""
-  need = 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim \
+def check_cache_fits(cfg: LlamaConfig, batch: int, max_len: int, *, prompt_len: int = 1,
+                     verify_tokens: int = 1, params=None) -> None:
+  """Raises ValueError (before anything compiles) when a run of `batch` rows with a [batch,
+  max_len] KV cache cannot be held: past `MAX_POSITIONS` positions, or its estimated working
+  set (`limits.WorkingSet`: the cache, the loop's buffers, and the larger of the prefill's
+  activations over `prompt_len` padded tokens and a step's logits over `verify_tokens`) larger
+  than the device's memory. `params` (stacked layers) adds the one layer a scan slices."""
+  limits.check_positions(max_len)
+  cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim \
       * cfg.act_dtype.itemsize
-  limits.check_cache(need, batch, max_len)
+  layer = 0
+  if params is not None and not isinstance(params.layers, tuple):
+    layer = sum(x.nbytes for x in jax.tree.leaves(params.layers)) // max(cfg.num_layers, 1)
+  ws = limits.working_set(
+      batch=batch, prompt_len=prompt_len, max_len=max_len, vocab=cfg.vocab_size,
+      cache_bytes=cache, state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len),
+      verify_tokens=verify_tokens, heads=cfg.num_heads, hidden=cfg.hidden_size,
+      ffw=cfg.intermediate_size, layer_bytes=layer)
+  limits.check_working_set(ws, batch, max_len, "generating")
 
 
 _CACHE_POOL: dict[Any, tuple[jax.Array, jax.Array]] = {}
@@ -484,40 +498,86 @@ def _devices(tree) -> set:
   return out
 
 
-# The most drafts one step may verify: a verify pass is one forward over k + 1 tokens with a
-# [k+1, k+1] mask, traced and compiled per k; past a few hundred no drafter gains anything.
 def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Policy, *,
                   steps: int = 4, warmup: int = 2, rounds: int = 3,
-                  batch_size: int | None = None) -> CostModel:
+                  batch_size: int | None = None, short_state=None) -> CostModel:
   """Times the compiled loop forced to each k in `policy.buckets`, from copies of `state`.
 
   The loop executable is the one that then generates, so this costs no compilation and times
   exactly what will run (drafting, verify, acceptance, bookkeeping). The k's are timed in
   `rounds` interleaved rounds (k = 0, 1, .. then again), so a slow spell of a shared machine
-  hits every k rather than one; each k keeps its fastest round. A round runs `warmup` untimed
+  hits every k rather than one; each k's cost is its median ratio to the plain step of the
+  same round, times the fastest plain step. A round runs `warmup` untimed
   steps from a fresh copy of the post-prefill state (the first steps on freshly copied buffers
   are slow), then `steps` timed ones; rows that finish early shorten the count.
+
+  With `short_state` (the same state with a short cache, `state_at_length`), every k is timed
+  at both lengths in the same rounds, and the cost model grows with the cache by the
+  difference (`CostModel.per_token`): where attention reads only the cached positions a long
+  prompt makes every verify dearer, and a wide verify more so than a decode step.
   """
   n = len(policy.buckets)
-  costs = jnp.ones((n,), jnp.float32)
-  best = [float("inf")] * n
-  for _ in range(rounds):
-    for i in range(n):
-      st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-      t0 = time.perf_counter()
-      st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs, jnp.int32(warmup),
-                                          jnp.int32(i)))
-      first = time.perf_counter() - t0
-      done0 = int(st.stats.target_passes)
-      t0 = time.perf_counter()
-      st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs,
-                                          jnp.int32(warmup + steps), jnp.int32(i)))
-      dt = time.perf_counter() - t0
-      ran = int(st.stats.target_passes) - done0
-      best[i] = min(best[i], dt / ran if ran > 0 else first / max(done0, 1))
-      del st
-  return CostModel.from_measurements(policy.buckets, best, batch_size=batch_size,
+  costs = jnp.asarray(costs_array(policy, None))
+  states = [state] if short_state is None else [state, short_state]
+  times = np.zeros((rounds, len(states), n))
+  for r in range(rounds):
+    for j, start in enumerate(states):
+      for i in range(n):
+        st = jax.block_until_ready(jax.tree.map(jnp.copy, start))
+        t0 = time.perf_counter()
+        st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs, jnp.int32(warmup),
+                                            jnp.int32(i)))
+        first = time.perf_counter() - t0
+        done0 = int(st.stats.target_passes)
+        t0 = time.perf_counter()
+        st = jax.block_until_ready(loop_exe(tparams, dparams, st, sp, costs,
+                                            jnp.int32(warmup + steps), jnp.int32(i)))
+        dt = time.perf_counter() - t0
+        ran = int(st.stats.target_passes) - done0
+        times[r, j, i] = dt / ran if ran > 0 else first / max(done0, 1)
+        del st
+  # Each k relative to the plain step timed just before it in the same round (a slow spell of
+  # a shared machine hits both), the median over rounds, times the fastest plain step: a
+  # single lucky or unlucky timing of one k cannot make drafting look free.
+  ratio = np.median(times / times[:, :, :1], axis=0)  # [lengths, n]
+  best = ratio * times[:, :, 0].min(axis=0)[:, None]
+  length = _longest(state)
+  if short_state is None:
+    return CostModel.from_measurements(policy.buckets, best[0], length=length,
+                                       batch_size=batch_size, source="measured")
+  # Timed at the short length as `seconds` and grown to the prompt's: a difference under
+  # NOISE_FRACTION of the step is timing noise (the same program timed twice), not growth.
+  short_len = _longest(short_state)
+  near, far = isotonic(best[1]), isotonic(best[0])
+  grown = [f if f - s_ > NOISE_FRACTION * s_ else s_ for s_, f in zip(near, far)]
+  return CostModel.from_measurements(policy.buckets, best[1], longer=grown, length=short_len,
+                                     longer_length=length, batch_size=batch_size,
                                      source="measured")
+
+
+# Two timings of one step that differ by less than this fraction are taken as equal.
+NOISE_FRACTION = 0.03
+
+# The shortest span of cache lengths the growth of the costs is timed over (shorter prompts
+# give a difference smaller than the timing noise).
+MIN_COST_SPAN = 256
+
+
+def _longest(state) -> int:
+  """The longest row's length (prompt + emitted) of a loop state: where the costs are weighed."""
+  st = getattr(state, "t", state)
+  return int(to_host(st.seq_len).max())  # gathered first on a multi-host mesh
+
+
+def state_at_length(state: SpecState, length: int) -> SpecState:
+  """A copy of a post-prefill state whose rows look `length` tokens long (for timing only): the
+  target cache and the sequence cut back to `length`, each row's room to generate unchanged.
+  The drafter's state is left as it is (its lengths only move its own reads and writes)."""
+  shift = jnp.maximum(state.seq_len - length, 0)
+  seq_len = state.seq_len - shift
+  return dataclasses.replace(
+      state, seq_len=seq_len, prompt_len=jnp.maximum(state.prompt_len - shift, 1),
+      cache=protocol.with_length(state.cache, jnp.maximum(state.cache.length - shift, 0)))
 
 
 _COSTS: dict[Any, CostModel] = {}
@@ -688,12 +748,22 @@ class SpecRun:
       t0 = time.perf_counter()
       try:
         self.cost = measure_costs(loop, self.tparams, self.dparams, state, sp, self.policy,
-                                  batch_size=self.prep.tokens.shape[0])
+                                  batch_size=self.prep.tokens.shape[0],
+                                  short_state=self.short_state(state))
       finally:
         _report(None)
       _COSTS[self.cost_key] = self.cost
       self.profile_seconds = time.perf_counter() - t0
     self.costs = costs_array(self.policy, self.cost)
+
+  def short_state(self, state: SpecState) -> SpecState | None:
+    """The state to time the costs at a short cache too, or None when the prompt is too short
+    for the difference to show (`measure_costs`). Unsharded runs only: the compiled loop of a
+    sharded one takes its state in the layout it was compiled for."""
+    short = self.policy.k_max + 2
+    if self.target.sharding is not None or _longest(state) - short < MIN_COST_SPAN:
+      return None
+    return state_at_length(state, short)
 
   def target_state(self, state: SpecState) -> SpecState:
     return state
@@ -711,8 +781,11 @@ class SpecRun:
     if self.drafter.tree is not None:
       out["tree"] = self.drafter.tree.describe()
       out["tree_nodes"] = self.drafter.tree.num_nodes - 1
-    if self.policy.auto:
+    if self.policy.auto:  # CostModel.from_ratios(these three) is the same model
       out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
+      out["cost_model_per_token"] = (None if self.cost.per_token is None else
+                                     dict(zip(map(str, self.cost.ks), self.cost.per_token)))
+      out["cost_model_length"] = self.cost.length
     if self.placement is not None:
       out.update(placement=self.placement.describe(),
                  failover=None if self.failover is None else dataclasses.asdict(self.failover))
@@ -899,6 +972,9 @@ class HostRun(SpecRun):
 
   def target_state(self, state: host.HostState):
     return state.t
+
+  def short_state(self, state: host.HostState) -> None:
+    return None  # two meshes: timed at the prompt's length only
 
   def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
     # A drafter that fails while the cost model is timed fails over as in the loop: the

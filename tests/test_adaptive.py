@@ -1,6 +1,7 @@
 """Adaptive speculation: the controller against the textbook optimum, exactness with "auto",
 the measured cost model, bad input."""
 
+import dataclasses
 import functools
 
 import jax
@@ -122,6 +123,78 @@ def test_margin_keeps_break_even_drafts_out():
   assert AutoK().margin == 0.05
   with pytest.raises(ValueError, match="AutoK.margin"):
     AutoK(margin=1.0)
+
+
+def test_controller_takes_smaller_k_as_the_cache_makes_verify_dear():
+  """A cost model whose verify grows with the cache (attention over the cached positions, a
+  (k+1)-token verify faster than a decode step): at a short cache the controller drafts deep,
+  at a long one shallower, and past the break-even it takes plain steps; the costs it weighs
+  are `CostModel.at` the longest live row's length."""
+  ks = (0, 1, 2, 4, 8)
+  # seconds at an empty cache; per cached position a decode step gains 1e-4 s, k drafts 3e-4 k.
+  cost = CostModel(ks=ks, seconds=(1.0, 1.05, 1.1, 1.2, 1.4),
+                   per_token=tuple(1e-4 + 3e-4 * k for k in ks), length=0)
+  arrays = jnp.asarray(cost.arrays(ks))
+  alpha, one = jnp.full((1, 8), 0.8), jnp.array([True])
+  chosen = {}
+  for length in (10, 500, 1500, 3000, 8000):
+    idx, rate = adaptive.choose(alpha, one, arrays, ks, length=jnp.array([length]))
+    chosen[length] = ks[int(idx)]
+    # The same choice from the costs at that length as a plain [nk] array.
+    idx1, rate1 = adaptive.choose(alpha, one, jnp.asarray(cost.at(ks, length)), ks)
+    assert int(idx1) == int(idx)
+    np.testing.assert_allclose(np.asarray(rate), np.asarray(rate1), rtol=1e-5)
+  assert chosen == {10: 8, 500: 4, 1500: 2, 3000: 1, 8000: 0}, chosen
+  # Only live rows' lengths count: a finished long row does not make the step dear.
+  two = jnp.array([True, False])
+  idx, _ = adaptive.choose(jnp.full((2, 8), 0.8), two, arrays, ks,
+                           length=jnp.array([10, 8000]))
+  assert ks[int(idx)] == 8
+  # Without per_token the costs do not move with the length.
+  flat = jnp.asarray(dataclasses.replace(cost, per_token=None).arrays(ks))
+  assert ks[int(adaptive.choose(alpha, one, flat, ks, length=jnp.array([8000]))[0])] == 8
+  with pytest.raises(ValueError, match="length="):
+    adaptive.choose(alpha, one, arrays, ks)
+
+
+def test_cost_model_growth_from_two_lengths_and_ratios():
+  ks = (0, 1, 2)
+  # Timed at 100 and 1100 positions: +0.1 s for a plain step, +0.3 s for k = 2; k = 1's
+  # longer timing is noise below k = 0's (pooled by the isotonic fit).
+  cm = CostModel.from_measurements(ks, [1.0, 1.2, 1.3], longer=[1.1, 1.05, 1.6], length=100,
+                                   longer_length=1100, source="measured")
+  assert cm.length == 100 and cm.seconds == (1.0, 1.2, 1.3)
+  np.testing.assert_allclose(cm.per_token, [0.0, 0.0, 3e-4], atol=1e-12)
+  np.testing.assert_allclose(cm.at(ks, 1100), [1.0, 1.2, 1.6], rtol=1e-6)
+  np.testing.assert_allclose(cm.at(ks), cm.seconds, rtol=1e-6)
+  base, slope = cm.arrays(ks)
+  np.testing.assert_allclose(base + slope * 600, cm.at(ks, 600), rtol=1e-6)
+  # A run's stats round-trip through from_ratios (string keys, as stats["cost_model"] has).
+  again = CostModel.from_ratios({str(k): v for k, v in zip(cm.ks, cm.seconds)},
+                                {str(k): v for k, v in zip(cm.ks, cm.per_token)}, cm.length)
+  np.testing.assert_allclose(again.at(ks, 900), cm.at(ks, 900), rtol=1e-6)
+  rel = CostModel.from_ratios({0: 1.0, 4: 1.9, 1: 1.3})
+  assert rel.ks == (0, 1, 4) and rel.seconds == (1.0, 1.3, 1.9) and rel.per_token is None
+  for bad in ({}, [1.0, 2.0], {"a": 1.0}):
+    with pytest.raises(ValueError, match="from_ratios"):
+      CostModel.from_ratios(bad)
+
+
+def test_auto_follows_a_cost_that_grows_with_the_cache(tiny_target):
+  """The fused loop weighs the costs at its rows' lengths: a repetitive prompt's n-gram drafts
+  are verified while verify is cheap at its length, and never once verify is dear there (a
+  slope of 1 s per cached position for k = 4), and the tokens are generate's either way."""
+  prompt = [PROMPTS[2]]
+  ref = generate(tiny_target, prompt, max_new_tokens=N_NEW, stop_ids=())
+  cheap = CostModel(ks=(0, 4), seconds=(1.0, 1.0))
+  dear = CostModel(ks=(0, 4), seconds=(1.0, 1.0), per_token=(0.0, 1.0), length=0)
+  outs = [speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=N_NEW,
+                               num_draft_tokens="auto", auto=AutoK(k_max=4, buckets=(0, 4)),
+                               cost=c, stop_ids=()) for c in (cheap, dear)]
+  for out in outs:
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert outs[0].stats["plain_steps"] < outs[0].stats["target_passes"]
+  assert outs[1].stats["plain_steps"] == outs[1].stats["target_passes"]
 
 
 def test_plain_steps_observe_a_free_first_draft():
@@ -308,3 +381,53 @@ def test_bad_auto_input(tiny_target):
     CostModel(ks=(0, 1), seconds=(1.0, -1.0))
   with pytest.raises(ValueError, match="p_min"):
     DraftModel(tiny_target, p_min=1.5)
+
+
+def test_auto_configs_refuse_bad_fields_naming_them():
+  """Every field of AutoK and CostModel checked in the constructor: a ValueError naming the
+  field, never a TypeError from a comparison deep inside."""
+  cases = [
+      (lambda: AutoK(prior=1), "AutoK.prior"), (lambda: AutoK(prior=("a", "b")), "AutoK.prior"),
+      (lambda: AutoK(prior=(1.0, float("inf"))), "AutoK.prior"),
+      (lambda: AutoK(prior=(1.0, 0.0)), "AutoK.prior"),
+      (lambda: AutoK(decay="x"), "AutoK.decay"), (lambda: AutoK(decay=None), "AutoK.decay"),
+      (lambda: AutoK(decay=float("nan")), "AutoK.decay"),
+      (lambda: AutoK(margin="0.1"), "AutoK.margin"), (lambda: AutoK(margin=True), "AutoK.margin"),
+      (lambda: AutoK(k_max="8"), "AutoK.k_max"), (lambda: AutoK(k_max=2.0), "AutoK.k_max"),
+      (lambda: AutoK(buckets=3), "AutoK.buckets"), (lambda: AutoK(buckets="01"), "AutoK.buckets"),
+      (lambda: AutoK(buckets=(0, None)), "AutoK.buckets"),
+      (lambda: CostModel(ks=("a", "b")), "CostModel.ks"),
+      (lambda: CostModel(ks=("a", "b"), seconds=(1.0, 2.0)), "CostModel.ks"),
+      (lambda: CostModel(ks=3, seconds=(1.0,)), "CostModel.ks"),
+      (lambda: CostModel(ks=(1, 0), seconds=(1.0, 2.0)), "CostModel.ks"),
+      (lambda: CostModel(ks=(0, 1)), "CostModel.seconds"),
+      (lambda: CostModel(ks=(0, 1), seconds=("a", 1.0)), "CostModel.seconds"),
+      (lambda: CostModel(ks=(0, 1), seconds=(1.0, float("nan"))), "CostModel.seconds"),
+      (lambda: CostModel(ks=(0,), seconds=(1.0,), batch_size="4"), "CostModel.batch_size"),
+      (lambda: CostModel(ks=(0,), seconds=(1.0,), source=3), "CostModel.source"),
+      (lambda: CostModel(ks=(0,), seconds=(1.0,), raw=("x",)), "CostModel.raw"),
+      (lambda: CostModel(ks=(0,), seconds=(1.0,), per_token=(-1.0,)), "CostModel.per_token"),
+      (lambda: CostModel(ks=(0,), seconds=(1.0,), length=-1), "CostModel.length"),
+  ]
+  for make, name in cases:
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+      make()
+
+
+def test_auto_times_the_costs_at_two_cache_lengths(tiny_target):
+  """A prompt longer than `runner.MIN_COST_SPAN`: every k is timed at the prompt's length and at
+  a short cache (`runner.state_at_length`), the cost model records its growth per position (>=
+  0) from the short length, and the run's tokens are still generate's."""
+  from jaxspec import runner
+  prompt = [[(7 * i) % 100 + 3 for i in range(runner.MIN_COST_SPAN + 20)]]
+  ref = generate(tiny_target, prompt, max_new_tokens=6, stop_ids=())
+  out = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
+                             num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=())
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  st = out.stats
+  assert st["cost_model_length"] == 2 + 2  # k_max + 2 positions
+  assert list(st["cost_model_per_token"]) == ["0", "1", "2"]
+  assert all(v >= 0 for v in st["cost_model_per_token"].values())
+  cm = CostModel.from_ratios(st["cost_model"], st["cost_model_per_token"],
+                             st["cost_model_length"])
+  np.testing.assert_allclose(cm.at((0, 1, 2)), list(st["cost_model"].values()), rtol=1e-6)

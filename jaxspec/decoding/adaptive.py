@@ -10,8 +10,10 @@ Three pieces, each a pure function over arrays so they run inside the jitted loo
   drafter whose proposals are free (made before k is chosen) is observed on plain steps too:
   the emitted token says whether its first draft would have been accepted (`update_counts`).
 * **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
-  every compiled width k (k = 0 is a plain one-token decode step): measured at start-up on the
-  actual batch, cache size and drafter (`measure`), or given (`CostModel`).
+  every compiled width k (k = 0 is a plain one-token decode step), and how they grow per cached
+  position: measured at start-up on the actual batch, cache size and drafter, at the prompt's
+  length and at a short cache (`jaxspec.runner.measure_costs`), or given (`CostModel`). The
+  controller weighs them at the longest live row's current length.
 * **The controller.** With E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a[b, i] the expected tokens a
   live row emits when k drafts are verified (at most as many as the drafter really proposed),
   choose the width k maximising sum_b E_b(k) / cost(k). For i.i.d. acceptance alpha this is the
@@ -45,6 +47,16 @@ from jaxspec.pytree import pytree_dataclass as _pytree
 _DEFAULT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+  """A real number (not a bool, not NaN): what a float field of the configs may hold."""
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) \
+      and not np.isnan(v)
+
+
 # The most drafts a step may verify (AutoK.k_max, a fixed num_draft_tokens): every bucket is a
 # compiled branch over k + 1 tokens; past a few hundred no drafter gains anything.
 MAX_K = 256
@@ -73,21 +85,22 @@ class AutoK:
   margin: float = 0.05
 
   def __post_init__(self):
-    if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, np.integer)) \
-        or not 1 <= self.k_max <= MAX_K:
+    if not _is_int(self.k_max) or not 1 <= self.k_max <= MAX_K:
       raise ValueError(f"AutoK.k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
     if self.buckets is not None:
-      b = tuple(self.buckets)
-      if not b or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or
-                      not 0 <= k <= self.k_max for k in b):
-        raise ValueError(f"AutoK.buckets must be draft counts in 0..k_max={self.k_max}, got"
-                         f" {self.buckets!r}")
-    if not 0.0 < self.decay <= 1.0:
-      raise ValueError(f"AutoK.decay must be in (0, 1], got {self.decay}")
-    if len(self.prior) != 2 or min(self.prior) <= 0:
-      raise ValueError(f"AutoK.prior must be two positive pseudo-counts, got {self.prior!r}")
-    if not 0.0 <= self.margin < 1.0:
-      raise ValueError(f"AutoK.margin must be in [0, 1), got {self.margin}")
+      b = tuple(self.buckets) if isinstance(self.buckets, (Sequence, np.ndarray)) else None
+      if not b or isinstance(self.buckets, str) or any(not _is_int(k) or not 0 <= k <= self.k_max
+                                                       for k in b):
+        raise ValueError(f"AutoK.buckets must be a sequence of draft counts in 0..k_max="
+                         f"{self.k_max}, got {self.buckets!r}")
+    if not _is_real(self.decay) or not 0.0 < self.decay <= 1.0:
+      raise ValueError(f"AutoK.decay must be a number in (0, 1], got {self.decay!r}")
+    if isinstance(self.prior, (str, bytes)) or not isinstance(self.prior, (Sequence, np.ndarray)) \
+        or len(self.prior) != 2 or not all(_is_real(v) and 0 < v < np.inf for v in self.prior):
+      raise ValueError(f"AutoK.prior must be two positive finite pseudo-counts (accepted,"
+                       f" rejected), e.g. (0.5, 0.5), got {self.prior!r}")
+    if not _is_real(self.margin) or not 0.0 <= self.margin < 1.0:
+      raise ValueError(f"AutoK.margin must be a number in [0, 1), got {self.margin!r}")
 
   def resolved_buckets(self) -> tuple[int, ...]:
     if self.buckets is not None:
@@ -99,28 +112,60 @@ class AutoK:
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-  """Seconds of one loop step per number of drafts k (k = 0: a plain decode step).
+  """Seconds of one loop step per number of drafts k (k = 0: a plain decode step), and how they
+  grow with the cache.
+
+  A step's cost at a cache of L positions is seconds(k) + per_token(k) * (L - length): where
+  attention reads only the cached positions, every verify grows dearer as the cache fills, and
+  a (k+1)-token verify grows faster than a decode step, so the controller weighs the costs at
+  the batch's current length (the longest live row), not the length they were timed at.
 
   Attributes:
     ks: draft counts, ascending.
-    seconds: the step time for each.
+    seconds: the step time for each, at a cache of `length` positions.
     batch_size: the batch it was measured at (informational).
     source: where the numbers come from ("measured", "given", ...).
+    raw: the measurements before smoothing, when measured (per k; then per k at the longer
+      cache, when timed at two lengths).
+    per_token: for each k, the seconds a step gains per cached position (>= 0); None: the
+      costs do not depend on the cache's length.
+    length: the cache length (positions) `seconds` hold at.
   """
 
   ks: tuple[int, ...]
-  seconds: tuple[float, ...]
+  seconds: tuple[float, ...] = ()
   batch_size: int | None = None
   source: str = "given"
-  raw: tuple[float, ...] | None = None  # measurements before smoothing, when measured
+  raw: tuple[float, ...] | None = None
+  per_token: tuple[float, ...] | None = None
+  length: int = 0
 
   def __post_init__(self):
-    if len(self.ks) != len(self.seconds) or not self.ks:
-      raise ValueError("CostModel needs one time per k")
-    if list(self.ks) != sorted(set(self.ks)) or self.ks[0] < 0:
-      raise ValueError(f"CostModel.ks must be ascending distinct counts >= 0, got {self.ks}")
-    if any(not np.isfinite(s) or s <= 0 for s in self.seconds):
-      raise ValueError(f"CostModel.seconds must be positive, got {self.seconds}")
+    if isinstance(self.ks, (str, bytes)) or not isinstance(self.ks, (Sequence, np.ndarray)) \
+        or not len(self.ks) or not all(_is_int(k) and k >= 0 for k in self.ks) \
+        or list(self.ks) != sorted(set(self.ks)):
+      raise ValueError(f"CostModel.ks must be ascending distinct draft counts >= 0 (0: a plain"
+                       f" step), e.g. (0, 1, 2, 4), got {self.ks!r}")
+    for name in ("seconds", "per_token", "raw"):
+      v = getattr(self, name)
+      if v is None and name != "seconds":
+        continue
+      if isinstance(v, (str, bytes)) or not isinstance(v, (Sequence, np.ndarray)) \
+          or (len(v) != len(self.ks) if name != "raw" else len(v) % len(self.ks)):
+        raise ValueError(f"CostModel.{name} must hold one time per k (ks={tuple(self.ks)}), got"
+                         f" {v!r}")
+      lo_ok = (lambda x: x > 0) if name != "per_token" else (lambda x: x >= 0)
+      if not all(_is_real(x) and x < np.inf and lo_ok(x) for x in v):
+        what = "positive" if name != "per_token" else "non-negative"
+        raise ValueError(f"CostModel.{name} must be finite {what} seconds, got {v!r}")
+    if self.batch_size is not None and (not _is_int(self.batch_size) or self.batch_size < 1):
+      raise ValueError(f"CostModel.batch_size must be None or a positive integer, got"
+                       f" {self.batch_size!r}")
+    if not isinstance(self.source, str):
+      raise ValueError(f"CostModel.source must be a string, got {self.source!r}")
+    if not _is_int(self.length) or self.length < 0:
+      raise ValueError(f"CostModel.length must be an integer >= 0 (cache positions), got"
+                       f" {self.length!r}")
 
   @classmethod
   def from_formula(cls, ks: Sequence[int], draft_cost: float, verify_cost) -> CostModel:
@@ -129,30 +174,96 @@ class CostModel:
                tuple(float(k * draft_cost + verify_cost(k)) for k in ks), source="formula")
 
   @classmethod
-  def from_measurements(cls, ks: Sequence[int], seconds: Sequence[float], **kw) -> CostModel:
+  def from_ratios(cls, ratios, per_token=None, length: int = 0) -> CostModel:
+    """A cost model from {k: step time} (seconds, or any unit: only ratios matter to the
+    controller), with string or integer keys, such as a run's `stats["cost_model"]`; with
+    `per_token` ({k: seconds per cached position}, as `stats["cost_model_per_token"]`) and
+    `length` (as `stats["cost_model_length"]`), its growth with the cache too."""
+    def items(d, what):
+      if not isinstance(d, dict) or not d:
+        raise ValueError(f"CostModel.from_ratios takes a non-empty dict {{k: {what}}}, such as"
+                         f" stats[\"cost_model\"], got {type(d).__name__}")
+      try:
+        return sorted((int(k), v) for k, v in d.items())
+      except (TypeError, ValueError):
+        raise ValueError(f"CostModel.from_ratios: keys must be draft counts (0, 1, \"2\", ...),"
+                         f" got {list(d)!r}") from None
+    pairs = items(ratios, "seconds")
+    slope = None
+    if per_token is not None:
+      sp = items(per_token, "seconds per cached position")
+      if [k for k, _ in sp] != [k for k, _ in pairs]:
+        raise ValueError("CostModel.from_ratios: per_token must have the same keys as ratios")
+      slope = tuple(v for _, v in sp)
+    return cls(tuple(k for k, _ in pairs), tuple(v for _, v in pairs), per_token=slope,
+               length=length, source="given")
+
+  @classmethod
+  def from_measurements(cls, ks: Sequence[int], seconds: Sequence[float], *,
+                        longer: Sequence[float] | None = None, length: int = 0,
+                        longer_length: int | None = None, **kw) -> CostModel:
     """A cost model from noisy timings: the non-decreasing fit in k (pool adjacent violators).
 
     A step that verifies more tokens never costs less; a timing that says otherwise is noise
     (on a shared 2-core VM single timings vary by +-25%), and pooling neighbours averages it.
+    With `longer` (the same steps timed at a cache of `longer_length` positions against
+    `length`), the per-position growth of each k, fitted the same way and never negative (a
+    longer cache never makes a step cheaper).
     """
-    return cls(tuple(int(k) for k in ks), tuple(isotonic(seconds)), raw=tuple(map(float, seconds)),
+    fit = isotonic(seconds)
+    slope = None
+    if longer is not None:
+      if longer_length is None or longer_length <= length:
+        raise ValueError("from_measurements: longer needs longer_length > length")
+      far = isotonic(longer)
+      slope = tuple(max(v, 0.0) for v in isotonic(
+          [(f - n) / (longer_length - length) for f, n in zip(far, fit)]))
+      raw = tuple(map(float, seconds)) + tuple(map(float, longer))
+    else:
+      raw = tuple(map(float, seconds))
+    return cls(tuple(int(k) for k in ks), tuple(fit), raw=raw, per_token=slope, length=int(length),
                **kw)
 
-  def at(self, ks: Sequence[int]) -> np.ndarray:
-    """Times for these k, linearly interpolated (and extrapolated) from the known ones."""
-    x, y = np.asarray(self.ks, np.float64), np.asarray(self.seconds, np.float64)
-    if len(x) == 1:
-      return np.full(len(ks), y[0], np.float32)
-    out = np.interp(ks, x, y)
-    hi = np.asarray(ks) > x[-1]  # extrapolate with the last slope
-    slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-    out = np.where(hi, y[-1] + slope * (np.asarray(ks) - x[-1]), out)
+  def at(self, ks: Sequence[int], length: int | None = None) -> np.ndarray:
+    """Times for these k, linearly interpolated (and extrapolated) from the known ones; at a
+    cache of `length` positions (default: the length they were timed at)."""
+    out = _interp(self.ks, self.seconds, ks)
+    if length is not None and self.per_token is not None:
+      out = out + np.maximum(_interp(self.ks, self.per_token, ks), 0.0) * (length - self.length)
     return np.maximum(out, 1e-9).astype(np.float32)
+
+  def arrays(self, ks: Sequence[int]) -> np.ndarray:
+    """[2, len(ks)] float32 (seconds at an empty cache, seconds per cached position): the form
+    the jitted controller takes (`costs_at`)."""
+    base = _interp(self.ks, self.seconds, ks)
+    slope = np.zeros_like(base)
+    if self.per_token is not None:
+      slope = np.maximum(_interp(self.ks, self.per_token, ks), 0.0)
+    return np.stack([base - slope * self.length, slope]).astype(np.float32)
 
   def relative(self) -> dict[int, float]:
     """Step time per k relative to a plain step (k = 0 when measured)."""
     base = self.at([0])[0]
     return {k: float(s / base) for k, s in zip(self.ks, self.seconds)}
+
+
+def _interp(xs, ys, ks) -> np.ndarray:
+  """ys at ks, linear in between, extrapolated with the last slope past the end."""
+  x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+  k = np.asarray(ks, np.float64)
+  if len(x) == 1:
+    return np.full(len(k), y[0])
+  out = np.interp(k, x, y)
+  slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+  return np.where(k > x[-1], y[-1] + slope * (k - x[-1]), out)
+
+
+def costs_at(costs: jax.Array, length: jax.Array) -> jax.Array:
+  """Each k's step cost [nk] at a cache of `length` positions, from `CostModel.arrays`'
+  [2, nk] (a [nk] array is a cost that does not depend on the length)."""
+  if costs.ndim == 1:
+    return costs
+  return jnp.maximum(costs[0] + costs[1] * jnp.asarray(length, jnp.float32), 1e-9)
 
 
 def isotonic(y: Sequence[float]) -> list[float]:
@@ -246,7 +357,7 @@ def expected_tokens(alpha: jax.Array, ks: Sequence[int], n_real: jax.Array | Non
 
 def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int],
            n_real: jax.Array | None = None, remaining: jax.Array | None = None,
-           margin: float = 0.0) -> tuple[jax.Array, jax.Array]:
+           margin: float = 0.0, length: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The controller: index into ks maximising the batch's expected progress per second.
 
   A batch is done when its slowest row is, so with `remaining` the progress of a step is how
@@ -260,11 +371,14 @@ def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int
   Args:
     alpha: [B, K] acceptance estimate per row and position.
     live: [B] bool rows still generating.
-    costs: [len(ks)] seconds per step for each k.
+    costs: [len(ks)] seconds per step for each k, or [2, len(ks)] (`CostModel.arrays`: at an
+      empty cache and per cached position), weighed at `length`.
     ks: the candidate draft counts.
     n_real: [B] drafts the drafter has for each row, when known before choosing.
     remaining: [B] tokens each row may still emit.
     margin: a k > 0 is chosen only when its rate beats k = 0's by this fraction (`AutoK`).
+    length: [B] each row's cache length; the costs are taken at the longest live row's (the
+      attention of a batched pass reads as far as its longest row).
   Returns:
     (index into ks, predicted progress per second for every k [len(ks)]).
   """
@@ -276,6 +390,10 @@ def choose(alpha: jax.Array, live: jax.Array, costs: jax.Array, ks: Sequence[int
     worst = jnp.max(r, axis=0)
     after = jnp.max(jnp.where(live[:, None], r - e, -jnp.inf), axis=0)
     progress = jnp.where(jnp.any(live), worst - after, 0.0)
+  if costs.ndim == 2:
+    if length is None:
+      raise ValueError("costs of shape [2, nk] grow with the cache: pass length=")
+    costs = costs_at(costs, jnp.max(jnp.where(live, length, 0)))
   rate = progress / costs
   handicap = jnp.where(jnp.asarray(ks) > 0, 1.0 + margin, 1.0)
   return jnp.argmax(rate / handicap).astype(jnp.int32), rate

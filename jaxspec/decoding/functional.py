@@ -204,10 +204,61 @@ def check_stop_ids(stop_ids) -> tuple[int, ...]:
   return tuple(out)
 
 
-def _check_cache(lm, params, b: int, max_len: int) -> None:
-  shapes = jax.eval_shape(lambda p: protocol.init_cache(lm, p, b, max_len), params)
-  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-  limits.check_cache(need, b, max_len)
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
+                state_bytes: int, drafter=None, dparams=None) -> limits.WorkingSet:
+  """The estimated allocations of one decoding call (`limits.WorkingSet`), from shapes only
+  (nothing is compiled or allocated): the target's cache (and the drafter's state, a draft
+  model's cache among it), the loop's buffers, the prefill's activations and a step's logits.
+
+  Args:
+    lm, params: the target (a `CausalLM`) and its weights (already resident: not counted).
+    b, p, max_len: rows, padded prompt width, cache positions.
+    verify_tokens: tokens of the widest pass a step runs (1 for plain decoding).
+    state_bytes: the loop's own buffers (sequence, outputs, log-probabilities).
+    drafter, dparams: the drafter, whose state from `init` is counted with the cache.
+  """
+  cache = _nbytes(jax.eval_shape(lambda q: protocol.init_cache(lm, q, b, max_len), params))
+  if drafter is not None and not drafter.uses_target_hidden:
+    prompt = jax.ShapeDtypeStruct((b, p), jnp.int32)
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    cache += _nbytes(jax.eval_shape(
+        lambda dp, t, n: drafter.init(dp, t, n, max_len, hidden=None), dparams, prompt, lens))
+  cfg = getattr(lm, "cfg", None)
+  dims = {}
+  if cfg is not None and hasattr(cfg, "num_heads"):
+    dims = dict(heads=cfg.num_heads, hidden=cfg.hidden_size, ffw=cfg.intermediate_size)
+    layers = getattr(params, "layers", None)
+    if layers is not None and not isinstance(layers, tuple):  # stacked: a scan slices a copy
+      dims["layer_bytes"] = _nbytes(layers) // max(cfg.num_layers, 1)
+  return limits.working_set(
+      batch=b, prompt_len=p, max_len=max_len, vocab=lm.vocab_size, cache_bytes=cache,
+      state_bytes=state_bytes, verify_tokens=verify_tokens,
+      prefill_logits_tokens=1 if protocol.is_block_lm(lm) else p, **dims)
+
+
+def spec_working_set(tgt: protocol.Target, drafter, dparams, policy, b: int, p: int,
+                     capacity: int, max_len: int) -> limits.WorkingSet:
+  """`working_set` of `speculative_decode`'s program: the sequence buffer (max_len + k_max + 1
+  positions), its log-probabilities and the outputs; steps verify k_max + 1 tokens (a tree:
+  its nodes)."""
+  width = drafter.tree.num_nodes if drafter.tree is not None else policy.k_max + 1
+  lp = 2 if policy.logprobs else 1  # int32 tokens, and float32 log-probabilities
+  state = 4 * lp * b * (max_len + policy.k_max + 1 + 2 * capacity)
+  return working_set(tgt.lm, tgt.params, b, p, max_len, verify_tokens=width, state_bytes=state,
+                     drafter=drafter, dparams=dparams)
+
+
+def decode_working_set(tgt: protocol.Target, b: int, p: int, capacity: int, max_len: int, *,
+                       logprobs: bool) -> limits.WorkingSet:
+  """`working_set` of `decode`'s program: its token and log-probability buffers [B, capacity]
+  (in the loop and as outputs); steps of one token."""
+  lp = 2 if logprobs else 1
+  return working_set(tgt.lm, tgt.params, b, p, max_len, verify_tokens=1,
+                     state_bytes=4 * lp * b * 3 * capacity)
 
 
 def check_drafter_for(vocab_size: int, drafter) -> None:
@@ -251,8 +302,10 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     capacity: static output width and cache budget (default max_new_tokens, which must then be
       an int).
     num_draft_tokens: k drafts per step, or "auto" (k chosen per step among `auto`'s buckets
-      from the acceptance model and `cost`, which "auto" requires here: measure one with
-      `jaxspec.speculative_generate(...).stats["cost_model"]` or give `CostModel.from_ratios`).
+      from the acceptance model and `cost`, which "auto" requires here: a `CostModel`, e.g.
+      `CostModel.from_ratios(stats["cost_model"], stats["cost_model_per_token"],
+      stats["cost_model_length"])` from a `jaxspec.speculative_generate(...)` run's `stats`, or
+      `CostModel.from_ratios({0: 1.0, 1: 1.3, 2: 1.5, 4: 1.9})` of relative step times).
     sampling: `Sampling` (one value or one per row), `SamplingArrays` ([B] each), or None
       (greedy).
     stop_ids: tokens that end a row (included in its output); default none.
@@ -274,10 +327,13 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                                logprobs=bool(logprobs))
   if policy.auto and cost is None:
     raise ValueError("num_draft_tokens=\"auto\" inside a trace needs cost=CostModel(...) (the step"
-                     " costs it weighs; the host wrapper measures one: speculative_generate(...)"
-                     ".stats['cost_model']), or pass an integer num_draft_tokens")
+                     " costs it weighs; the host wrapper measures one:"
+                     " CostModel.from_ratios(speculative_generate(...).stats['cost_model'])), or"
+                     " pass an integer num_draft_tokens")
   if cost is not None and not isinstance(cost, CostModel):
-    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
+    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}"
+                     + (": wrap a dict of step times (such as stats['cost_model']) as"
+                        " CostModel.from_ratios(d)" if isinstance(cost, dict) else ""))
   drafter = resolve_coupled(drafter, policy.auto)
   sp = sampling_lib.sampling_arrays(sampling, b)
   stops = check_stop_ids(stop_ids)
@@ -288,13 +344,15 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
       or max_len < p + capacity + policy.k_max + 1:
     raise ValueError(f"max_len must be an int >= P + capacity + k_max + 1 ="
                      f" {p + capacity + policy.k_max + 1}, got {max_len!r}")
-  _check_cache(tgt.lm, tgt.params, b, int(max_len))
-  costs = costs_array(policy, cost) if policy.auto else jnp.zeros((len(policy.buckets),))
   if drafter_params is None:
     dparams = drafter.params
   else:
     _check_drafter_params(drafter, drafter_params)
     dparams = drafter_params
+  limits.check_positions(int(max_len))
+  ws = spec_working_set(tgt, drafter, dparams, policy, b, p, capacity, int(max_len))
+  limits.check_working_set(ws, b, int(max_len), "speculative decoding of")
+  costs = costs_array(policy, cost if policy.auto else None)
   return _speculative_jit(tgt, dparams, jnp.asarray(prompt_ids, jnp.int32),
                           jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
                           costs, drafter=drafter, policy=policy, capacity=capacity,
@@ -336,7 +394,9 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
       or max_len < p + capacity:
     raise ValueError(f"max_len must be an int >= P + capacity = {p + capacity}, got"
                      f" {max_len!r}")
-  _check_cache(tgt.lm, tgt.params, b, int(max_len))
+  limits.check_positions(int(max_len))
+  ws = decode_working_set(tgt, b, p, capacity, int(max_len), logprobs=bool(logprobs))
+  limits.check_working_set(ws, b, int(max_len), "decoding")
   return _decode_jit(tgt, jnp.asarray(prompt_ids, jnp.int32),
                      jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
                      capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=pad,

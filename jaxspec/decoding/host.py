@@ -114,7 +114,7 @@ def host_choose(s, costs, *, policy, max_new_tokens):
     return jnp.int32(len(policy.buckets) - 1)
   alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
   idx, _ = adaptive.choose(alpha, ~s.done, costs, policy.buckets, None,
-                           room(s, max_new_tokens), policy.margin)
+                           room(s, max_new_tokens), policy.margin, length=s.seq_len)
   return idx.astype(jnp.int32)
 
 

@@ -108,9 +108,12 @@ def check_num_draft_tokens(k) -> int:
 
 
 def costs_array(policy: Policy, cost: CostModel | None) -> jax.Array:
+  """[2, len(buckets)]: each bucket's step seconds at an empty cache and per cached position
+  (`CostModel.arrays`); the controller weighs them at the batch's current length."""
   if cost is None:
-    return jnp.ones((len(policy.buckets),), jnp.float32)
-  return jnp.asarray(cost.at(policy.buckets))
+    return jnp.stack([jnp.ones((len(policy.buckets),), jnp.float32),
+                      jnp.zeros((len(policy.buckets),), jnp.float32)])
+  return jnp.asarray(cost.arrays(policy.buckets))
 
 
 @_pytree
@@ -429,7 +432,7 @@ def choose_k(dparams, s: SpecState, sp, costs, force_idx, *, drafter, policy,
   if policy.auto:
     alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
     idx, _ = adaptive.choose(alpha, live, costs, policy.buckets, known,
-                             room(s, max_new_tokens), policy.margin)
+                             room(s, max_new_tokens), policy.margin, length=s.seq_len)
   else:
     idx = jnp.where(jnp.any(live & (nv_all > 0)), len(policy.buckets) - 1, 0).astype(jnp.int32)
   idx = jnp.where(force_idx >= 0, force_idx, idx)
