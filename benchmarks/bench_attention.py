@@ -90,15 +90,17 @@ def main():
   ap.add_argument("--batches", default="1,4")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--new", type=int, default=64)
+  ap.add_argument("--tables", default="max_len,cached,ragged")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention.json"))
   args = ap.parse_args()
   model = random_model(tiny_config(**CFG))
   new = args.new
   result = dict(machine=machine(), config=CFG, new_tokens=new, repeats=args.repeats, tables={})
 
+  tables = args.tables.split(",")
   # 1. The allocated size alone changes: 16-token prompts, 64 new tokens (speculative: 256,
   # so that as many steps as plain decoding's stand out of the timing noise).
-  for batch in [int(b) for b in args.batches.split(",")]:
+  for batch in [int(b) for b in args.batches.split(",")] if "max_len" in tables else []:
     for spec in (False, True):
       runs = {}
       n = SPEC_TOKENS * new if spec else new
@@ -115,7 +117,7 @@ def main():
   # 2. The cached length changes, max_len fixed at the largest.
   cached = [int(x) for x in args.cached.split(",")]
   top = max(cached) + SPEC_TOKENS * new + 8
-  for batch in [int(b) for b in args.batches.split(",")]:
+  for batch in [int(b) for b in args.batches.split(",")] if "cached" in tables else []:
     for spec in (False, True):
       n = SPEC_TOKENS * new if spec else new
       runs = {c: make_run(model, batch, c, n, top, spec) for c in cached}
@@ -127,13 +129,15 @@ def main():
 
   # 3. Ragged rows: 100 and 8,000 tokens against two rows of 8,000 and two of 100.
   ml = 8000 + new + 8 + 24000
-  runs = {"100+8000": make_run(model, 2, 0, new, ml, False, lengths=[100, 8000]),
-          "8000+8000": make_run(model, 2, 0, new, ml, False, lengths=[8000, 8000]),
-          "100+100": make_run(model, 2, 0, new, ml, False, lengths=[100, 100])}
-  med = time_rounds(runs, new, 1.0, args.repeats)
-  rows = {k: dict(ms_per_step=ms) for k, ms in med.items()}
-  result["tables"]["ragged/plain/batch2"] = dict(max_len=ml, rows=rows)
-  print("ragged", f"max_len {ml}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
+  runs = {} if "ragged" not in tables else {
+      "100+8000": make_run(model, 2, 0, new, ml, False, lengths=[100, 8000]),
+      "8000+8000": make_run(model, 2, 0, new, ml, False, lengths=[8000, 8000]),
+      "100+100": make_run(model, 2, 0, new, ml, False, lengths=[100, 100])}
+  if runs:
+    med = time_rounds(runs, new, 1.0, args.repeats)
+    rows = {k: dict(ms_per_step=ms) for k, ms in med.items()}
+    result["tables"]["ragged/plain/batch2"] = dict(max_len=ml, rows=rows)
+    print("ragged", f"max_len {ml}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
   write_json(Path(args.out), result)
 
 
