@@ -24,7 +24,7 @@ from jaxspec.decoding import fused, host, limits, protocol
 from jaxspec.decoding.limits import MAX_POSITIONS  # noqa: F401 - public here too
 from jaxspec.decoding.adaptive import CostModel, isotonic
 from jaxspec.decoding.drafter import DraftContext, Drafter, resolve_coupled
-from jaxspec.decoding.functional import as_key, check_drafter_for, check_stop_ids
+from jaxspec.decoding.functional import as_key, check_drafter_for, check_stop_ids, working_set
 from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.step import Policy, SpecState, SpecStats, costs_array, resolve_policy
 from jaxspec.drafters import resolve_drafter
@@ -120,8 +120,8 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
   padded_len = min(padded_len, max_len)
   if max_len > model.cfg.max_position_embeddings:
     pass  # rotary extrapolates; Hugging Face does not refuse either
-  check_cache_fits(model.cfg, len(rows), int(max_len), prompt_len=padded_len,
-                   verify_tokens=max(extra, 1), params=model.params)
+  check_cache_fits(model, len(rows), int(max_len), prompt_len=padded_len,
+                   verify_tokens=max(extra, 1))
   toks = np.zeros((len(rows), padded_len), np.int32)
   for i, p in enumerate(rows):
     toks[i, : len(p)] = p
@@ -139,24 +139,17 @@ def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...
   return check_stop_ids(stop_ids)
 
 
-def check_cache_fits(cfg: LlamaConfig, batch: int, max_len: int, *, prompt_len: int = 1,
-                     verify_tokens: int = 1, params=None) -> None:
+def check_cache_fits(model: Model, batch: int, max_len: int, *, prompt_len: int = 1,
+                     verify_tokens: int = 1) -> None:
   """Raises ValueError (before anything compiles) when a run of `batch` rows with a [batch,
   max_len] KV cache cannot be held: past `MAX_POSITIONS` positions, or its estimated working
-  set (`limits.WorkingSet`: the cache, the loop's buffers, and the larger of the prefill's
-  activations over `prompt_len` padded tokens and a step's logits over `verify_tokens`) larger
-  than the device's memory. `params` (stacked layers) adds the one layer a scan slices."""
+  set (`decoding.functional.working_set`: the cache, the loop's buffers, and the larger of the
+  prefill's activations over `prompt_len` padded tokens and a step's logits over
+  `verify_tokens`) larger than the device's memory."""
   limits.check_positions(max_len)
-  cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim \
-      * cfg.act_dtype.itemsize
-  layer = 0
-  if params is not None and not isinstance(params.layers, tuple):
-    layer = sum(x.nbytes for x in jax.tree.leaves(params.layers)) // max(cfg.num_layers, 1)
-  ws = limits.working_set(
-      batch=batch, prompt_len=prompt_len, max_len=max_len, vocab=cfg.vocab_size,
-      cache_bytes=cache, state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len),
-      verify_tokens=verify_tokens, heads=cfg.num_heads, hidden=cfg.hidden_size,
-      ffw=cfg.intermediate_size, layer_bytes=layer)
+  ws = working_set(LlamaLM(model.cfg), model.params, batch, prompt_len, max_len,
+                   verify_tokens=verify_tokens,
+                   state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len))
   limits.check_working_set(ws, batch, max_len, "generating")
 
 
