@@ -6,8 +6,8 @@ One `speculative_generate` call with `NGram()`, k = 4, 8 new tokens, on `tiny_co
 weights, after a warm-up call and `jax.clear_caches()` (so the call traces its programs afresh
 and the count includes every traced function, not only the host side). Every Python function
 whose code lives in the `jaxspec` package and is entered during the call (`sys.setprofile`
-"call" events) is counted once; the script prints the distinct functions and the files they
-live in.
+"call" events) is counted once, lambdas and comprehensions left out (they are expressions, not
+places a reader goes); the script prints the distinct functions and the files they live in.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 
 import jax
@@ -26,6 +27,7 @@ from jaxspec.models.llama import init_params
 from jaxspec.models.model import Model
 
 PACKAGE = os.path.dirname(os.path.abspath(jaxspec.__file__)) + os.sep
+EXPRESSION = re.compile(r"<(lambda|genexpr|listcomp|setcomp|dictcomp)>$")
 
 
 def trace_call(fn) -> dict[str, set[str]]:
@@ -36,7 +38,7 @@ def trace_call(fn) -> dict[str, set[str]]:
     if event != "call":
       return
     path = frame.f_code.co_filename
-    if path.startswith(PACKAGE):
+    if path.startswith(PACKAGE) and not EXPRESSION.search(frame.f_code.co_qualname):
       seen[path[len(PACKAGE):]].add(frame.f_code.co_qualname)
 
   sys.setprofile(profile)
