@@ -1,0 +1,55 @@
+"""`jaxspec.checks`: the one integer check (what counts as an integer, and the error's words)."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+from jaxspec.checks import check_int, int_range, is_int, parse_int
+
+
+def test_is_int_takes_ints_and_numpy_ints_but_never_bools():
+  assert [is_int(v) for v in (0, -3, np.int32(2), np.int64(7))] == [True] * 4
+  assert [is_int(v) for v in (True, np.bool_(True), 1.0, "1", None, np.float32(1))] == [False] * 6
+  assert not is_int(np.int64(7), numpy=False) and is_int(7, numpy=False)
+
+
+@pytest.mark.parametrize("lo, hi, words", [(1, 8, "an integer in [1, 8]"), (0, None, "an integer >= 0"),
+                                           (None, 5, "an integer <= 5"), (None, None, "an integer")])
+def test_int_range_words(lo, hi, words):
+  assert int_range(lo, hi) == words
+
+
+def test_check_int_accepts_the_bounds_and_names_the_range_why_and_value():
+  check_int("k", 1, 1, 8)
+  check_int("k", np.int64(8), 1, 8)
+  check_int("seed", -5)
+  with pytest.raises(ValueError) as e:
+    check_int("batch_size", 0, 1)
+  assert str(e.value) == "batch_size must be an integer >= 1, got 0"
+  with pytest.raises(ValueError) as e:
+    check_int("top_k", 2**31, 0, 2**31 - 1, why="0 disables it")
+  assert str(e.value) == "top_k must be an integer in [0, 2147483647] (0 disables it), got 2147483648"
+  with pytest.raises(ValueError, match=r"^flag must be an integer, got True$"):
+    check_int("flag", True)
+  with pytest.raises(ValueError, match=r"^n must be an integer <= 3, got 2.0$"):
+    check_int("n", 2.0, hi=3)
+
+
+def test_check_int_python_only_and_the_callers_error_class():
+  class DataError(ValueError):
+    pass
+
+  with pytest.raises(DataError, match=r"^DataConfig.batch_size must be an integer >= 1, got"
+                                      r" np.int64\(4\)$"):
+    check_int("DataConfig.batch_size", np.int64(4), 1, numpy=False, error=DataError)
+
+
+def test_parse_int_reads_text_and_says_what_it_expected():
+  assert parse_int(" 12 ", 1, 2**24) == 12
+  with pytest.raises(argparse.ArgumentTypeError) as e:
+    parse_int("x", 1, 2**24, error=argparse.ArgumentTypeError)
+  assert str(e.value) == "expected an integer in [1, 16777216], got 'x'"
+  with pytest.raises(ValueError) as e:
+    parse_int("0", 1)
+  assert str(e.value) == "expected an integer >= 1, got 0"
