@@ -9,7 +9,7 @@ The error names the argument, the allowed range and the value it got, plus `why`
 number means or how to choose it) where the range alone does not say how to fix it:
 
   ValueError: batch_size must be an integer >= 1, got 0
-  ValueError: top_k must be an integer in [0, 2147483647] (0 disables it), got -1
+  ValueError: top_k must be an integer in [0, 2**31) (0 disables it), got -1
 """
 
 from __future__ import annotations
@@ -24,14 +24,24 @@ def is_int(value: Any, *, numpy: bool = True) -> bool:
   return isinstance(value, (int, np.integer) if numpy else int) and not isinstance(value, bool)
 
 
+def _power_of_two(n: int) -> int | None:
+  """e with n == 2**e, for the large powers (e >= 16) that read better as powers; else None."""
+  e = n.bit_length() - 1
+  return e if n > 0 and e >= 16 and n == 1 << e else None
+
+
 def int_range(lo: int | None = None, hi: int | None = None) -> str:
-  """The words for an integer in [lo, hi] (either bound may be None: unbounded)."""
+  """The words for an integer in [lo, hi] (either bound may be None: unbounded). A bound next
+  to a large power of two is written as one: [0, 2**31) rather than [0, 2147483647]."""
+  low = None if lo is None else (f"-2**{_power_of_two(-lo)}" if lo < 0 and _power_of_two(-lo)
+                                 else str(lo))
+  top = hi is not None and _power_of_two(hi + 1)
   if lo is not None and hi is not None:
-    return f"an integer in [{lo}, {hi}]"
+    return f"an integer in [{low}, 2**{top})" if top else f"an integer in [{low}, {hi}]"
   if lo is not None:
-    return f"an integer >= {lo}"
+    return f"an integer >= {low}"
   if hi is not None:
-    return f"an integer <= {hi}"
+    return f"an integer < 2**{top}" if top else f"an integer <= {hi}"
   return "an integer"
 
 

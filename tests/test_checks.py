@@ -14,8 +14,11 @@ def test_is_int_takes_ints_and_numpy_ints_but_never_bools():
   assert not is_int(np.int64(7), numpy=False) and is_int(7, numpy=False)
 
 
-@pytest.mark.parametrize("lo, hi, words", [(1, 8, "an integer in [1, 8]"), (0, None, "an integer >= 0"),
-                                           (None, 5, "an integer <= 5"), (None, None, "an integer")])
+@pytest.mark.parametrize("lo, hi, words", [
+    (1, 8, "an integer in [1, 8]"), (0, None, "an integer >= 0"), (None, 5, "an integer <= 5"),
+    (None, None, "an integer"), (0, 2**31 - 1, "an integer in [0, 2**31)"),
+    (-2**31, 2**31 - 1, "an integer in [-2**31, 2**31)"), (None, 2**16 - 1, "an integer < 2**16"),
+    (1, 2**24, "an integer in [1, 16777216]"), (-8, 2**15 - 1, "an integer in [-8, 32767]")])
 def test_int_range_words(lo, hi, words):
   assert int_range(lo, hi) == words
 
@@ -29,7 +32,7 @@ def test_check_int_accepts_the_bounds_and_names_the_range_why_and_value():
   assert str(e.value) == "batch_size must be an integer >= 1, got 0"
   with pytest.raises(ValueError) as e:
     check_int("top_k", 2**31, 0, 2**31 - 1, why="0 disables it")
-  assert str(e.value) == "top_k must be an integer in [0, 2147483647] (0 disables it), got 2147483648"
+  assert str(e.value) == "top_k must be an integer in [0, 2**31) (0 disables it), got 2147483648"
   with pytest.raises(ValueError, match=r"^flag must be an integer, got True$"):
     check_int("flag", True)
   with pytest.raises(ValueError, match=r"^n must be an integer <= 3, got 2.0$"):
