@@ -18,7 +18,7 @@ from jaxspec.models.llama import forward, init_cache
 from jaxspec.models.loading import with_compute_dtype
 from jaxspec.models.model import Model
 from jaxspec.models.quant import quantize
-from jaxspec.self_draft import self_drafter
+from jaxspec.drafters import self_drafter
 
 T = 5  # a verify block of k = 4 drafts
 

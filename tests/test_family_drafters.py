@@ -20,7 +20,7 @@ from jaxspec.api import generate, speculative_generate
 from jaxspec.models import RopeScaling, forward, init_cache, init_params, tiny_config
 from jaxspec.models.hf_loader import check_savable
 from jaxspec.models.model import Model
-from jaxspec.self_draft import self_drafter
+from jaxspec.drafters import self_drafter
 from jaxspec.train.distill import draft_from_target
 import test_tree
 from test_tree import PATHS

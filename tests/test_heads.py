@@ -261,7 +261,7 @@ def test_eagle_deferred_commits_equal_eager_ones(tiny_target, reference, trained
   step drafts: the same tokens and acceptances, greedily and under sampling (where acceptance
   reads q, so the drafts' distributions must agree too)."""
   from test_adaptive import forced_run
-  from jaxspec.heads.drafters import EagleDrafter
+  from jaxspec.heads.drafting import EagleDrafter
 
   @dataclasses.dataclass(frozen=True)
   class EagerEagle(EagleDrafter):

@@ -13,7 +13,7 @@ from jaxspec.api import generate
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.models.quant import QArray, dequantize, is_quantized, param_bytes, quantize
-from jaxspec.self_draft import self_drafter
+from jaxspec.drafters import self_drafter
 from jaxspec.sampling import Sampling
 from jaxspec.api import speculative_generate
 

@@ -56,7 +56,7 @@ def _draft_model(target, s):
   if s.draft_model:
     from jaxspec.drafters import resolve_drafter
     return resolve_drafter(target, s.draft_model), f"draft model {s.draft_model}"
-  from jaxspec.self_draft import self_drafter
+  from jaxspec.drafters import self_drafter
   return self_drafter(target, "int8"), ("the target in int8 (self-speculation; no"
                                         " --draft-model given)")
 

@@ -35,8 +35,9 @@ EAGLE-3 papers, vLLM and `speculators` count Hugging Face `hidden_states` indice
 index i is the *input* of layer i: jaxspec index i is their i + 1 (see `jaxspec.train.export`).
 
 Modules: `common` (what all kinds share), `medusa`, `mlp`, `eagle` (a kind each), `training`
-(the losses and the offline acceptance estimate), `registry` (`HEADS`, `HeadSpec`) and `io`
-(saving, loading and the bundled heads). Import from `jaxspec.heads`, which holds them all.
+(the losses and the offline acceptance estimate), `drafting` (each kind's `Drafter`, also
+exported by `jaxspec.drafters`), `registry` (`HEADS`, `HeadSpec`) and `io` (saving, loading and
+the bundled heads). Import from `jaxspec.heads`, which holds them all.
 """
 
 from jaxspec.heads.common import F32, Buffer, make_config, normal_init, shift, target_dims

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxspec.heads.drafters import make_drafter
+from jaxspec.heads.drafting import make_drafter
 from jaxspec.heads.eagle import (EagleConfig, EagleHead, create_eagle, eagle_predict,
                                  eagle_required_layers)
 from jaxspec.heads.medusa import MedusaConfig, MedusaHeads, create_medusa, medusa_predict

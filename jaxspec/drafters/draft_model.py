@@ -1,36 +1,23 @@
-"""The drafters jaxspec ships: prompt lookup (`NGram`), a separate draft model (`DraftModel`)
-and the `Oracle` used by benchmarks; `resolve_drafter` turns a name or path into one. The
-drafter protocol they implement is `jaxspec.decoding.drafter`."""
+"""A separate draft model drafting for the target: `DraftModel`, with its own KV cache."""
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.models.config import LlamaConfig
 from jaxspec.decoding import protocol
+from jaxspec.decoding.drafter import Drafter, Proposal, position_draft_keys
 from jaxspec.decoding.protocol import Target
+from jaxspec.drafters.ngram import last_tokens
+from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import KVCache, LlamaLM, Params
-from jaxspec.decoding.drafter import (DraftContext, Drafter, NoState, Proposal,  # noqa: F401
-                                      position_draft_keys)
 from jaxspec.models.model import Model
 from jaxspec.pytree import pytree_dataclass as _pytree
-
-
-def _last_tokens(ctx: DraftContext, n: int) -> jax.Array:
-  """The last n tokens of every row [B, n] (clipped at the start of the sequence)."""
-  idx = ctx.seq_len[:, None] - n + jnp.arange(n)[None, :]
-  return jnp.take_along_axis(ctx.seq, jnp.maximum(idx, 0), axis=1)
-
-
-# ----------------------------------------------------------------------------------------------
-# A separate draft model.
 
 
 @_pytree
@@ -126,7 +113,7 @@ class DraftModel(Drafter):
     drafting ends as soon as no row is still confident (llama.cpp's --draft-p-min)."""
     lm = self.lm
     b = ctx.seq.shape[0]
-    two = _last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
+    two = last_tokens(ctx, 2)  # [B, 2]: the token before last, and last
     # A row holding a single token has no "token before last": it feeds [last, last], reads the
     # logits of the first and keeps only that one entry.
     single = ctx.seq_len < 2
@@ -244,208 +231,3 @@ class DraftModel(Drafter):
     over the cache, not written."""
     toks = self._tokens_from_length(cache, seq, width)
     return protocol.forward(self.lm, params, toks, cache, logits=False, write=False)[2]
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompt lookup (n-gram) drafting.
-
-
-
-
-# The longest n-gram NGram looks up: the lookup is unrolled over the lengths (quadratic in it).
-MAX_NGRAM = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class NGram(Drafter):
-  """Prompt-lookup decoding: copy what followed the most recent earlier occurrence of the
-  sequence's last n tokens (n from `max_ngram` down to `min_ngram`), searching the prompt and
-  everything generated so far. Deterministic (one-hot q); costs no model pass.
-
-  A row with no match proposes nothing (n_valid = 0); a match with fewer than k known tokens
-  after it proposes those (the rest are filler the loop may still verify).
-  """
-
-  max_ngram: int = 3
-  min_ngram: int = 1
-  name: str = "ngram"
-  free_proposals = True  # a lookup, not a model pass
-
-  def __post_init__(self):
-    for name in ("min_ngram", "max_ngram"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"NGram.{name} must be an integer, got {v!r}")
-    if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:
-      raise ValueError(f"need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got min_ngram="
-                       f"{self.min_ngram}, max_ngram={self.max_ngram} (the lookup is traced"
-                       " once per n-gram length)")
-
-  def init(self, params, prompt, prompt_len, max_len, hidden=None):
-    return NoState()
-
-  def commit(self, params, state, ctx):
-    return state
-
-  def propose(self, params, state, ctx, k, sp, keys):
-    seq, n = ctx.seq, ctx.seq_len
-    b, s = seq.shape
-    pos = jnp.arange(s)[None, :]  # candidate match starts j
-    found = jnp.zeros((b,), bool)
-    start = jnp.zeros((b,), jnp.int32)  # index of the first token after the match
-    for g in range(self.max_ngram, self.min_ngram - 1, -1):
-      suffix = _last_tokens(ctx, g)  # [B, g]
-      match = jnp.ones((b, s), bool)
-      for i in range(g):
-        shifted = jnp.roll(seq, -i, axis=1)  # shifted[:, j] = seq[:, j + i]
-        match = match & (shifted == suffix[:, i:i + 1])
-      # The match must end before the suffix itself: j + g <= seq_len - 1, and the row must be
-      # long enough to hold the suffix and something before it.
-      match = match & (pos + g <= n[:, None] - 1) & (n[:, None] > g)
-      has = match.any(axis=1)
-      last_j = (s - 1) - jnp.argmax(match[:, ::-1], axis=1)  # most recent match start
-      take = has & ~found
-      start = jnp.where(take, last_j + g, start)
-      found = found | has
-    idx = start[:, None] + jnp.arange(k)[None, :]
-    # Tokens past the end of the known sequence are unknown: repeat the last known one.
-    idx = jnp.minimum(idx, n[:, None] - 1)
-    drafts = jnp.take_along_axis(seq, idx, axis=1)
-    n_valid = jnp.where(found, jnp.clip(n - start, 0, k), 0).astype(jnp.int32)
-    return Proposal(tokens=drafts.astype(jnp.int32), n_valid=n_valid), state
-
-
-# ----------------------------------------------------------------------------------------------
-# An oracle drafter for measuring the loop itself.
-
-
-@_pytree
-@dataclasses.dataclass
-class OracleParams:
-  reference: jax.Array  # [B, R] int32 row b's reference tokens after its prompt
-  alpha: jax.Array  # [] float32 probability that a draft is kept
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Oracle(Drafter):
-  """Proposes a known reference continuation, each draft kept with probability `alpha` and
-  otherwise replaced by another token of the vocabulary; costs no model pass.
-
-  For benchmarks of the speculative machinery: with the target's own greedy continuation as the
-  reference ([B, R] token ids, row b's tokens after its prompt), greedy decoding accepts draft
-  i exactly when drafts 1..i were all kept, so the acceptance at every position is `alpha` and
-  the mean tokens per verify pass is tau = (1 - alpha^(k+1)) / (1 - alpha), while drafting
-  costs nothing. Any other target or sampling setting still gets exact output (a deterministic
-  drafter: one-hot q); only the acceptance changes.
-
-  Whether a draft is kept is drawn from the step's draft key (a function of the row's key and
-  its length), so a run is reproducible. Past the reference's end a row proposes nothing.
-  The reference and alpha are parameters (arrays), so new values reuse the compiled loop.
-  """
-
-  reference: Any  # [B, R] int array
-  alpha: float = 1.0
-  vocab: int = 0  # the target's vocabulary size (corrupted drafts stay inside it)
-  name: str = "oracle"
-  free_proposals = True  # a lookup, not a model pass
-
-  def __post_init__(self):
-    if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
-        0.0 <= self.alpha <= 1.0):
-      raise ValueError(f"alpha must be in [0, 1] (the probability a draft is kept), got"
-                       f" {self.alpha!r}")
-    if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 2:
-      raise ValueError(f"vocab must be the target's vocabulary size (an integer >= 2), got"
-                       f" {self.vocab!r}")
-    shape = getattr(self.reference, "shape", None)
-    if shape is None or len(shape) != 2 or shape[1] < 1:
-      raise ValueError(f"reference must be a [B, R] array of token ids (R >= 1), got shape"
-                       f" {shape}")
-
-  def _key(self):
-    return (type(self), self.vocab, tuple(self.reference.shape))
-
-  def __hash__(self):
-    return hash(self._key())
-
-  def __eq__(self, other):
-    return type(other) is type(self) and other._key() == self._key()
-
-  @property
-  def params(self) -> OracleParams:
-    return OracleParams(reference=jnp.asarray(self.reference, jnp.int32),
-                        alpha=jnp.float32(self.alpha))
-
-  @property
-  def vocab_size(self) -> int:
-    return self.vocab
-
-  def init(self, params, prompt, prompt_len, max_len, hidden=None):
-    return NoState()
-
-  def commit(self, params, state, ctx):
-    return state
-
-  def propose(self, params: OracleParams, state, ctx, k, sp, keys):
-    ref = params.reference
-    b, r = ref.shape
-    start = ctx.seq_len - ctx.prompt_len  # [B] tokens emitted so far: the next one's index
-    idx = start[:, None] + jnp.arange(k)[None, :]  # [B, k]
-    drafts = jnp.take_along_axis(ref, jnp.minimum(idx, r - 1), axis=1)
-    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(keys)  # [B, k]
-    shift = jax.vmap(lambda kk: jax.random.randint(jax.random.fold_in(kk, 1), (k,), 1,
-                                                   self.vocab))(keys)
-    wrong = (drafts + shift) % self.vocab  # never the reference token (shift in 1..V-1)
-    drafts = jnp.where(u < params.alpha, drafts, wrong).astype(jnp.int32)
-    n_valid = jnp.clip(r - start, 0, k).astype(jnp.int32)
-    return Proposal(tokens=drafts, n_valid=n_valid), state
-
-
-# Drafters built from a name, by target: loading a head or a draft model once per target.
-_NAMED: dict[tuple[str, int, str | None], tuple[Model, Drafter]] = {}
-
-
-def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter:
-  """A `Drafter`, or one named by a string.
-
-  Names: "ngram" (`NGram()`); "eagle" (or "eagle3", the name its drafter reports), "medusa",
-  "mlp" (the head bundled for the default SmolLM2 target under jaxspec/assets/heads/); a
-  directory written by `jaxspec.heads.save_head` or `jaxspec train`; or the path of a draft
-  model (.gguf file or Hugging Face directory), loaded as a `DraftModel` in `dtype` (default
-  the target's). A named drafter is loaded once per target and reused by later calls.
-  """
-  if isinstance(drafter, Drafter):
-    return drafter
-  if not isinstance(drafter, str):
-    raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), ...) or a"
-                     f" name (\"ngram\", \"eagle\", \"medusa\", \"mlp\", or a path), got"
-                     f" {type(drafter).__name__}")
-  if drafter == "ngram":
-    return NGram()
-  if drafter == "eagle3":  # the bundled EAGLE head under the name its drafter reports
-    drafter = "eagle"
-  key = (drafter, id(target), dtype)
-  hit = _NAMED.get(key)
-  if hit is not None and hit[0] is target:
-    return hit[1]
-  import os
-
-  from jaxspec import heads as heads_lib
-  if drafter in heads_lib.HEADS or heads_lib.is_head_dir(drafter):
-    made = heads_lib.load_head(drafter, target)
-  elif os.path.exists(drafter):
-    from jaxspec.models.loading import load
-    if dtype is None:
-      dtype = "bfloat16" if target.params.embed.dtype == jnp.bfloat16 else "float32"
-    made = DraftModel(load(drafter, dtype=dtype))
-  else:
-    raise ValueError(f"drafter {drafter!r} is not 'ngram', a bundled head"
-                     f" ({', '.join(sorted(heads_lib.HEADS) + ['eagle3'])}), a head directory"
-                     " or the path of"
-                     " a draft model (.gguf file or Hugging Face directory)")
-  if len(_NAMED) >= 8:
-    _NAMED.clear()
-  _NAMED[key] = (target, made)
-  return made
-

@@ -86,7 +86,7 @@ def _row_keys(keys: jax.Array, k: int) -> jax.Array:
 
 def _draft_keys(drafter, keys: jax.Array, ctx, k: int) -> jax.Array:
   """[B, k] the keys of the k drafts: the step's own split (the standard rule), or, coupled,
-  the keys the target draws those tokens with (`jaxspec.drafters.position_draft_keys`)."""
+  the keys the target draws those tokens with (the drafter protocol's `position_draft_keys`)."""
   if drafter.coupled:
     return position_draft_keys(ctx, k, drafter.name)
   return _row_keys(keys, k)

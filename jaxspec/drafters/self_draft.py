@@ -2,14 +2,13 @@
 
 `self_drafter(target)` is `DraftModel(quantize(target, "int8"))`: the target's own weights in
 int8, a quarter of the weight bytes, propose the drafts and the float target verifies them, so
-the output is still exactly the target's. It lives here, above both `jaxspec.models` (which
-quantizes) and `jaxspec.drafters` (which drafts), because the models package imports nothing
-above it.
+the output is still exactly the target's. It lives in the drafters package, which sits above
+`jaxspec.models` (which quantizes), because the models package imports nothing above it.
 """
 
 from __future__ import annotations
 
-from jaxspec.drafters import DraftModel
+from jaxspec.drafters.draft_model import DraftModel
 from jaxspec.models.model import Model
 from jaxspec.models.quant import quantize
 

@@ -1,0 +1,59 @@
+"""`resolve_drafter`: a drafter named by a string (a bundled head, a head directory, the path of
+a draft model, "ngram") made into a `Drafter`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxspec.decoding.drafter import Drafter
+from jaxspec.drafters.draft_model import DraftModel
+from jaxspec.drafters.ngram import NGram
+from jaxspec.models.model import Model
+
+
+# Drafters built from a name, by target: loading a head or a draft model once per target.
+_NAMED: dict[tuple[str, int, str | None], tuple[Model, Drafter]] = {}
+
+
+def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter:
+  """A `Drafter`, or one named by a string.
+
+  Names: "ngram" (`NGram()`); "eagle" (or "eagle3", the name its drafter reports), "medusa",
+  "mlp" (the head bundled for the default SmolLM2 target under jaxspec/assets/heads/); a
+  directory written by `jaxspec.heads.save_head` or `jaxspec train`; or the path of a draft
+  model (.gguf file or Hugging Face directory), loaded as a `DraftModel` in `dtype` (default
+  the target's). A named drafter is loaded once per target and reused by later calls.
+  """
+  if isinstance(drafter, Drafter):
+    return drafter
+  if not isinstance(drafter, str):
+    raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), ...) or a"
+                     f" name (\"ngram\", \"eagle\", \"medusa\", \"mlp\", or a path), got"
+                     f" {type(drafter).__name__}")
+  if drafter == "ngram":
+    return NGram()
+  if drafter == "eagle3":  # the bundled EAGLE head under the name its drafter reports
+    drafter = "eagle"
+  key = (drafter, id(target), dtype)
+  hit = _NAMED.get(key)
+  if hit is not None and hit[0] is target:
+    return hit[1]
+  import os
+
+  from jaxspec import heads as heads_lib
+  if drafter in heads_lib.HEADS or heads_lib.is_head_dir(drafter):
+    made = heads_lib.load_head(drafter, target)
+  elif os.path.exists(drafter):
+    from jaxspec.models.loading import load
+    if dtype is None:
+      dtype = "bfloat16" if target.params.embed.dtype == jnp.bfloat16 else "float32"
+    made = DraftModel(load(drafter, dtype=dtype))
+  else:
+    raise ValueError(f"drafter {drafter!r} is not 'ngram', a bundled head"
+                     f" ({', '.join(sorted(heads_lib.HEADS) + ['eagle3'])}), a head directory"
+                     " or the path of"
+                     " a draft model (.gguf file or Hugging Face directory)")
+  if len(_NAMED) >= 8:
+    _NAMED.clear()
+  _NAMED[key] = (target, made)
+  return made
