@@ -8,6 +8,8 @@ import argparse
 import os
 from pathlib import Path
 
+from jaxspec.checks import int_range, parse_int
+
 
 SCAN_LAYERS = {"auto": None, "yes": True, "no": False}
 
@@ -110,25 +112,16 @@ def draft_count(text: str):
   if text == "auto":
     return text
   try:
-    k = int(text)
+    return parse_int(text, 1)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}") from None
-  if k < 1:
-    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {k}")
-  return k
+    raise argparse.ArgumentTypeError(f"expected 'auto' or {int_range(1)}, got {text!r}") from None
 
 
 def count(text: str) -> int:
   """An argparse type: an integer in [1, 2**24] (sizes past that cannot be held anyway)."""
-  try:
-    n = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-  if not 1 <= n <= 2**24:
-    raise argparse.ArgumentTypeError(f"expected an integer in [1, {2**24}], got {n}")
-  return n
+  return parse_int(text, 1, 2**24, error=argparse.ArgumentTypeError)
 
 
 def count0(text: str) -> int:
   """An argparse type: an integer in [0, 2**24]."""
-  return 0 if text.strip() == "0" else count(text)
+  return parse_int(text, 0, 2**24, error=argparse.ArgumentTypeError)

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 
+from jaxspec.checks import check_int  # noqa: E402
 from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
@@ -95,9 +96,8 @@ def _check_value(name: str, v, per_row: bool = False) -> None:
       raise ValueError(f"temperature{where} must be a finite number >= 0 (0 means greedy), got"
                        f" {v!r}")
   elif name == "top_k":
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
-      raise ValueError(f"top_k{where} must be an integer in [0, 2**31) (0 disables it; a value"
-                       f" past the vocabulary keeps all), got {v!r}")
+    check_int(f"top_k{where}", v, 0, 2**31 - 1, numpy=False,
+              why="0 disables it; a value past the vocabulary keeps all")
   elif name == "top_p":
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not 0 < v <= 1:
       raise ValueError(f"top_p{where} must be in (0, 1] (1 disables it), got {v!r}")

@@ -56,3 +56,26 @@ def test_parse_int_reads_text_and_says_what_it_expected():
   with pytest.raises(ValueError) as e:
     parse_int("0", 1)
   assert str(e.value) == "expected an integer >= 1, got 0"
+
+
+def _sites():
+  """Checks written with `check_int`: (call with a value, the error class, the argument's name)."""
+  from jaxspec.drafters import NGram, Oracle
+  from jaxspec.sampling import Sampling
+  from jaxspec.sharding import multihost
+  from jaxspec.train.data import DataConfig, DataError
+  from jaxspec.train.trainer import TrainConfig
+  ref = np.zeros((1, 4), np.int32)
+  return [(lambda v: NGram(max_ngram=v), ValueError, "NGram.max_ngram"),
+          (lambda v: Oracle(reference=ref, vocab=v), ValueError, "vocab"),
+          (lambda v: Sampling(temperature=1.0, top_k=v), ValueError, "top_k"),
+          (lambda v: DataConfig(batch_size=v), DataError, "DataConfig.batch_size"),
+          (lambda v: TrainConfig(steps=v), ValueError, "TrainConfig.steps"),
+          (lambda v: multihost.initialize("localhost:1", v, 0), ValueError, "num_processes")]
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "4", np.float32(3)])
+def test_the_sites_reject_bools_and_non_integers_in_the_checkers_words(bad):
+  for make, error, name in _sites():
+    with pytest.raises(error, match=rf"^{name} must be an integer"):
+      make(bad)

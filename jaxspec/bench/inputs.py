@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.bench.methods import METHODS, BenchError, Settings
+from jaxspec.checks import parse_int
 from jaxspec.cli_options import SCAN_LAYERS
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -57,11 +58,12 @@ def parse_peers(text: str) -> tuple[str, ...]:
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
   try:
-    sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    sizes = tuple(parse_int(x, 1) for x in text.split(",") if x.strip())
   except ValueError:
-    raise BenchError(f"--batch-sizes must be integers separated by commas, got {text!r}") from None
-  if not sizes or any(b < 1 for b in sizes):
-    raise BenchError(f"--batch-sizes must be integers >= 1, got {text!r}")
+    raise BenchError(f"--batch-sizes must be integers >= 1 separated by commas, got"
+                     f" {text!r}") from None
+  if not sizes:
+    raise BenchError(f"--batch-sizes must be integers >= 1 separated by commas, got {text!r}")
   return tuple(sorted(set(sizes)))
 
 

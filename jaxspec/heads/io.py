@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.checks import is_int
 from jaxspec.heads.common import F32, target_dims
 from jaxspec.heads.registry import HEADS, head_kind
 from jaxspec.models.config import LlamaConfig
@@ -300,7 +301,7 @@ def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = 
     drafter = dataclasses.replace(drafter, topk_accuracy=tuple(map(tuple, acc)))
   if tree is not None:
     from jaxspec.decoding.tree import default_tree
-    if isinstance(tree, int) and not isinstance(tree, bool):
+    if is_int(tree, numpy=False):
       tree = default_tree(drafter, tree)
     drafter = drafter.with_tree(tree)
   return drafter

@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+from jaxspec.checks import check_int, is_int
+
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                local_device_ids=None, cpu_collectives: str = "gloo") -> None:
@@ -38,9 +40,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     cpu_collectives: the CPU cross-process collectives ("gloo", or "mpi" where built).
   """
   import jax
-  if not isinstance(num_processes, int) or num_processes < 1:
-    raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
-  if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+  check_int("num_processes", num_processes, 1, numpy=False)
+  if not is_int(process_id, numpy=False) or not 0 <= process_id < num_processes:
     raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id!r}")
   if ":" not in str(coordinator_address):
     raise ValueError(f"coordinator_address must be \"host:port\" (process 0's address), got"

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.checks import check_int
 from jaxspec.sharding.profiles import LinkProfile, ModelProfile
 
 _KINDS = ("model", "head", "ngram")
@@ -325,12 +326,8 @@ def plan(target: str, drafter: str | DrafterSpec | None, devices: Mapping[str, A
     raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance!r}: measure it"
                      " with speculative_generate's stats or use e.g. 0.6 for a matched drafter")
   alpha = float(acceptance)
-  if isinstance(k_max, bool) or not isinstance(k_max, (int, np.integer)) or k_max < 0:
-    raise ValueError(f"k_max must be an integer >= 0 (0: plan plain decoding only), got"
-                     f" {k_max!r}")
-  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-      or batch_size < 1:
-    raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+  check_int("k_max", k_max, 0, why="0: plan plain decoding only")
+  check_int("batch_size", batch_size, 1)
   k_max, b = int(k_max), int(batch_size)
   groups = _groups(devices)
   _check_profiles(profiles, groups)

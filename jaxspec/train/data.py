@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.checks import check_int, is_int
 from jaxspec.models.llama import is_scanned
 from jaxspec.models.model import Model
 
@@ -79,7 +80,7 @@ def _line_ids(obj: dict, field: str, where: str) -> list[int]:
   """obj[field] checked to be a non-empty list of token ids."""
   ids = obj[field]
   if (not isinstance(ids, list) or not ids
-      or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      or not all(is_int(i, numpy=False) and i >= 0 for i in ids)):
     raise DataError(f"{where}: {field!r} must be a non-empty list of token ids (ints >= 0)")
   return list(ids)
 
@@ -394,9 +395,7 @@ class DataConfig:
 
   def __post_init__(self):
     for name in ("max_prompt_len", "max_new_tokens", "batch_size", "hidden_batch_size"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise DataError(f"DataConfig.{name} must be an integer >= 1, got {v!r}")
+      check_int(f"DataConfig.{name}", getattr(self, name), 1, numpy=False, error=DataError)
     if not self.temperatures or any(t < 0 for t in self.temperatures):
       raise DataError(f"temperatures {self.temperatures} must be a non-empty tuple of values"
                       " >= 0 (0 = greedy)")
@@ -717,9 +716,8 @@ class Dataset:
         head then runs on window positions instead of the padded row, the main cost of
         training on a CPU. Heads attend only inside the window.
     """
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 4):
-      raise DataError(f"window must be an integer >= 4 (tokens per cropped row), got {window!r}")
+    if window is not None:
+      check_int("window", window, 4, why="tokens per cropped row", numpy=False, error=DataError)
     self.window = window
     self.path = Path(path)
     meta_file = self.path / "meta.json"

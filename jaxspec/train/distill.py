@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.checks import check_int
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_scanned,
                                   logits_from_hidden, softcap, stacked_layers)
@@ -41,9 +42,9 @@ def draft_from_target(target: Model, num_layers: int = 4) -> Model:
     ValueError: num_layers is not in [1, target layers).
   """
   n = target.cfg.num_layers
-  if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < n:
-    raise ValueError(f"a draft keeps 1 to {n - 1} of the target's {n} layers, got"
-                     f" {num_layers!r}: pass --num-layers in that range")
+  check_int("num_layers", num_layers, 1, n - 1, numpy=False,
+            why=f"a draft keeps 1 to {n - 1} of the target's {n} layers: pass --num-layers in"
+                " that range")
   cfg, kinds = target.cfg, target.cfg.layer_types
   if kinds is None:
     cfg = dataclasses.replace(cfg, num_layers=num_layers)

@@ -39,6 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxspec.checks import check_int
 from jaxspec.train.data import make_progress
 
 # loss_fn(model, batch, frozen) -> (scalar loss, {name: scalar metric})
@@ -100,10 +101,8 @@ class TrainConfig:
   def __post_init__(self):
     ints = dict(steps=1, batch_size=1, warmup_steps=0, save_every=1, keep_last_n=1,
                 eval_every=0, eval_batches=1, log_every=1, seed=0)
-    for name, lo in ints.items():
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"TrainConfig.{name} must be an integer >= {lo}, got {v!r}")
+    for name, lo in ints.items():  # Python ints: the config is written to JSON
+      check_int(f"TrainConfig.{name}", getattr(self, name), lo, numpy=False)
     if not self.lr > 0 or not math.isfinite(self.lr):
       raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
     if self.warmup_steps >= self.steps:
