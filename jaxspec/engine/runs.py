@@ -70,8 +70,9 @@ class SpecRun:
     self.static = dict(lm=LlamaLM(req.target.cfg), drafter=req.drafter, policy=req.policy,
                        max_new_tokens=req.max_new_tokens, stop_ids=req.stop_ids)
     # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
-    self.init_static = dict(max_len=req.prep.max_len, seq_cap=req.prep.max_len
-                            + req.policy.k_max + 1, max_steps=self.max_steps, **self.static)
+    self.init_static = dict(max_len=req.prep.max_len,
+                            seq_cap=req.prep.max_len + req.policy.k_max + 1,
+                            max_steps=self.max_steps, **self.static)
     # The cost models measured for "auto" are kept per these shapes and layouts.
     self.cost_key = (req.target.cfg, req.drafter, self.batch, req.prep.tokens.shape[1],
                      req.prep.max_len, req.policy.buckets, repr(req.sampling),
