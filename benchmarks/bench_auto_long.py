@@ -26,7 +26,7 @@ import numpy as np
 from common import ROOT, chat_prompts, load_spec_bench, machine, write_json
 from jaxspec import generate, load, speculative_generate
 from jaxspec.drafters import resolve_drafter
-from jaxspec.runner import round_up
+from jaxspec.engine.io import round_up
 
 
 def long_prompts(model, per_category: int, min_tokens: int):

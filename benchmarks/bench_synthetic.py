@@ -37,13 +37,13 @@ from common import ROOT, forward_costs, machine, write_json  # noqa: E402
 
 import importlib  # noqa: E402
 
-from jaxspec import runner  # noqa: E402
 from jaxspec.decoding import fused  # noqa: E402
 from jaxspec.decoding import plain as plain_lib  # noqa: E402
+from jaxspec.decoding.step import resolve_policy  # noqa: E402
 from jaxspec.models.llama import LlamaLM  # noqa: E402
 llama_lib = importlib.import_module("jaxspec.models.llama")
 from jaxspec.drafters import Oracle  # noqa: E402
-from jaxspec.runner import prepare_prompts
+from jaxspec.engine import Engine, io, runs  # noqa: E402
 from jaxspec.models.llama import is_scanned, with_scan_layers  # noqa: E402
 from jaxspec.models.synthetic import random_model  # noqa: E402
 from jaxspec.sampling import GREEDY  # noqa: E402
@@ -95,8 +95,8 @@ def _copy(tree):
 class Plain:
   """The `generate` loop split into its prefill and its decode loop, each compiled once."""
 
-  def __init__(self, model, prompts, new_tokens):
-    prep = prepare_prompts(model, prompts, new_tokens)
+  def __init__(self, engine: Engine, model, prompts, new_tokens):
+    prep = io.prepare_prompts(model, prompts, new_tokens)
     self.model, self.n = model, new_tokens
     b = prep.tokens.shape[0]
     self.sp = GREEDY.arrays(b)
@@ -105,12 +105,12 @@ class Plain:
     args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), self.sp,
             jax.random.key(0))
     t0 = time.perf_counter()
-    self.init_exe, _ = runner.compiled(plain_lib.init_decode_jit, "bench-prefill", *args, **static)
+    self.init_exe, _ = engine.compile(plain_lib.init_decode_jit, "bench-prefill", *args, **static)
     self.state0 = jax.block_until_ready(self.init_exe(*args))
     loop_static = dict(lm=LlamaLM(model.cfg), max_new_tokens=new_tokens, stop_ids=())
-    self.loop_exe, _ = runner.compiled(plain_lib.decode_loop_jit, "bench-decode", model.params,
-                                       self.state0, self.sp, jnp.int32(new_tokens),
-                                       **loop_static)
+    self.loop_exe, _ = engine.compile(plain_lib.decode_loop_jit, "bench-decode", model.params,
+                                      self.state0, self.sp, jnp.int32(new_tokens),
+                                      **loop_static)
     self.compile_seconds = time.perf_counter() - t0
 
   def run(self):
@@ -125,12 +125,13 @@ class Plain:
 class Spec:
   """The fused speculative loop (`speculative_generate`'s `_Run`), prefill excluded."""
 
-  def __init__(self, model, prompts, new_tokens, drafter, k):
-    policy = runner.resolve_policy(k, None, drafter)
-    prep = prepare_prompts(model, prompts, new_tokens, extra=policy.k_max + 1)
+  def __init__(self, engine: Engine, model, prompts, new_tokens, drafter, k):
+    policy = resolve_policy(k, None, drafter)
+    prep = io.prepare_prompts(model, prompts, new_tokens, extra=policy.k_max + 1)
+    req = io.SpecRequest(target=model, drafter=drafter, sampling=GREEDY, policy=policy, prep=prep,
+                         stop_ids=(), max_new_tokens=new_tokens, key=jax.random.key(0), cost=None)
     t0 = time.perf_counter()
-    self.run_ = runner.SpecRun(model, drafter, prep, GREEDY, policy, (), new_tokens,
-                               jax.random.key(0), None)
+    self.run_ = runs.SpecRun(engine, req)
     self.compile_seconds = time.perf_counter() - t0
     self.state0 = jax.block_until_ready(self.run_.start())
     self.k, self.n = policy.k_max, new_tokens
@@ -142,7 +143,7 @@ class Spec:
     st = jax.block_until_ready(self.run_.loop(st, self.run_.max_steps))
     dt = time.perf_counter() - t
     toks, _ = fused.outputs_jit(st, self.n)
-    return dt, runner.summarize_stats(st.stats, self.k), np.asarray(toks)
+    return dt, runs.summarize_stats(st.stats, self.k), np.asarray(toks)
 
 
 def _layout(model) -> str:
@@ -156,18 +157,18 @@ def expected_tau(alpha: float, k: int) -> float:
   return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def bench_one(model, batch, args, bw, log):
+def bench_one(engine: Engine, model, batch, args, bw, log):
   cfg = model.cfg
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt_len)) for _ in range(batch)]
   n = args.new_tokens
   res = dict(shape=args._shape, dtype=cfg.dtype, batch=batch, layout=_layout(model), prompt_len=args.prompt_len, new_tokens=n, k=args.k,
              alpha=args.alpha)
-  plain = Plain(model, prompts, n)
+  plain = Plain(engine, model, prompts, n)
   res["plain_compile_seconds"] = plain.compile_seconds
   _, _, ref = plain.run()  # warm-up, and the oracle's reference
   drafter = Oracle(reference=ref, alpha=args.alpha, vocab=cfg.vocab_size)
-  spec = Spec(model, prompts, n, drafter, args.k)
+  spec = Spec(engine, model, prompts, n, drafter, args.k)
   res["spec_compile_seconds"] = spec.compile_seconds
   spec.run()  # warm-up
   tp, ts, stats, same = [], [], None, True
@@ -296,8 +297,8 @@ def main(argv=None):
   args.widths = [int(w) for w in args.widths.split(",") if w]
   args._profiled = args._dumped = False
   backend = jax.default_backend()
-  if args.options:
-    runner.COMPILER_OPTIONS[backend] = json.loads(args.options)
+  # The XLA options of this run's programs (per program: jaxspec's defaults stay untouched).
+  engine = Engine(compiler_options={backend: json.loads(args.options)} if args.options else None)
   if args.output_major != "default":
     llama_lib.OUTPUT_MAJOR_PLATFORMS = ({"cpu", "gpu"} if args.output_major == "on" else set())
     llama_lib.OUTPUT_MAJOR_DTYPES = {}  # every float dtype
@@ -307,10 +308,10 @@ def main(argv=None):
   out = dict(machine=machine(), bandwidth_gbs={k: v / 1e9 for k, v in bws.items()},
              output_major_platforms=sorted(llama_lib.OUTPUT_MAJOR_PLATFORMS), args={
       k: v for k, v in vars(args).items() if not k.startswith("_")},
-      compiler_options=runner.compiler_options(), results=[])
+      compiler_options=engine.options(), results=[])
   print(f"{backend}: bandwidth copy {bws['copy'] / 1e9:.0f} GB/s, read {bws['read'] / 1e9:.0f}"
         f" GB/s; output-major on {sorted(llama_lib.OUTPUT_MAJOR_PLATFORMS)}; compiler options"
-        f" {runner.compiler_options() or 'XLA defaults'}", flush=True)
+        f" {engine.options() or 'XLA defaults'}", flush=True)
   log = functools.partial(print, flush=True)
   layouts = {"default": [None], "stacked": [True], "unrolled": [False],
              "both": [True, False]}[args.layout]
@@ -332,7 +333,7 @@ def main(argv=None):
           model, params=with_scan_layers(model.params, scan))
       for b in batches:
         try:
-          out["results"].append(bench_one(m, b, args, bw, log))
+          out["results"].append(bench_one(engine, m, b, args, bw, log))
         except Exception as e:  # noqa: BLE001 - one failing size must not lose the others
           log(f"{shape} {dtype} b{b}: FAILED {type(e).__name__}: {e}")
           out["results"].append(dict(shape=shape, dtype=dtype, batch=b,
@@ -340,7 +341,7 @@ def main(argv=None):
         write_json(Path(args.out), out)
       del m
     del model
-    runner.release_compiled()
+    engine.release_compiled()
   if args.plot and any("speedup" in r for r in out["results"]):
     plot([r for r in out["results"] if "speedup" in r], Path(args.out).with_suffix(".png"))
   return out

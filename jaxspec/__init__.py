@@ -20,7 +20,7 @@ from jaxspec.drafters import DraftModel, NGram, resolve_drafter
 from jaxspec.heads import load_head
 from jaxspec.api import load
 from jaxspec.models.model import Model
-from jaxspec.runner import release_cache_buffers, release_compiled
+from jaxspec.engine import release_cache_buffers, release_compiled
 from jaxspec.sampling import Sampling
 
 __version__ = "0.1.0"

@@ -1,60 +1,26 @@
 """The public host functions: `generate` and `speculative_generate` (and their streaming forms)
-take strings or token lists, run the compiled loops of `jaxspec.decoding` through
-`jaxspec.runner`, and return numpy arrays, texts and statistics.
+take strings or token lists and return numpy arrays, texts and statistics. Each documents its
+arguments and calls the default engine (`jaxspec.engine.DEFAULT`), which checks them, compiles
+and keeps the loops of `jaxspec.decoding`, and runs them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxspec.decoding import fused, plain
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import Drafter
-from jaxspec.decoding.functional import as_key
-from jaxspec.decoding.step import SpecState
+from jaxspec.engine import DEFAULT, GenerateOutput
 from jaxspec.models import loading as models_loading
-from jaxspec.models.llama import LlamaLM
 from jaxspec.models.model import Model
-from jaxspec.runner import (SpecRun, check_chunk, compiled, decode_texts,
-                            in_shardings_for, keep_cache_buffers, make_run, prepare_prompts,
-                            prepare_spec, put_global, stop_ids_for,
-                            stream_loop, take_cache_buffers, to_host, view_decode)
-from jaxspec.sampling import Sampling, resolve_sampling
+from jaxspec.sampling import Sampling
 from jaxspec.sharding import rules as sharding_rules
 
-
-@dataclasses.dataclass
-class GenerateOutput:
-  """What `generate` and `speculative_generate` return.
-
-  Attributes:
-    tokens: [B, max_new_tokens] int32 new tokens; -1 past each row's length.
-    lengths: [B] number of new tokens per row (a stop token, when hit, is included).
-    prompt_lengths: [B] prompt tokens per row.
-    texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer.
-    stats: timing and, for speculative decoding, acceptance statistics.
-    logprobs: [B, max_new_tokens] float32 (with logprobs=True) the target's log-probability of
-      each new token under the sampling parameters (log_softmax of the processed logits; greedy
-      rows unscaled); 0 past each row's length.
-  """
-
-  tokens: np.ndarray
-  lengths: np.ndarray
-  prompt_lengths: np.ndarray
-  texts: list[str] | None = None
-  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
-  logprobs: np.ndarray | None = None
-
-  def row(self, b: int) -> list[int]:
-    """Row b's new tokens as a list."""
-    return self.tokens[b, : self.lengths[b]].tolist()
+__all__ = ["GenerateOutput", "generate", "generate_stream", "load", "speculative_generate",
+           "speculative_stream"]
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int = 128,
@@ -79,42 +45,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 128,
     `GenerateOutput` with tokens [B, max_new_tokens], lengths [B], texts and stats (seconds,
     compile seconds, tokens/s).
   """
-  if temperature is not None:
-    sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
-  sp_user = resolve_sampling(sampling)
-  prep = prepare_prompts(model, prompts, max_new_tokens, max_len=max_len)
-  stops = stop_ids_for(model, stop_ids)
-  b = prep.tokens.shape[0]
-  key = as_key(key, b)
-  args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-          sp_user.arrays(b), key)
-  static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len, max_new_tokens=int(max_new_tokens),
-                stop_ids=stops, logprobs=bool(logprobs))
-  sh = model.sharding
-  if sh is None:  # the cache in the previous call's buffers (`take_cache_buffers`)
-    args += (take_cache_buffers(model.cfg, b, prep.max_len),)
-    exe, compile_s = compiled(plain.generate_jit, None, *args, **static)
-  else:  # the weights' mesh: batch rows data-parallel, outputs batch-sharded
-    sh.check_batch(b)
-    in_sh = in_shardings_for(sh, args)
-    jit_kwargs = dict(in_shardings=in_sh,
-                      out_shardings=(sh.batch(2), sh.batch(1), sh.replicated(), None,
-                                     sh.batch(2) if logprobs else None))
-    exe, compile_s = compiled(plain.generate_program, sh, *args, jit_kwargs=jit_kwargs, **static)
-    # Global arrays on the mesh (on several hosts every process passes the same prompts).
-    args = put_global(args, in_sh)
-  t0 = time.perf_counter()
-  tokens, n_out, steps, bufs, lp = jax.block_until_ready(exe(*args))
-  dt = time.perf_counter() - t0
-  if bufs is not None:
-    keep_cache_buffers(model.cfg, *bufs)
-  tokens, n_out, lp = to_host((tokens, n_out, lp))
-  new = int(n_out.sum())
-  stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
-               tokens_per_second=new / dt if dt > 0 else float("inf"),
-               target_passes=int(steps) + 1, batch_size=b)
-  return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths, logprobs=lp,
-                        texts=decode_texts(model, tokens, n_out), stats=stats)
+  return DEFAULT.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                          key=key, stop_ids=stop_ids, max_len=max_len, temperature=temperature,
+                          logprobs=logprobs)
 
 
 def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
@@ -126,24 +59,8 @@ def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
   The loop runs on device between yields (a `lax.while_loop` bounded by a traced step count), so
   streaming costs one host round-trip per chunk, not per token.
   """
-  sp_user = resolve_sampling(sampling)
-  chunk = check_chunk(chunk)
-  prep = prepare_prompts(model, prompt, max_new_tokens)
-  stops = stop_ids_for(model, stop_ids)
-  b = prep.tokens.shape[0]
-  sp = sp_user.arrays(b)
-  init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
-               as_key(key, b), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
-  init_exe, c1 = compiled(plain.init_decode_jit, "stream-init", *init_args)
-  state0 = jax.eval_shape(plain.init_decode_jit, *init_args)
-  loop_exe, c2 = compiled(plain.decode_loop_jit, "stream-loop", model.params, state0, sp,
-                          jnp.int32(0), LlamaLM(model.cfg), int(max_new_tokens), stops)
-  t0 = time.perf_counter()
-  state = jax.block_until_ready(init_exe(*init_args[:5]))
-  for new, info in stream_loop(lambda s, until: loop_exe(model.params, s, sp, until),
-                               view_decode, state, chunk, t0):
-    info["compile_seconds"] = c1 + c2
-    yield new, info
+  return DEFAULT.generate_stream(model, prompt, max_new_tokens=max_new_tokens, chunk=chunk,
+                                 sampling=sampling, key=key, stop_ids=stop_ids)
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
@@ -185,24 +102,10 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
     the bonus token) and the k chosen at every step.
   """
-  drafter, sp_user, policy, prep = prepare_spec(target, drafter, prompts, max_new_tokens,
-                                                sampling, num_draft_tokens, auto, cost, max_len,
-                                                temperature, logprobs)
-  run = make_run(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
-                 int(max_new_tokens), key, cost, placement)
-  t0 = time.perf_counter()
-  state = run.start()
-  state = run.target_state(run.loop(state, run.max_steps))
-  outs = jax.block_until_ready(fused.outputs_jit(state, int(max_new_tokens)))
-  dt = time.perf_counter() - t0 - run.profile_seconds
-  run.finish(state)
-  toks, n_out, *lp = to_host(outs)
-  stats = run.stats(state.stats)
-  new = int(n_out.sum())
-  stats.update(seconds=dt, new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
-  return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=prep.lengths,
-                        texts=decode_texts(target, toks, n_out), stats=stats,
-                        logprobs=lp[0] if lp else None)
+  return DEFAULT.speculative_generate(
+      target, drafter, prompts, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
+      placement=placement, sampling=sampling, temperature=temperature, auto=auto, cost=cost,
+      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs)
 
 
 def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_tokens: int = 128,
@@ -214,28 +117,10 @@ def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_token
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
   text as it is produced; `info["stats"]` holds the statistics once the row is done.
   """
-  chunk = check_chunk(chunk)
-  drafter, sp_user, policy, prep = prepare_spec(target, drafter, prompt, max_new_tokens,
-                                                sampling, num_draft_tokens, auto, cost, None,
-                                                None)
-  run = SpecRun(target, drafter, prep, sp_user, policy, stop_ids_for(target, stop_ids),
-                int(max_new_tokens), key, cost)
-  t0 = time.perf_counter()
-  state = jax.block_until_ready(run.start())
-  t0 += run.profile_seconds
-
-  def view(s: SpecState):
-    p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
-    return (np.asarray(s.seq)[0, p0:n0], bool(np.asarray(s.done).all()),
-            int(s.stats.target_passes))
-
-  for new, info in stream_loop(run.loop, view, state, chunk, t0):
-    s = info.pop("state")
-    info["stats"] = run.stats(s.stats)
-    info["compile_seconds"] = run.compile_seconds
-    info["profile_seconds"] = run.profile_seconds
-    yield new, info
-  run.finish(s)
+  return DEFAULT.speculative_stream(target, drafter, prompt, max_new_tokens=max_new_tokens,
+                                    num_draft_tokens=num_draft_tokens, chunk=chunk,
+                                    sampling=sampling, auto=auto, cost=cost, stop_ids=stop_ids,
+                                    key=key)
 
 
 def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,

@@ -62,36 +62,35 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_executables():
-  """Frees every compiled program after each test module. Each XLA CPU executable keeps memory
-  mappings for its code, and the whole suite compiles enough programs in one process to reach
-  the kernel's vm.max_map_count (65530), after which a compile crashes (a segfault in
-  backend_compile, seen at the end of a full run). Modules compile what they need again."""
+def _fresh_engine():
+  """Each test module starts from a fresh default engine (`jaxspec.engine.DEFAULT.reset`): no
+  compiled programs, kept buffers, placed weights or cost models of another module. Freeing the
+  programs also matters: each XLA CPU executable keeps memory mappings for its code, and the
+  whole suite compiles enough programs in one process to reach the kernel's vm.max_map_count
+  (65530), after which a compile crashes (a segfault in backend_compile, seen at the end of a
+  full run). Modules compile what they need again."""
   yield
-  import sys
-
-  sys.modules["jaxspec.runner"]._PLACED.clear()
-  sys.modules["jaxspec.runner"].release_compiled()
+  from jaxspec.engine import DEFAULT
+  DEFAULT.reset()
 
 
 @pytest.fixture
 def garbage_cache_pool():
   """fill(model, batch, max_len, seed): keeps large random values as the cache buffers the
-  next call of those shapes prefills into (`jaxspec.runner.take_cache_buffers`); returns
-  them. A call that read a kept entry beyond a row's length would change its tokens."""
-  from jaxspec.runner import keep_cache_buffers
+  next call of those shapes prefills into (`Engine.take_cache_buffers`); returns them. A call
+  that read a kept entry beyond a row's length would change its tokens."""
+  from jaxspec.engine import DEFAULT
 
   def fill(model, batch, max_len, seed):
     cfg = model.cfg
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     k1, k2 = jax.random.split(jax.random.key(seed))
     bufs = tuple(50.0 * jax.random.normal(k, shape, cfg.jnp_dtype) for k in (k1, k2))
-    keep_cache_buffers(cfg, *bufs)
+    DEFAULT.keep_cache_buffers(cfg, *bufs)
     return bufs
 
   yield fill
-  from jaxspec.runner import release_cache_buffers
-  release_cache_buffers()
+  DEFAULT.release_cache_buffers()
 
 
 _LAYOUTS: dict = {}

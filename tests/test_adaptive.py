@@ -258,12 +258,12 @@ def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, samp
   """The fused "auto" loop with k forced: schedule [(k, steps), ...] (the last runs to the end).
 
   Returns (tokens [B, n_new], statistics)."""
-  from jaxspec import runner
   from jaxspec.decoding import fused
-  drafter, sp_user, policy, prep = runner.prepare_spec(target, drafter, prompts, n_new, sampling,
-                                                       "auto", AutoK(k_max=k_max), CPU_LIKE, None,
-                                                       None)
-  run = runner.SpecRun(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
+  from jaxspec.engine import DEFAULT, io, runs
+  req = io.prepare_spec(target, drafter, prompts, max_new_tokens=n_new, sampling=sampling,
+                        num_draft_tokens="auto", auto=AutoK(k_max=k_max), cost=CPU_LIKE,
+                        stop_ids=(), key=key)
+  run, policy = runs.SpecRun(DEFAULT, req), req.policy
   s = run.start()  # the prefill (the cost model is given: nothing is timed)
   passes = 0
   for i, (k, steps) in enumerate(schedule):
@@ -415,11 +415,11 @@ def test_auto_configs_refuse_bad_fields_naming_them():
 
 
 def test_auto_times_the_costs_at_two_cache_lengths(tiny_target):
-  """A prompt longer than `runner.MIN_COST_SPAN`: every k is timed at the prompt's length and at
-  a short cache (`runner.state_at_length`), the cost model records its growth per position (>=
+  """A prompt longer than `costs.MIN_COST_SPAN`: every k is timed at the prompt's length and at
+  a short cache (`costs.state_at_length`), the cost model records its growth per position (>=
   0) from the short length, and the run's tokens are still generate's."""
-  from jaxspec import runner
-  prompt = [[(7 * i) % 100 + 3 for i in range(runner.MIN_COST_SPAN + 20)]]
+  from jaxspec.engine import costs
+  prompt = [[(7 * i) % 100 + 3 for i in range(costs.MIN_COST_SPAN + 20)]]
   ref = generate(tiny_target, prompt, max_new_tokens=6, stop_ids=())
   out = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
                              num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import jaxspec  # noqa: F401  (tests/conftest.py's module teardown expects jaxspec.runner loaded)
+import jaxspec  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -17,7 +17,7 @@ from jaxspec.decoding import (CausalLM, Target, decode, speculative_decode)
 from jaxspec.drafters import DraftModel, NGram
 from jaxspec.models import init_params, tiny_config
 from jaxspec.models.model import Model
-from jaxspec.runner import prepare_prompts
+from jaxspec.engine.io import prepare_prompts
 from jaxspec.sampling import Sampling, SamplingArrays, process_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]

@@ -93,22 +93,21 @@ def test_bad_input(tiny_target, kw, match):
 def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypatch):
   """Past MAP_PRESSURE of vm.max_map_count the least recently used programs go before the next
   compile (a long session recompiles instead of failing in LLVM); what they computed is kept."""
-  import sys
-  gen = sys.modules["jaxspec.runner"]
+  from jaxspec.engine import DEFAULT, core as gen
   gen.release_compiled()
   # A fake process: 10,000 mappings per kept program against a limit at which the pressure
   # starts at 4 programs (MAP_PRESSURE x limit = 35,000).
   limit = round(35_000 / gen.MAP_PRESSURE)
-  monkeypatch.setattr(gen, "map_usage", lambda: (10_000 * len(gen._COMPILED), limit))
+  monkeypatch.setattr(gen, "map_usage", lambda: (10_000 * len(DEFAULT.programs), limit))
   firsts = [generate(tiny_target, PROMPTS[:1], max_new_tokens=n, stop_ids=()) for n in (3, 4, 5, 6)]
-  assert len(gen._COMPILED) == 4 and all(o.stats["compile_seconds"] > 0 for o in firsts)
-  first_key = next(iter(gen._COMPILED))
+  assert len(DEFAULT.programs) == 4 and all(o.stats["compile_seconds"] > 0 for o in firsts)
+  first_key = next(iter(DEFAULT.programs))
   again = generate(tiny_target, PROMPTS[:1], max_new_tokens=3, stop_ids=())  # a hit: most recent now
-  assert again.stats["compile_seconds"] == 0.0 and next(iter(gen._COMPILED)) != first_key
-  monkeypatch.setattr(gen, "_WARNED_RELEASE", False)  # the first release in a process says so
+  assert again.stats["compile_seconds"] == 0.0 and next(iter(DEFAULT.programs)) != first_key
+  monkeypatch.setattr(DEFAULT, "warned_release", False)  # the first release in a process says so
   with pytest.warns(RuntimeWarning, match="released 2 compiled programs"):
     fresh = generate(tiny_target, PROMPTS[:1], max_new_tokens=7, stop_ids=())  # 4 -> 2 + 1
-  assert len(gen._COMPILED) == 3 and first_key in gen._COMPILED  # n=3 was used last: kept
+  assert len(DEFAULT.programs) == 3 and first_key in DEFAULT.programs  # n=3 was used last: kept
   again = generate(tiny_target, PROMPTS[:1], max_new_tokens=4, stop_ids=())  # released: compiles
   assert again.stats["compile_seconds"] > 0 and again.row(0) == firsts[1].row(0)
   assert fresh.row(0)[:6] == firsts[3].row(0)
@@ -116,13 +115,14 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   monkeypatch.setattr(gen, "map_usage", lambda: (limit, limit))
   with pytest.warns(RuntimeWarning, match=f"vm.max_map_count={limit}"):
     generate(tiny_target, PROMPTS[:1], max_new_tokens=8, stop_ids=())
-  assert len(gen._COMPILED) == 1
+  assert len(DEFAULT.programs) == 1
 
 
 def test_cache_buffers_are_reused_and_stale_entries_never_read(tiny_target, garbage_cache_pool):
   """A call prefills into the previous call's cache buffers (donated, not copied); what they
   held beyond each row's length never changes a token, greedy or sampled."""
-  from jaxspec.runner import _CACHE_POOL, prepare_prompts, release_cache_buffers
+  from jaxspec.engine import DEFAULT, release_cache_buffers
+  from jaxspec.engine.io import prepare_prompts
   ml = prepare_prompts(tiny_target, PROMPTS, 12).max_len
   release_cache_buffers()
   kw = dict(max_new_tokens=12, stop_ids=())
@@ -136,9 +136,35 @@ def test_cache_buffers_are_reused_and_stale_entries_never_read(tiny_target, garb
   np.testing.assert_array_equal(generate(tiny_target, PROMPTS, **hot, **kw).tokens,
                                 sampled.tokens)
   # The call kept its cache for the next call of its shapes; a call of other shapes drops it.
-  (key, (k, _)), = _CACHE_POOL.items()
+  (key, (k, _)), = DEFAULT.buffers.items()
   cfg = tiny_target.cfg
   assert k.shape == (cfg.num_layers, len(PROMPTS), cfg.num_kv_heads, ml, cfg.head_dim)
   generate(tiny_target, PROMPTS[:1], **kw)
-  assert key not in _CACHE_POOL and len(_CACHE_POOL) == 1
-  assert release_cache_buffers() > 0 and not _CACHE_POOL
+  assert key not in DEFAULT.buffers and len(DEFAULT.buffers) == 1
+  assert release_cache_buffers() > 0 and not DEFAULT.buffers
+
+
+def test_an_engine_holds_its_own_programs_buffers_and_compiler_options(tiny_target):
+  """Everything kept between calls belongs to one `Engine`: a fresh one compiles and keeps its
+  own programs and cache buffers (the default engine's are not touched), gives the default
+  engine's tokens, passes its compiler options to XLA, and `reset` leaves nothing kept."""
+  from jaxspec import NGram, speculative_generate
+  from jaxspec.engine import DEFAULT, Engine
+  kw = dict(max_new_tokens=5, stop_ids=())
+  ref = generate(tiny_target, PROMPTS, **kw)
+  spec_ref = speculative_generate(tiny_target, NGram(), PROMPTS, num_draft_tokens=2, **kw)
+  programs, buffers = list(DEFAULT.programs.values()), list(DEFAULT.buffers.values())
+  engine = Engine()
+  out = engine.generate(tiny_target, PROMPTS, **kw)
+  spec = engine.speculative_generate(tiny_target, NGram(), PROMPTS, num_draft_tokens=2, **kw)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(spec.tokens, spec_ref.tokens)
+  assert out.stats["compile_seconds"] > 0  # compiled again: nothing shared with the default
+  assert len(engine.programs) == 3 and len(engine.buffers) == 1  # generate, spec init + loop
+  assert not {id(p) for p in engine.programs.values()} & {id(p) for p in programs}
+  assert list(DEFAULT.programs.values()) == programs and list(DEFAULT.buffers.values()) == buffers
+  bad = Engine(compiler_options={jax.default_backend(): {"no_such_xla_option": 1}})
+  with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option: 'no_such_xla_option'"):
+    bad.generate(tiny_target, PROMPTS, **kw)
+  engine.reset()
+  assert not engine.programs and not engine.buffers and DEFAULT.programs

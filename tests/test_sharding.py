@@ -14,7 +14,7 @@ import pytest
 
 import jaxspec
 from jaxspec import AutoK, DraftModel, NGram, Sampling, generate, speculative_generate
-from jaxspec.runner import _COMPILED
+from jaxspec.engine import DEFAULT
 from jaxspec.models import init_params, quantize, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.sharding import Placement, make_mesh, multihost, shard_model, submesh
@@ -57,8 +57,7 @@ def test_tensor_and_data_parallel_equals_unsharded(target, draft, sharded, refer
     np.testing.assert_array_equal(spec.tokens, reference.tokens, err_msg=drafter.name)
     assert spec.stats["drafted_per_row"] != [0] * len(PROMPTS)  # drafts were verified
   # The draft model was laid out on the target's mesh too (tensor-parallel over 4 devices).
-  from jaxspec.runner import place_drafter_params
-  placed = place_drafter_params(sharded, DraftModel(draft))
+  placed = DEFAULT.place_drafter_params(sharded, DraftModel(draft))
   assert placed.layers.wq.sharding.spec[2] == "model"
 
 
@@ -92,7 +91,7 @@ def test_vocab_parallel_verify_gathers_no_full_logits(target, sharded):
   # The same call as above: its compiled loop is reused, not compiled again.
   speculative_generate(sharded, NGram(), PROMPTS, max_new_tokens=N_NEW, num_draft_tokens=3,
                        stop_ids=())
-  loops = [exe for sig, exe in _COMPILED.items()
+  loops = [exe for sig, exe in DEFAULT.programs.items()
            if isinstance(sig, tuple) and isinstance(sig[1], tuple) and sig[1][0] == "spec-loop"
            and sig[1][1] == sharded.sharding]
   assert loops, "the sharded loop was not compiled through the mesh path"
@@ -236,8 +235,8 @@ def test_failover_while_timing_auto_keeps_every_token(target, placement, referen
 def test_failover_when_the_commit_fails_to_dispatch(target, placement, reference, monkeypatch):
   """A commit that fails as it is dispatched (not inside its computation): the verified
   tokens are kept and the rest of the generation runs plain steps."""
-  from jaxspec import runner
-  init = runner.HostRun.__init__
+  from jaxspec.engine import runs
+  init = runs.HostRun.__init__
   calls = {"n": 0}
 
   def patched(self, *a, **kw):
@@ -251,7 +250,7 @@ def test_failover_when_the_commit_fails_to_dispatch(target, placement, reference
       return exe(*args)
     self.commit_exe = commit
 
-  monkeypatch.setattr(runner.HostRun, "__init__", patched)
+  monkeypatch.setattr(runs.HostRun, "__init__", patched)
   out = speculative_generate(target, NGram(), PROMPTS, max_new_tokens=N_NEW, num_draft_tokens=3,
                              stop_ids=(), placement=placement)
   np.testing.assert_array_equal(out.tokens, reference.tokens)

@@ -296,7 +296,8 @@ def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, 
   """The target's cache goes into the previous call's buffers (donated); rejected drafts and
   earlier calls leave entries past each row's length there, and none of them changes a token,
   greedy or sampled (the draft model's own cache is allocated per call)."""
-  from jaxspec.runner import _CACHE_POOL, prepare_prompts
+  from jaxspec.engine import DEFAULT
+  from jaxspec.engine.io import prepare_prompts
   d = _drafter(name, tiny_target, poor_draft)
   ml = prepare_prompts(tiny_target, PROMPTS, N_NEW, extra=3 + 1).max_len
   kw = dict(max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=())
@@ -307,7 +308,7 @@ def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, 
     out = speculative_generate(tiny_target, d, PROMPTS, **extra, **kw)
     assert all(a.is_deleted() for a in kept)  # donated, not copied
     np.testing.assert_array_equal(out.tokens, want)
-  (k, _), = _CACHE_POOL.values()  # kept for the next call
+  (k, _), = DEFAULT.buffers.values()  # kept for the next call
   assert k.shape[1] == len(PROMPTS) and k.shape[3] == ml
 
 

@@ -118,7 +118,7 @@ def _units(encoded: Mapping[str, list[Any]], batch_sizes: Sequence[int]) -> list
   still share the machine's slow spells; ordered this way each compiled loop is needed for one
   stretch of the run, so when the process nears vm.max_map_count the programs released are
   those of finished lengths rather than ones compiled again for the next unit."""
-  from jaxspec.runner import round_up
+  from jaxspec.engine.io import round_up
   units = [(b, cat, g, group) for b in batch_sizes for cat, ps in encoded.items()
            for g, group in enumerate(_groups(ps, b))]
   return sorted(units, key=lambda u: (batch_sizes.index(u[0]),
@@ -146,7 +146,8 @@ def run_bench(s: Settings, argv: Sequence[str] | None = None) -> dict[str, Any]:
   out_dir = Path(s.out)
   out_dir.mkdir(parents=True, exist_ok=True)
 
-  from jaxspec.runner import programs_released, stop_ids_for
+  from jaxspec.engine import programs_released
+  from jaxspec.engine.io import stop_ids_for
   from jaxspec.models.errors import CheckpointError
   from jaxspec.models.loading import load
   from jaxspec.train.data import encode_prompts, make_progress

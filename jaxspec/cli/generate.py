@@ -257,9 +257,9 @@ def cmd_generate(args) -> int:
                         min_p=args.min_p)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  from jaxspec import runner
+  from jaxspec import engine
   from jaxspec.cli.status import StatusLine
-  with StatusLine() as status, runner.progress(status.phase):
+  with StatusLine() as status, engine.progress(status.phase):
     return _generate(args, prompts, sampling, status)
 
 

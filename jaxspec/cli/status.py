@@ -1,6 +1,6 @@
 """A status line on stderr while a command waits: what it is doing and for how long.
 
-    with StatusLine() as status, runner.progress(status.phase):
+    with StatusLine() as status, engine.progress(status.phase):
       status.phase("loading the model")
       ...
 

@@ -12,7 +12,7 @@ Three pieces, each a pure function over arrays so they run inside the jitted loo
 * **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
   every compiled width k (k = 0 is a plain one-token decode step), and how they grow per cached
   position: measured at start-up on the actual batch, cache size and drafter, at the prompt's
-  length and at a short cache (`jaxspec.runner.measure_costs`), or given (`CostModel`). The
+  length and at a short cache (`jaxspec.engine.costs.measure_costs`), or given (`CostModel`). The
   controller weighs them at the longest live row's current length.
 * **The controller.** With E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a[b, i] the expected tokens a
   live row emits when k drafts are verified (at most as many as the drafter really proposed),

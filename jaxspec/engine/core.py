@@ -1,0 +1,422 @@
+"""The `Engine`: what jaxspec keeps between calls on the host (compiled programs, the last call's
+cache buffers, drafter weights copied onto a target's mesh, measured cost models, its compiler
+options and progress listeners), and the four calls that use it. `DEFAULT` is the one the
+public functions of `jaxspec.api` use; `Engine()` is a fresh one (a test's, a benchmark's with
+other compiler options).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import gc
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding import fused, plain
+from jaxspec.decoding.functional import as_key
+from jaxspec.decoding.plain import DecodeState
+from jaxspec.decoding.step import SpecState
+from jaxspec.engine import io
+from jaxspec.engine.runs import SpecRun, placed_run
+from jaxspec.models.llama import LlamaLM, init_cache
+from jaxspec.models.model import Model
+from jaxspec.sampling import resolve_sampling
+from jaxspec.sharding.rules import place_drafter
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+  """What `generate` and `speculative_generate` return.
+
+  Attributes:
+    tokens: [B, max_new_tokens] int32 new tokens; -1 past each row's length.
+    lengths: [B] number of new tokens per row (a stop token, when hit, is included).
+    prompt_lengths: [B] prompt tokens per row.
+    texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer.
+    stats: timing and, for speculative decoding, acceptance statistics.
+    logprobs: [B, max_new_tokens] float32 (with logprobs=True) the target's log-probability of
+      each new token under the sampling parameters (log_softmax of the processed logits; greedy
+      rows unscaled); 0 past each row's length.
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  prompt_lengths: np.ndarray
+  texts: list[str] | None = None
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+  logprobs: np.ndarray | None = None
+
+  def row(self, b: int) -> list[int]:
+    """Row b's new tokens as a list."""
+    return self.tokens[b, : self.lengths[b]].tolist()
+
+
+# An unrolled 30-layer speculative loop for SmolLM2 keeps about 6,000-7,500 memory mappings while
+# its executable lives (XLA CPU maps each kernel's code and data), and Linux refuses new mappings
+# past vm.max_map_count (default 65,530) with LLVM's "Cannot allocate memory" mid-compilation,
+# however much RAM is free. Past this fraction of the limit, the least recently used programs
+# are released before compiling another (the rest leaves room for two such loops).
+MAP_PRESSURE = 0.75
+
+
+def map_usage() -> tuple[int, int] | None:
+  """(memory mappings of this process, vm.max_map_count) on Linux; None where unknown."""
+  try:
+    with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+      used = sum(1 for _ in f)
+  except (OSError, ValueError):
+    return None
+  return used, limit
+
+
+def _over_pressure(usage: tuple[int, int] | None) -> bool:
+  return usage is not None and usage[0] > MAP_PRESSURE * usage[1]
+
+
+# What a status line calls each program while it compiles (`Engine.progress`).
+_PROGRAMS = {"spec-init": "the prefill", "spec-loop": "the speculative loop",
+             "stream-init": "the prefill", "stream-loop": "the decode loop",
+             None: "the decode loop", "host-verify": "the target's verify program"}
+
+
+class Engine:
+  """Compiles, keeps and runs the programs of `generate` and `speculative_generate`.
+
+  Everything jaxspec keeps between calls is held here, so a fresh `Engine()` starts from
+  nothing and `reset` returns one to that: the compiled programs (least recently used first
+  out), the cache buffers of the last call (donated to the next call of the same shapes), the
+  drafter weights copied onto a target's mesh, and the cost models measured for "auto".
+
+  Args:
+    compiler_options: XLA options for the programs it compiles, by backend name
+      ({"cpu": {"xla_cpu_...": ...}}); per program, so a user's own programs and flags are
+      untouched. Default: XLA's defaults.
+  """
+
+  def __init__(self, *, compiler_options: Mapping[str, Mapping[str, Any]] | None = None):
+    self.compiler_options = {b: dict(o) for b, o in (compiler_options or {}).items()}
+    self.programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    self.buffers: dict[Any, tuple[jax.Array, jax.Array]] = {}
+    self.placed: dict[Any, Any] = {}
+    self.cost_models: dict[Any, Any] = {}
+    self.listeners: list[Callable[[str | None], None]] = []
+    self.released = 0  # programs released so far (`release_compiled`), for reports
+    self.warned_release = False
+
+  def reset(self) -> None:
+    """Drops everything kept (programs, buffers, placed weights, cost models)."""
+    self.release_compiled()
+    self.release_cache_buffers()
+    self.placed.clear()
+    self.cost_models.clear()
+
+  # -- compiled programs
+
+  def options(self) -> dict[str, Any]:
+    """The XLA options `compile` passes for the default backend (empty: XLA's defaults)."""
+    return dict(self.compiler_options.get(jax.default_backend(), {}))
+
+  def compile(self, fn, key_extra, *args, jit_kwargs: dict | None = None, **static):
+    """AOT-compiles `fn` for these argument shapes once; returns (executable, compile seconds).
+
+    With `jit_kwargs` (in_shardings, out_shardings, donate_argnums for a sharded model), `fn`
+    is the plain function and is jitted with them; `key_extra` must then name the layout (the
+    `ModelSharding`), which is part of the cache key.
+
+    The programs are kept for reuse, least recently used first out: when the process nears
+    Linux's vm.max_map_count (`MAP_PRESSURE`), older programs are released before compiling
+    (`release_compiled`), so a long session that compiles many loops recompiles instead of
+    failing.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    options = self.compiler_options.get(jax.default_backend(), {})
+    sig = (fn, key_extra, tuple(sorted(options.items())), treedef,
+           tuple((a.shape, str(a.dtype)) if hasattr(a, "shape") else a for a in leaves),
+           tuple(sorted(static.items())))
+    try:
+      hash(sig)
+    except TypeError:
+      sig = repr(sig)
+    if sig in self.programs:
+      self.programs.move_to_end(sig)
+      return self.programs[sig], 0.0
+    self._relieve_map_pressure()
+    name = key_extra[0] if isinstance(key_extra, tuple) else key_extra
+    self.report("compiling " + _PROGRAMS.get(
+        name, f"the {name} program" if isinstance(name, str) else "a program"))
+    t0 = time.perf_counter()
+    try:
+      if jit_kwargs is not None:  # jit with shardings takes no keyword arguments: bind them
+        exe = jax.jit(functools.partial(fn, **static), **jit_kwargs).lower(*args).compile(
+            compiler_options=options or None)
+      else:
+        exe = fn.lower(*args, **static).compile(compiler_options=options or None)
+    finally:
+      self.report(None)
+    self.programs[sig] = exe
+    return exe, time.perf_counter() - t0
+
+  def release_compiled(self, keep: int = 0) -> int:
+    """Drops all but the `keep` most recently used compiled programs, and JAX's own caches
+    (which hold the same executables), so their memory and mappings are returned; a later call
+    compiles again. Returns the number dropped."""
+    n = max(len(self.programs) - keep, 0)
+    self.released += n
+    for _ in range(n):
+      self.programs.popitem(last=False)
+    jax.clear_caches()
+    gc.collect()
+    return n
+
+  def _relieve_map_pressure(self) -> None:
+    if not _over_pressure(map_usage()):
+      return
+    keep, total = len(self.programs) // 2, 0
+    while True:
+      dropped = self.release_compiled(keep)
+      total += dropped
+      usage = map_usage()
+      if not _over_pressure(usage) or keep == 0:
+        break
+      keep //= 2
+    if _over_pressure(usage):
+      warnings.warn(
+          f"this process holds {usage[0]} memory mappings of vm.max_map_count={usage[1]} even"
+          f" after releasing jaxspec's compiled programs (the last release dropped {dropped});"
+          " compiling more may fail with LLVM's 'Cannot allocate memory'. Raise the limit (`sudo"
+          " sysctl -w vm.max_map_count=262144`) or drop references to old outputs and"
+          " executables.", RuntimeWarning, stacklevel=3)
+    elif usage is not None and not self.warned_release:  # once: they compile again when used
+      self.warned_release = True
+      warnings.warn(
+          f"released {total} compiled programs: this process neared vm.max_map_count="
+          f"{usage[1]} (XLA CPU maps every kernel of a program); they compile again when next"
+          " used. To keep them, raise the limit (`sudo sysctl -w vm.max_map_count=262144`).",
+          RuntimeWarning, stacklevel=3)
+
+  # -- kept buffers and weights
+
+  def take_cache_buffers(self, cfg, batch_size: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+    """(k, v) buffers [L, B, G, max_len, K] for a prefill to donate: the kept ones of the last
+    call when the shapes match, else `init_cache`'s zeros (the kept ones are freed first)."""
+    bufs = self.buffers.pop((cfg, batch_size, max_len, str(cfg.act_dtype)), None)
+    self.buffers.clear()
+    if bufs is not None and not any(b.is_deleted() for b in bufs):
+      return bufs
+    cache = init_cache(cfg, batch_size, max_len)
+    return cache.k, cache.v
+
+  def keep_cache_buffers(self, cfg, k: jax.Array, v: jax.Array) -> None:
+    """Keeps a finished call's cache arrays for the next call of the same shapes."""
+    self.buffers.clear()
+    self.buffers[(cfg, k.shape[1], k.shape[3], str(k.dtype))] = (k, v)
+
+  def release_cache_buffers(self) -> int:
+    """Frees the kept cache buffers; returns the bytes released."""
+    n = sum(a.nbytes for bufs in self.buffers.values() for a in bufs)
+    self.buffers.clear()
+    return n
+
+  def place_drafter_params(self, target: Model, drafter):
+    """The drafter's weights on the target's mesh, for the fused loop of a sharded target
+    (`jaxspec.sharding.rules.place_drafter`), copied once per (drafter weights, mesh) and
+    reused."""
+    dparams, sh = drafter.params, target.sharding
+    if dparams is None or sh is None:
+      return dparams
+    key = (id(dparams), sh)
+    hit = self.placed.get(key)
+    if hit is not None and hit[0] is dparams:
+      return hit[1]
+    placed = place_drafter(drafter, sh)
+    if len(self.placed) >= 8:
+      self.placed.clear()
+    self.placed[key] = (dparams, placed)
+    return placed
+
+  # -- progress: what a call is doing while the user waits (compiling, measuring)
+
+  @contextlib.contextmanager
+  def progress(self, listener: Callable[[str | None], None]):
+    """Calls `listener(phase)` as calls start a slow phase ("compiling the speculative loop",
+    "measuring the step cost of each k") and `listener(None)` when it ends, inside the block."""
+    self.listeners.append(listener)
+    try:
+      yield
+    finally:
+      self.listeners.remove(listener)
+
+  def report(self, phase: str | None) -> None:
+    for listener in list(self.listeners):
+      listener(phase)
+
+  # -- the calls (`jaxspec.api` documents their arguments)
+
+  def generate(self, model: Model, prompts, *, max_new_tokens: int, sampling=None, key=None,
+               stop_ids=None, max_len: int | None = None, temperature: float | None = None,
+               logprobs: bool = False) -> GenerateOutput:
+    """`jaxspec.generate`: plain decoding of a batch, one compiled program."""
+    if temperature is not None:
+      sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
+    sp_user = resolve_sampling(sampling)
+    prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len)
+    stops = io.stop_ids_for(model, stop_ids)
+    b = prep.tokens.shape[0]
+    args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
+            sp_user.arrays(b), as_key(key, b))
+    static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len,
+                  max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=bool(logprobs))
+    sh = model.sharding
+    if sh is None:  # the cache in the previous call's buffers (`take_cache_buffers`)
+      args += (self.take_cache_buffers(model.cfg, b, prep.max_len),)
+      exe, compile_s = self.compile(plain.generate_jit, None, *args, **static)
+    else:  # the weights' mesh: batch rows data-parallel, outputs batch-sharded
+      sh.check_batch(b)
+      in_sh = io.in_shardings_for(sh, args)
+      jit_kwargs = dict(in_shardings=in_sh,
+                        out_shardings=(sh.batch(2), sh.batch(1), sh.replicated(), None,
+                                       sh.batch(2) if logprobs else None))
+      exe, compile_s = self.compile(plain.generate_program, sh, *args, jit_kwargs=jit_kwargs,
+                                    **static)
+      # Global arrays on the mesh (on several hosts every process passes the same prompts).
+      args = io.put_global(args, in_sh)
+    t0 = time.perf_counter()
+    tokens, n_out, steps, bufs, lp = jax.block_until_ready(exe(*args))
+    dt = time.perf_counter() - t0
+    if bufs is not None:
+      self.keep_cache_buffers(model.cfg, *bufs)
+    tokens, n_out, lp = io.to_host((tokens, n_out, lp))
+    new = int(n_out.sum())
+    stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
+                 tokens_per_second=new / dt if dt > 0 else float("inf"),
+                 target_passes=int(steps) + 1, batch_size=b)
+    return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths,
+                          logprobs=lp, texts=io.decode_texts(model, tokens, n_out), stats=stats)
+
+  def generate_stream(self, model: Model, prompt, *, max_new_tokens: int, chunk: int,
+                      sampling=None, key=None,
+                      stop_ids=None) -> Iterator[tuple[list[int], dict[str, Any]]]:
+    """`jaxspec.generate_stream`: plain decoding, yielding row 0's new tokens every `chunk`
+    steps."""
+    sp_user = resolve_sampling(sampling)
+    chunk = io.check_chunk(chunk)
+    prep = io.prepare_prompts(model, prompt, max_new_tokens)
+    stops = io.stop_ids_for(model, stop_ids)
+    b = prep.tokens.shape[0]
+    sp = sp_user.arrays(b)
+    init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
+                 as_key(key, b), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
+    init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args)
+    state0 = jax.eval_shape(plain.init_decode_jit, *init_args)
+    loop_exe, c2 = self.compile(plain.decode_loop_jit, "stream-loop", model.params, state0, sp,
+                                jnp.int32(0), LlamaLM(model.cfg), int(max_new_tokens), stops)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(init_exe(*init_args[:5]))
+    for new, info in _stream(lambda s, until: loop_exe(model.params, s, sp, until),
+                             _view_decode, state, chunk, t0):
+      info["compile_seconds"] = c1 + c2
+      yield new, info
+
+  def speculative_generate(self, target: Model, drafter, prompts, *, max_new_tokens: int,
+                           num_draft_tokens, placement=None, **options) -> GenerateOutput:
+    """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`.
+    `options` are `io.prepare_spec`'s."""
+    req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                          num_draft_tokens=num_draft_tokens, **options)
+    run = SpecRun(self, req) if placement is None else placed_run(self, req, placement)
+    t0 = time.perf_counter()
+    state = run.start()
+    state = run.target_state(run.loop(state, run.max_steps))
+    outs = jax.block_until_ready(fused.outputs_jit(state, req.max_new_tokens))
+    dt = time.perf_counter() - t0 - run.profile_seconds
+    run.finish(state)
+    toks, n_out, *lp = io.to_host(outs)
+    stats = run.stats(state.stats)
+    new = int(n_out.sum())
+    stats.update(seconds=dt, new_tokens=new,
+                 tokens_per_second=new / dt if dt > 0 else float("inf"))
+    return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=req.prep.lengths,
+                          texts=io.decode_texts(target, toks, n_out), stats=stats,
+                          logprobs=lp[0] if lp else None)
+
+  def speculative_stream(self, target: Model, drafter, prompt, *, max_new_tokens: int,
+                         num_draft_tokens, chunk: int, **options):
+    """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps.
+    `options` are `io.prepare_spec`'s."""
+    chunk = io.check_chunk(chunk)
+    run = SpecRun(self, io.prepare_spec(target, drafter, prompt, max_new_tokens=max_new_tokens,
+                                        num_draft_tokens=num_draft_tokens, **options))
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(run.start())
+    t0 += run.profile_seconds
+
+    def view(s: SpecState):
+      p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
+      return (np.asarray(s.seq)[0, p0:n0], bool(np.asarray(s.done).all()),
+              int(s.stats.target_passes))
+
+    for new, info in _stream(run.loop, view, state, chunk, t0):
+      s = info.pop("state")
+      info["stats"] = run.stats(s.stats)
+      info["compile_seconds"] = run.compile_seconds
+      info["profile_seconds"] = run.profile_seconds
+      yield new, info
+    run.finish(s)
+
+
+def _stream(step_fn: Callable, view: Callable, state, chunk: int, t0: float):
+  """Yields (newly emitted tokens of row 0, info) after the prefill and after every chunk.
+
+  `view(state)` -> (all new tokens of row 0 so far, every row done?, steps so far).
+  """
+  emitted = 0
+  first_s = time.perf_counter() - t0
+  while True:
+    toks, done, steps = view(state)
+    new, emitted = toks[emitted:].tolist(), len(toks)
+    yield new, dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0, state=state)
+    if done:
+      return
+    state = jax.block_until_ready(step_fn(state, jnp.int32(steps + chunk)))
+
+
+def _view_decode(s: DecodeState):
+  n = int(np.asarray(s.n_out)[0])
+  return np.asarray(s.tokens)[0, :n], bool(np.asarray(s.done).all()), int(s.steps)
+
+
+DEFAULT = Engine()  # the engine of `jaxspec.api`'s functions
+
+
+def release_compiled(keep: int = 0) -> int:
+  """Drops all but the `keep` most recently used compiled programs of the default engine, and
+  JAX's own caches (which hold the same executables), so their memory and mappings are
+  returned; a later call compiles again. Returns the number dropped."""
+  return DEFAULT.release_compiled(keep)
+
+
+def release_cache_buffers() -> int:
+  """Frees the default engine's kept cache buffers; returns the bytes released."""
+  return DEFAULT.release_cache_buffers()
+
+
+def programs_released() -> int:
+  """How many compiled programs the default engine has released so far (`release_compiled`)."""
+  return DEFAULT.released
+
+
+def progress(listener: Callable[[str | None], None]):
+  """`Engine.progress` of the default engine: `listener(phase)` as its calls start a slow phase
+  and `listener(None)` as it ends, inside the block."""
+  return DEFAULT.progress(listener)

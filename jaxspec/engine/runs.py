@@ -1,0 +1,433 @@
+"""The runs of a speculative call: `SpecRun` compiles and drives the fused loop (one program on
+the target's devices or mesh), `HostRun` the two-mesh loop of a `Placement` (the drafter's
+programs on one mesh, the target's on another, the host handing small arrays across, and a
+drafter that fails handing the rest of the generation to plain target steps: `Failover`);
+`summarize_stats` turns the loop's counters into the statistics a call returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding import fused, host
+from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.functional import as_key
+from jaxspec.decoding.step import SpecState, SpecStats, costs_array
+from jaxspec.engine.costs import MIN_COST_SPAN, longest, measure_costs, state_at_length
+from jaxspec.engine.io import SpecRequest, put_global, shardings_of, to_host
+from jaxspec.models.llama import LlamaLM, init_cache
+from jaxspec.sharding import placement as placement_lib
+from jaxspec.sharding.placement import Placement
+from jaxspec.sharding.rules import ModelSharding, place_drafter
+
+
+def placed_run(engine, req: SpecRequest, placement: Placement) -> SpecRun:
+  """The run a Placement chooses: the target laid out on its mesh, the drafter in its precision;
+  the fused loop where both meshes are one, else the host-orchestrated `HostRun`."""
+  if not isinstance(placement, Placement):
+    raise ValueError(f"placement must be a jaxspec.sharding.Placement, got"
+                     f" {type(placement).__name__}")
+  if req.drafter.tree is not None and not placement.fused:
+    raise ValueError(f"the {req.drafter.name} drafter drafts a tree, which runs in the fused loop"
+                     " only: place the drafter on the target's mesh (Placement(target=mesh,"
+                     " drafter=mesh)) or use drafter.with_tree(None) for chains")
+  target = placement_lib.place_target(req.target, placement)
+  target.sharding.check_batch(req.prep.tokens.shape[0])
+  req = dataclasses.replace(req, target=target, drafter=placement_lib.drafter_in_precision(
+      req.drafter, placement.drafter_precision))
+  return (SpecRun if placement.fused else HostRun)(engine, req, placement)
+
+
+class SpecRun:
+  """The compiled prefill and loop of one call (its `SpecRequest`), and the cost model for
+  "auto", on `engine` (a `jaxspec.engine.Engine`: its compiled programs, kept buffers and cost
+  models).
+
+  For a target sharded with `jaxspec.sharding.shard_model`, both programs are compiled with
+  in_shardings/out_shardings on its mesh: rows over the batch axis, caches by the rules.
+  `HostRun` shares this construction and compiles its own programs (`_compile`).
+  """
+
+  pooled = False  # the target's cache goes into kept buffers (unsharded fused runs)
+
+  def __init__(self, engine, req: SpecRequest, placement: Placement | None = None):
+    self.engine, self.placement = engine, placement  # the Placement that chose it, if one did
+    self.target, self.drafter, self.prep, self.policy = (req.target, req.drafter, req.prep,
+                                                         req.policy)
+    self.batch = req.prep.tokens.shape[0]
+    self.max_steps = req.max_new_tokens + 1
+    self.cost = req.cost
+    self.costs = costs_array(req.policy, req.cost)
+    self.profile_seconds = 0.0
+    self.failover: Failover | None = None  # a two-mesh run's fall back to plain steps
+    self.static = dict(lm=LlamaLM(req.target.cfg), drafter=req.drafter, policy=req.policy,
+                       max_new_tokens=req.max_new_tokens, stop_ids=req.stop_ids)
+    # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
+    self.init_static = dict(max_len=req.prep.max_len,
+                            seq_cap=req.prep.max_len + req.policy.k_max + 1,
+                            max_steps=self.max_steps, **self.static)
+    # The cost models measured for "auto" are kept per these shapes and layouts.
+    self.cost_key = (req.target.cfg, req.drafter, self.batch, req.prep.tokens.shape[1],
+                     req.prep.max_len, req.policy.buckets, repr(req.sampling),
+                     req.target.sharding)
+    self.compile_seconds = self._compile(req)
+
+  def _compile(self, req: SpecRequest) -> float:
+    """Compiles the fused prefill and loop; returns the seconds spent compiling."""
+    target, prep, b = req.target, req.prep, self.batch
+    sh = target.sharding
+    self.sp = req.sampling.arrays(b)
+    self.tparams = target.params
+    # Sharded, the drafter's weights are copied onto the target's mesh (once, by the engine).
+    self.dparams = (req.drafter.params if sh is None else
+                    self.engine.place_drafter_params(target, req.drafter))
+    self.init_args = (self.tparams, self.dparams, jnp.asarray(prep.tokens),
+                      jnp.asarray(prep.lengths), self.sp, as_key(req.key, b))
+    # Unsharded, the target's cache is written into the previous call's buffers (donated):
+    # `take_cache_buffers` at start, `keep_cache_buffers` when the call ends.
+    self.pooled = sh is None
+    bufs = None
+    if self.pooled:
+      c = jax.eval_shape(functools.partial(init_cache, target.cfg, b, prep.max_len))
+      bufs = (c.k, c.v)
+    state0 = jax.eval_shape(functools.partial(fused.spec_init_jit, **self.init_static),
+                            *self.init_args, bufs)
+    loop_args = (self.tparams, self.dparams, state0, self.sp, self.costs, jnp.int32(0),
+                 jnp.int32(-1))
+    compile = self.engine.compile
+    if sh is None:
+      self.init_exe, c1 = compile(fused.spec_init_jit, "spec-init", *self.init_args, bufs,
+                                  **self.init_static)
+      self.loop_exe, c2 = compile(fused.spec_loop_jit, "spec-loop", *loop_args, **self.static)
+      return c1 + c2
+    sh.check_batch(b)
+    st_sh = sh.state(state0, b)
+    p_sh = (shardings_of(self.tparams), shardings_of(self.dparams))
+    rep = sh.replicated()
+    init_in = (*p_sh, sh.batch(2), sh.batch(1), sh.state(self.sp, b), rep)
+    self.init_exe, c1 = compile(fused.spec_init, ("spec-init", sh), *self.init_args,
+                                jit_kwargs=dict(in_shardings=init_in, out_shardings=st_sh),
+                                **self.init_static)
+    # Global arrays on the mesh (on several hosts every process passes the same prompts).
+    self.init_args = put_global(self.init_args, init_in)
+    self.sp = self.init_args[4]
+    loop_in = (*p_sh, st_sh, sh.state(self.sp, b), rep, rep, rep)
+    self.loop_exe, c2 = compile(fused.spec_loop, ("spec-loop", sh), *loop_args,
+                                jit_kwargs=dict(in_shardings=loop_in, out_shardings=st_sh,
+                                                donate_argnums=(2,)), **self.static)
+    return c1 + c2
+
+  def start(self) -> SpecState:
+    """Prefill; with "auto" and no cost model, times every k from the prefilled state once
+    (kept by the engine per shapes), excluded from the generation time."""
+    if self.pooled:
+      state = self.init_exe(*self.init_args, self.engine.take_cache_buffers(
+          self.target.cfg, self.batch, self.prep.max_len))
+    else:
+      state = self.init_exe(*self.init_args)
+    if self.policy.auto and self.cost is None:
+      self._measure_costs(state, self.loop_exe, self.sp)
+    return state
+
+  def finish(self, state: SpecState) -> None:
+    """Keeps the finished call's target cache for the next call of the same shapes."""
+    if self.pooled:
+      self.engine.keep_cache_buffers(self.target.cfg, state.cache.k, state.cache.v)
+
+  def _measure_costs(self, state, loop, sp) -> None:
+    """The engine's cost model for these shapes, or `loop` (the `measure_costs` signature)
+    timed from `state` once; `self.costs` is then its array."""
+    self.cost = self.engine.cost_models.get(self.cost_key)
+    if self.cost is None:
+      state = jax.block_until_ready(state)
+      self.engine.report("measuring the step cost of each k")
+      t0 = time.perf_counter()
+      try:
+        self.cost = measure_costs(loop, self.tparams, self.dparams, state, sp, self.policy,
+                                  batch_size=self.batch, short_state=self.short_state(state))
+      finally:
+        self.engine.report(None)
+      self.engine.cost_models[self.cost_key] = self.cost
+      self.profile_seconds = time.perf_counter() - t0
+    self.costs = costs_array(self.policy, self.cost)
+
+  def short_state(self, state: SpecState) -> SpecState | None:
+    """The state to time the costs at a short cache too, or None when the prompt is too short
+    for the difference to show (`measure_costs`). Unsharded runs only: the compiled loop of a
+    sharded one takes its state in the layout it was compiled for."""
+    short = self.policy.k_max + 2
+    if self.target.sharding is not None or longest(state) - short < MIN_COST_SPAN:
+      return None
+    return state_at_length(state, short)
+
+  def target_state(self, state: SpecState) -> SpecState:
+    return state
+
+  def loop(self, state: SpecState, until: int | jax.Array) -> SpecState:
+    return self.loop_exe(self.tparams, self.dparams, state, self.sp, self.costs,
+                         jnp.int32(until), jnp.int32(-1))
+
+  def stats(self, st: SpecStats) -> dict[str, Any]:
+    out = summarize_stats(st, self.policy.k_max)
+    out.update(compile_seconds=self.compile_seconds, profile_seconds=self.profile_seconds,
+               batch_size=self.batch,
+               num_draft_tokens="auto" if self.policy.auto else self.policy.k_max,
+               k_max=self.policy.k_max, drafter=self.drafter.name)
+    if self.drafter.tree is not None:
+      out["tree"] = self.drafter.tree.describe()
+      out["tree_nodes"] = self.drafter.tree.num_nodes - 1
+    if self.policy.auto:  # CostModel.from_ratios(these three) is the same model
+      out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
+      out["cost_model_per_token"] = (None if self.cost.per_token is None else
+                                     dict(zip(map(str, self.cost.ks), self.cost.per_token)))
+      out["cost_model_length"] = self.cost.length
+    if self.placement is not None:
+      out.update(placement=self.placement.describe(),
+                 failover=None if self.failover is None else dataclasses.asdict(self.failover))
+    return out
+
+
+def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:
+  """Host-side statistics from the device counters."""
+  st = to_host(st)
+  passes = int(st.target_passes)
+  total_row_steps = max(float(st.row_steps.sum()), 1.0)
+  spec_steps = max(float(st.spec_row_steps.sum()), 1.0)
+  acc_at = st.accepted_at.astype(np.float64)
+  hist = st.k_history[:passes]
+  return dict(
+      target_passes=passes,
+      drafted_per_row=st.drafted.tolist(),
+      accepted_per_row=st.accepted.tolist(),
+      acceptance_rate=float(st.accepted.sum() / max(st.drafted.sum(), 1)),
+      # Unconditional (as vLLM reports): fraction of the live row-steps that verified drafts in
+      # which draft i was accepted (a step verifying fewer than i drafts counts as a miss).
+      acceptance_per_position=(acc_at / spec_steps).tolist(),
+      # Conditional: accepted at i given a real draft i was verified after i-1 accepts.
+      conditional_acceptance_per_position=np.divide(
+          acc_at, np.maximum(st.reached_at, 1)).tolist(),
+      # tau: tokens emitted per target pass of a live row, counting the bonus/correction token
+      # (plain steps, where nothing was drafted, count as passes emitting one token).
+      tau=float(st.emitted.sum() / total_row_steps),
+      plain_steps=int((hist == 0).sum()),
+      k_per_step=hist.tolist(),
+      mean_k=float(hist.mean()) if passes else 0.0,
+  )
+
+
+@dataclasses.dataclass
+class Failover:
+  step: int
+  error: str
+  action: str = "plain target decoding"
+
+
+def _short_error(e: BaseException) -> str:
+  """The exception's type, first line and (for a runtime error wrapping a traceback) its cause,
+  the last line."""
+  lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+  if not lines:
+    return type(e).__name__
+  text = lines[0][:200]
+  if len(lines) > 1:
+    text += " ... " + lines[-1][:200]
+  return f"{type(e).__name__}: {text}"
+
+
+def _forget_failed_runs(devices) -> None:
+  """JAX keeps the runtime token of the last computation with host callbacks on each device and
+  waits on it at interpreter exit; the drafter's failed one would print its (already handled)
+  error again there. The drafter's devices run nothing more after a failover, so their tokens are
+  dropped. A private JAX structure: where it is missing nothing is dropped (only the message)."""
+  try:
+    from jax._src import dispatch
+    tokens = dispatch.runtime_tokens.output_runtime_tokens
+  except (ImportError, AttributeError):
+    return
+  for d in devices:
+    tokens.pop(d, None)
+
+
+class HostRun(SpecRun):
+  """The compiled programs of a host-orchestrated generation and its loop: `SpecRun`'s
+  start / loop / stats interface (its construction, cost measurement and statistics are
+  inherited), with programs on two meshes instead of one fused loop."""
+
+  def _compile(self, req: SpecRequest) -> float:
+    """Compiles the target's prefill and verify, the drafter's init, draft (one per k) and
+    commit; returns the seconds spent (compiling and laying out)."""
+    target, drafter, prep, policy, b = req.target, req.drafter, req.prep, req.policy, self.batch
+    self.tsh = target.sharding
+    self.dsh = ModelSharding(self.placement.drafter, self.placement.rules)
+    self.tsh.check_batch(b)
+    self.dsh.check_batch(b)
+    self.tparams = target.params
+    self.dparams = place_drafter(drafter, self.dsh)
+    self.sp_t = jax.device_put(req.sampling.arrays(b), self.tsh.state(req.sampling.arrays(b), b))
+    self.sp_d = jax.device_put(req.sampling.arrays(b), self.dsh.state(req.sampling.arrays(b), b))
+    self.cost_key += ("host", self.dsh)
+    compile = self.engine.compile
+    tok, lens = jnp.asarray(prep.tokens), jnp.asarray(prep.lengths)
+    t0 = time.perf_counter()
+    # Target side: the fused loop's prefill, with a stand-in drafter that keeps the prefill's
+    # hidden states (when the real drafter reads them) as its state, for the drafter's init.
+    self.tinit_args = (self.tparams, None, tok, lens, self.sp_t, as_key(req.key, b))
+    tstatic = dict(self.init_static, drafter=host.HiddenOnly(drafter.uses_target_hidden,
+                                                             drafter.hidden_layers))
+    tstate0, hid0, fctx0 = jax.eval_shape(functools.partial(host.host_target_init, **tstatic),
+                                          *self.tinit_args)
+    t_sh = self.tsh.state(tstate0, b)
+    rep_t = self.tsh.replicated()
+    self.tinit_exe, _ = compile(
+        host.host_target_init, ("host-tinit", self.tsh), *self.tinit_args,
+        jit_kwargs=dict(in_shardings=(shardings_of(self.tparams), None, self.tsh.batch(2),
+                                      self.tsh.batch(1), self.tsh.state(self.sp_t, b), rep_t),
+                        out_shardings=(t_sh, self.tsh.state(hid0, b),
+                                       self.tsh.state(fctx0, b))),
+        **tstatic)
+    # Drafter side: its init from the prompt (and the target's prefill features).
+    self.dinit_exe, _ = compile(
+        host.host_drafter_init, ("host-dinit", self.dsh), self.dparams, tok, lens, hid0,
+        jit_kwargs=dict(in_shardings=(shardings_of(self.dparams), self.dsh.batch(2),
+                                      self.dsh.batch(1), self.dsh.state(hid0, b))),
+        drafter=drafter, max_len=prep.max_len)
+    self._tok, self._lens = tok, lens
+    dstate0 = host.shapes_of(self.dinit_exe.out_info)
+    kmax = policy.k_max
+    # The drafter's copy of the context, as the verify program returns it.
+    ctx0 = DraftContext(seq=tstate0.seq, seq_len=tstate0.seq_len, prompt_len=tstate0.prompt_len)
+    d_sh = self.dsh
+    ctx_sh = d_sh.state(ctx0, b)
+    self.draft_exes = {}
+    for k in policy.buckets:
+      if k == 0:
+        continue
+      draft_args = (self.dparams, dstate0, ctx0, tstate0.keys, self.sp_d)
+      self.draft_exes[k], _ = compile(
+          host.host_draft, ("host-draft", d_sh), *draft_args,
+          jit_kwargs=dict(in_shardings=(shardings_of(self.dparams), d_sh.state(dstate0, b),
+                                        ctx_sh, d_sh.batch(1), d_sh.state(self.sp_d, b)),
+                          # The drafter's cache is written in place (after a failure it is
+                          # not needed again).
+                          donate_argnums=(1,)),
+          drafter=drafter, k=k, kmax=kmax)
+    prop0 = host.shapes_of(self.draft_exes[kmax].out_info[0])
+    self.prop_sh_t = self.tsh.state(prop0, b)
+    verify_args = (self.tparams, tstate0, prop0, jnp.int32(0), self.sp_t, self.costs,
+                   jnp.int32(-1))
+    self.verify_exe, _ = compile(
+        host.host_verify, ("host-verify", self.tsh), *verify_args,
+        jit_kwargs=dict(in_shardings=(shardings_of(self.tparams), t_sh, self.prop_sh_t, rep_t,
+                                      self.tsh.state(self.sp_t, b), rep_t, rep_t),
+                        out_shardings=(t_sh, None, rep_t), donate_argnums=(1,)),
+        **self.static)
+    ctx_full = host.shapes_of(self.verify_exe.out_info[1])
+    self.ctx_sh_d = d_sh.state(ctx_full, b)
+    self.commit_exe, _ = compile(
+        host.host_commit, ("host-commit", d_sh), self.dparams, dstate0, ctx_full,
+        jit_kwargs=dict(in_shardings=(shardings_of(self.dparams), d_sh.state(dstate0, b),
+                                      self.ctx_sh_d), donate_argnums=(1,)),
+        drafter=drafter)
+    self.prop_zero = jax.device_put(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), prop0),
+                                    self.prop_sh_t)
+    self.d_batch1 = d_sh.batch(1)
+    return time.perf_counter() - t0
+
+  # -- running
+
+  def start(self) -> host.HostState:
+    tstate, hidden, first = self.tinit_exe(*self.tinit_args)
+    b = self.batch
+    ctx = DraftContext(seq=tstate.seq, seq_len=tstate.seq_len, prompt_len=tstate.prompt_len)
+    try:  # the drafter's half: a failure here falls back to plain steps too
+      hid_d = jax.device_put(hidden, self.dsh.state(hidden, b))
+      dstate = self.dinit_exe(self.dparams, self._tok, self._lens, hid_d)
+      dstate = jax.block_until_ready(
+          self.commit_exe(self.dparams, dstate, jax.device_put(first, self.ctx_sh_d)))
+      ctx = jax.device_put(ctx, self.dsh.state(ctx, b))
+    except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
+      self._fail_over(0, e)
+      dstate = None
+    # idx is chosen below, once the costs are known (timing forces every bucket itself).
+    state = host.HostState(t=tstate, d=dstate, ctx=ctx,
+                           keys=jax.device_put(tstate.keys, self.d_batch1), idx=jnp.int32(0))
+    if self.policy.auto and self.cost is None:
+      self._measure_costs(state, self._loop_for_costs, self.sp_t)
+    return dataclasses.replace(state, idx=host.host_choose_jit(
+        state.t, self.costs, policy=self.policy, max_new_tokens=int(self.max_steps - 1)))
+
+  def target_state(self, state: host.HostState):
+    return state.t
+
+  def short_state(self, state: host.HostState) -> None:
+    return None  # two meshes: timed at the prompt's length only
+
+  def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
+    # A drafter that fails while the cost model is timed fails over as in the loop: the
+    # generation then runs plain steps, and the timings (of plain steps) go unused.
+    return self._run(state, int(until), int(force_idx), costs)
+
+  def _fail_over(self, step: int, e: BaseException) -> None:
+    """Records the drafter's failure; from now on every step is a plain target step."""
+    if self.failover is None:
+      self.failover = Failover(step=step, error=_short_error(e))
+      _forget_failed_runs(set(self.dsh.mesh.devices.flat) - set(self.tsh.mesh.devices.flat))
+
+  def loop(self, state: host.HostState, until) -> host.HostState:
+    return self._run(state, int(until), -1, self.costs)
+
+  def _run(self, state: host.HostState, until: int, force_idx: int, costs):
+    force = jnp.int32(force_idx)
+    n = int(state.t.stats.target_passes)
+    while n < until and not bool(np.asarray(state.t.done).all()):
+      if self.failover is not None:
+        state = self._plain_step(state, costs)
+      else:
+        # The bucket is read on the host (the verify that chose it has finished: the drafter's
+        # state depends on it), so each draft count runs its own program.
+        i = int(state.idx) if force_idx < 0 else force_idx
+        k = self.policy.buckets[i]
+        idx_t = jnp.int32(i)
+        try:
+          # The one wait of a step: the verify needs the proposal anyway, and a drafter that
+          # failed fails here, before the target has consumed anything.
+          if k == 0:
+            prop, dstate = self.prop_zero, state.d
+          else:
+            prop, dstate = jax.block_until_ready(self.draft_exes[k](
+                self.dparams, state.d, state.ctx, state.keys, self.sp_d))
+        except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
+          self._fail_over(n, e)
+          state = self._plain_step(state, costs)
+          n += 1
+          continue
+        prop_t = jax.device_put(prop, self.prop_sh_t)
+        tstate, ctx, nxt = self.verify_exe(self.tparams, state.t, prop_t, idx_t, self.sp_t, costs,
+                                           force)
+        try:  # the commit's dispatch can fail too: the verified tokens are kept either way
+          ctx_d = jax.device_put(ctx, self.ctx_sh_d)
+          dstate = self.commit_exe(self.dparams, dstate, ctx_d)
+        except Exception as e:  # noqa: BLE001 - any failure of the drafter's computation
+          self._fail_over(n + 1, e)
+          state = dataclasses.replace(state, t=tstate)
+          n += 1
+          continue
+        state = host.HostState(t=tstate, d=dstate,
+                               ctx=DraftContext(seq=ctx_d.seq, seq_len=ctx_d.seq_len,
+                                                prompt_len=ctx_d.prompt_len),
+                               keys=state.keys, idx=nxt)
+      n += 1
+    return state
+
+  def _plain_step(self, state: host.HostState, costs) -> host.HostState:
+    """After a failover: a plain target step, the drafter's half of the state left behind."""
+    tstate, _, _ = self.verify_exe(self.tparams, state.t, self.prop_zero, jnp.int32(0), self.sp_t,
+                                   costs, jnp.int32(0))
+    return dataclasses.replace(state, t=tstate)
