@@ -36,7 +36,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from test_checkpoints import add_tiny_tokenizer, tiny_vocab
+from helpers import add_tiny_tokenizer, tiny_vocab
 
 # Shared sizes. VOCAB must hold the tiny GGUF tokenizer (`tiny_vocab`: 3 special tokens, 256
 # bytes and 5 merges); its bos / eos ids are 1 / 2 (`add_tiny_tokenizer`), the configs' too.

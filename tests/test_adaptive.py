@@ -15,7 +15,7 @@ from jaxspec.drafters import DraftModel, NGram
 from jaxspec.api import generate
 from jaxspec.sampling import Sampling
 from jaxspec.api import speculative_generate
-from test_speculative import _exact_joint, assert_first_tokens_follow, small_vocab  # noqa: F401
+from helpers import assert_first_tokens_follow, exact_joint
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
@@ -342,7 +342,7 @@ def test_auto_sampling_distribution(small_vocab):  # noqa: F811
                              sampling=sp, num_draft_tokens="auto", auto=AutoK(k_max=2),
                              cost=FLAT, key=99, max_len=16)  # a small cache for 20000 rows
   assert out.stats["k_per_step"][0] == 2  # free drafts: it verified two at first
-  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], exact_joint(target, prompt, sp))
 
 
 def test_draft_confidence_early_stop(tiny_target, poor_draft, reference):

@@ -6,6 +6,7 @@ gets past the checks ends there (a valid call, for the fuzz; a missed check, for
 list), so nothing is compiled and the whole module runs in seconds."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import DraftModel, NGram, Sampling
+from jaxspec import AutoK, DraftModel, NGram, Sampling, generate, speculative_generate
+from jaxspec.api import generate_stream, speculative_stream
 from jaxspec.decoding import decode, functional, speculative_decode
 from jaxspec.sampling import row_keys
 
@@ -198,3 +200,32 @@ def test_seeded_fuzz_of_mutated_calls_ends_in_value_errors_or_valid_calls(tiny_t
     except Exception as e:  # noqa: BLE001 - any other type is the failure under test
       raise AssertionError(f"call {i}: {kind} with {name}={value!r}: {type(e).__name__}: {e}")
   assert outcomes["ValueError"] > 150 and outcomes["valid"] > 10, outcomes
+
+
+# The fixed list's prompts (sizes multiply them).
+ROWS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda m: generate(m, ROWS, max_new_tokens=10**18), "max_new_tokens"),
+    (lambda m: generate(m, ROWS, max_new_tokens=4, max_len=10**9), "max_len"),
+    (lambda m: generate(m, ROWS * 4000, max_new_tokens=2**24 - 64), "KV cache|positions"),
+    (lambda m: speculative_generate(m, "ngram", ROWS, num_draft_tokens=10**6), "num_draft"),
+    (lambda m: speculative_generate(m, "ngram", ROWS, auto=AutoK(k_max=10**6)), "k_max"),
+    (lambda m: NGram(max_ngram=100000), "max_ngram"),
+    (lambda m: next(generate_stream(m, ROWS[0], chunk=0)), "chunk"),
+    (lambda m: next(speculative_stream(m, "ngram", ROWS[0], chunk=-1)), "chunk"),
+    (lambda m: generate(m, ROWS, key="abc"), "key"),
+    (lambda m: generate(m, ROWS, key=10**30), "key"),
+    (lambda m: generate(m, ROWS, stop_ids=[2**40]), "stop_ids"),
+    (lambda m: generate(m, ROWS, stop_ids="2"), "stop_ids"),
+    (lambda m: generate("smollm2", ROWS), "jaxspec Model"),
+    (lambda m: speculative_generate("smollm2", "ngram", ROWS), "jaxspec Model"),
+    (lambda m: Sampling(temperature=1.0, top_k=2**31), "top_k"),
+    (lambda m: Sampling(temperature=float("nan")), "temperature"),
+])
+def test_bad_api_arguments_fail_fast(tiny_target, call, match):
+  t0 = time.perf_counter()
+  with pytest.raises(ValueError, match=match):
+    call(tiny_target)
+  assert time.perf_counter() - t0 < 5, "refused only after compiling or allocating"

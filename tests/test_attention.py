@@ -22,7 +22,7 @@ from jaxspec.api import generate, speculative_generate
 from jaxspec.drafters import NGram
 from jaxspec.models import forward, init_cache, init_params, llama, tiny_config
 from jaxspec.models.model import Model
-from test_family_drafters import FAMILIES
+from helpers import FAMILIES
 
 
 def _attend(cfg, block, monkeypatch, *, sliding=None, tree=False, seed=0):

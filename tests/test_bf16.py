@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from conftest import SHARED, shared_or_skip
+from helpers import SHARED, shared_or_skip
 from jaxspec.api import generate, speculative_generate
 from jaxspec.drafters import NGram, resolve_drafter
 from jaxspec.models import init_params, tiny_config

@@ -26,13 +26,13 @@ from jaxspec.models.gguf_loader import load_gguf
 from jaxspec.models.hf_loader import load_hf, save_hf
 from jaxspec.models.loading import load
 from jaxspec.models.tokenizer import MAX_VOCAB, Tokenizer
-from test_checkpoints import _tiny, write_tiny_gguf
+from helpers import tiny_checkpoint, write_tiny_gguf
 
 # -- helpers: edit a valid tiny GGUF --------------------------------------------------------------
 
 
 def _tiny_gguf(path, **kw):
-  write_tiny_gguf(path, *_tiny(), **kw)
+  write_tiny_gguf(path, *tiny_checkpoint(), **kw)
   return path
 
 
@@ -156,7 +156,7 @@ def test_overlap_and_alignment_messages(tmp_path):
 def test_general_alignment_is_honoured(tmp_path):
   """A file written with general.alignment 64 loads; an offset that is a multiple of 32 but not
   of 64 is refused, naming 64."""
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   src = tmp_path / "a64.gguf"
   orig_init = gguf.GGUFWriter.__init__
 
@@ -223,7 +223,7 @@ def test_nonfinite_in_a_quantized_tensor_is_found(tmp_path, tensor, qtype, at, v
 
 
 def _nan_hf_dir(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   save_hf((cfg, params), tmp_path / "hf")
   from safetensors.numpy import load_file, save_file
   f = tmp_path / "hf" / "model.safetensors"
@@ -425,7 +425,7 @@ def test_cli_non_string_and_hostile_templates_exit_2(tmp_path):
   line and exit code 2, no traceback."""
   exe = shutil.which("jaxspec", path=os.path.dirname(sys.executable)) or shutil.which("jaxspec")
   assert exe, "the jaxspec console script is not installed"
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   hf = tmp_path / "hf"
   save_hf((cfg, params), hf)
   gguf_tok = load_gguf(_tiny_gguf(tmp_path / "tiny.gguf")).tokenizer
@@ -447,3 +447,45 @@ def test_cli_non_string_and_hostile_templates_exit_2(tmp_path):
     assert len(errors) == 1, (name, out.stderr[-1500:])
     assert "tokenizer_config.json: chat_template" in errors[0], errors[0]
     assert time.perf_counter() - start < 120, name
+
+
+def _patch_metadata(data: bytes, key: str, fmt: str, value) -> bytes:
+  """The GGUF bytes with metadata `key`'s scalar value replaced (same type and width)."""
+  k = key.encode()
+  at = data.index(struct.pack("<Q", len(k)) + k) + 8 + len(k) + 4  # past the key and its type
+  return data[:at] + struct.pack(fmt, value) + data[at + struct.calcsize(fmt):]
+
+
+def test_gguf_metadata_that_used_to_load_and_misbehave(tmp_path):
+  src = tmp_path / "tiny.gguf"
+  write_tiny_gguf(src, *tiny_checkpoint())
+  data = src.read_bytes()
+  cases = {"block_count": ("llama.block_count", "<I", 2**31, "block_count"),
+           "nan freq_base": ("llama.rope.freq_base", "<f", float("nan"), "freq_base"),
+           "negative eps": ("llama.attention.layer_norm_rms_epsilon", "<f", -1.0, "rms_norm_eps"),
+           "zero context": ("llama.context_length", "<I", 0, "max_position_embeddings")}
+  for name, (key, fmt, value, match) in cases.items():
+    path = tmp_path / f"{name.replace(' ', '_')}.gguf"
+    path.write_bytes(_patch_metadata(data, key, fmt, value))
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match=match):
+      load(path)
+    assert time.perf_counter() - t0 < 5, name
+
+
+def test_gguf_huge_unneeded_metadata_array_is_refused_fast(tmp_path):
+  """A 1,000,000-element metadata array the loader does not read (the gguf package's reader
+  walks it element by element: 34 s and 950 MB) is refused at once, naming the key."""
+  path = tmp_path / "junk.gguf"
+  write_tiny_gguf(path, *tiny_checkpoint())
+  data = path.read_bytes()
+  key = b"general.junk"
+  n = 1_000_000
+  # key, type ARRAY (9), item type INT32 (5), count, items; spliced in as the first entry.
+  kv = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 5, n) + bytes(4 * n)
+  n_kv = struct.unpack_from("<Q", data, 16)[0]
+  path.write_bytes(data[:16] + struct.pack("<Q", n_kv + 1) + kv + data[24:])
+  t0 = time.perf_counter()
+  with pytest.raises(CheckpointError, match="general.junk"):
+    load(path)
+  assert time.perf_counter() - t0 < 5

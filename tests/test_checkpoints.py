@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import gguf
 import jax
@@ -24,9 +23,9 @@ from jaxspec.models.hf_loader import (config_from_hf, load_hf, params_from_hf, p
 from jaxspec.models.llama import rope_inv_freq
 from jaxspec.models.loading import bundled_gguf_path, load
 from jaxspec.models.model import Model
+from helpers import (REFERENCE, assert_params_equal, tiny_checkpoint, tiny_vocab,
+                     write_tiny_gguf)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-REFERENCE = SHARED / "reference" / "smollm2_hf_reference.npz"
 T = gguf.GGMLQuantizationType
 
 
@@ -38,16 +37,6 @@ def _logits(params, cfg, tokens):
   tokens = jnp.asarray(tokens, jnp.int32)[None]
   logits, _, _ = _forward(params, tokens, init_cache(cfg, 1, tokens.shape[1]), cfg)
   return np.asarray(logits[0])
-
-
-def _assert_params_equal(a, b, atol=0.0):
-  la, tree_a = jax.tree_util.tree_flatten(a)
-  lb, tree_b = jax.tree_util.tree_flatten(b)
-  assert tree_a == tree_b
-  for x, y in zip(la, lb):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=atol,
-                               rtol=0)
 
 
 # -- dequantizers ---------------------------------------------------------------------------------
@@ -79,149 +68,21 @@ def test_dequantize_rejects_wrong_sizes_and_types():
 # -- GGUF round trip ------------------------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
-  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-      range(ord("®"), ord("ÿ") + 1))
-  cs = bs[:]
-  n = 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  return dict(zip(bs, map(chr, cs)))
-
-
-TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
-TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
-
-
-def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
-  """(tokens, token types, merges) of a tiny byte-level BPE vocabulary (262 + merges)."""
-  tokens = TINY_SPECIAL + [_bytes_to_unicode()[b] for b in range(256)]
-  tokens += ["".join(m) for m in TINY_MERGES]
-  types = [3] * len(TINY_SPECIAL) + [1] * (len(tokens) - len(TINY_SPECIAL))
-  return tokens, types, [" ".join(m) for m in TINY_MERGES]
-
-
-def _permute(w, n_head):
-  """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute."""
-  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-      w.shape)
-
-
-# ggml type of each tensor in the tiny GGUF: covers every type with jaxspec's own kernel (the
-# types decoded by gguf.quants are in tests/test_kquants.py).
-TINY_TYPES = {"token_embd": "Q8_0", "output": "F16", "attn_q": "F16", "attn_k": "Q8_0",
-              "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "BF16", "ffn_up": "Q8_0",
-              "ffn_down": "F32", "norm": "F32", "bias": "F32"}
-
-
-def add_tiny_tokenizer(w, vocab_size: int) -> None:
-  """The tiny byte-level BPE tokenizer and chat template, as GGUF metadata of writer `w`."""
-  tokens, token_types, merges = tiny_vocab()
-  assert len(tokens) <= vocab_size
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("smollm")
-  w.add_token_list(tokens)
-  w.add_token_types(token_types)
-  w.add_token_merges(merges)
-  w.add_bos_token_id(1)
-  w.add_eos_token_id(2)
-  w.add_add_bos_token(False)
-  w.add_chat_template(TINY_TEMPLATE)
-
-
-def write_tiny_gguf(path, cfg, params, *, arch="llama", types=None, rope_factors=None,
-                    tokenizer=True):
-  """Writes `params` as llama.cpp would; returns the HF-named tensors as dequantized."""
-  types = {**TINY_TYPES, **(types or {})}
-  hf = params_to_hf(params, cfg)
-  w = gguf.GGUFWriter(str(path), arch)
-  w.add_name("tiny")
-  w.add_block_count(cfg.num_layers)
-  w.add_context_length(cfg.max_position_embeddings)
-  w.add_embedding_length(cfg.hidden_size)
-  w.add_feed_forward_length(cfg.intermediate_size)
-  w.add_head_count(cfg.num_heads)
-  w.add_head_count_kv(cfg.num_kv_heads)
-  w.add_rope_freq_base(cfg.rope_theta)
-  w.add_rope_dimension_count(cfg.head_dim)
-  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-  if tokenizer:
-    add_tiny_tokenizer(w, cfg.vocab_size)
-  expected = {}
-
-  def add(gguf_name, hf_name, kind, n_head=None):
-    x = hf[hf_name]
-    if n_head is not None and arch == "llama":
-      x = _permute(x, n_head)
-    q = gguf.quants.quantize(np.ascontiguousarray(x, np.float32), T[types[kind]])
-    w.add_tensor(gguf_name, q, raw_dtype=T[types[kind]])
-    # Quantization works on blocks within a row, so dequantizing the permuted rows and undoing
-    # the permutation equals quantizing the original: compare against that, permutation-free.
-    expected[hf_name] = gguf.quants.dequantize(
-        gguf.quants.quantize(np.ascontiguousarray(hf[hf_name], np.float32), T[types[kind]]),
-        T[types[kind]]).reshape(hf[hf_name].shape)
-
-  add("token_embd.weight", "model.embed_tokens.weight", "token_embd")
-  add("output_norm.weight", "model.norm.weight", "norm")
-  if not cfg.tie_embeddings:
-    add("output.weight", "lm_head.weight", "output")
-  if rope_factors is not None:
-    w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
-  for i in range(cfg.num_layers):
-    p, b = f"model.layers.{i}.", f"blk.{i}."
-    add(b + "attn_norm.weight", p + "input_layernorm.weight", "norm")
-    add(b + "attn_q.weight", p + "self_attn.q_proj.weight", "attn_q", cfg.num_heads)
-    add(b + "attn_k.weight", p + "self_attn.k_proj.weight", "attn_k", cfg.num_kv_heads)
-    add(b + "attn_v.weight", p + "self_attn.v_proj.weight", "attn_v")
-    add(b + "attn_output.weight", p + "self_attn.o_proj.weight", "attn_output")
-    if cfg.attention_bias:
-      add(b + "attn_q.bias", p + "self_attn.q_proj.bias", "bias", cfg.num_heads)
-      add(b + "attn_k.bias", p + "self_attn.k_proj.bias", "bias", cfg.num_kv_heads)
-      add(b + "attn_v.bias", p + "self_attn.v_proj.bias", "bias")
-    add(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", "norm")
-    add(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", "ffn_gate")
-    add(b + "ffn_up.weight", p + "mlp.up_proj.weight", "ffn_up")
-    add(b + "ffn_down.weight", p + "mlp.down_proj.weight", "ffn_down")
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return expected
-
-
-def _tiny(arch="llama", **overrides):
-  cfg = tiny_config(vocab_size=272, architecture=arch, bos_token_id=1, eos_token_ids=(2,),
-                    rms_norm_eps=1e-5, **overrides)
-  params = init_params(cfg, jax.random.key(0), scale=0.1)
-  # Non-trivial norms, so a norm read from the wrong tensor cannot pass.
-  layers = dataclasses.replace(
-      params.layers, attn_norm=1 + 0.1 * jax.random.normal(jax.random.key(1), (2, 64)),
-      mlp_norm=1 + 0.1 * jax.random.normal(jax.random.key(2), (2, 64)))
-  return cfg, dataclasses.replace(params, layers=layers)
-
-
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {}),
     ("llama", {"tie_embeddings": True}),
     ("qwen2", {"attention_bias": True, "tie_embeddings": True}),
 ])
 def test_tiny_gguf_round_trip(tmp_path, arch, overrides):
-  cfg, params = _tiny(arch, **overrides)
+  cfg, params = tiny_checkpoint(arch, **overrides)
   expected = write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, arch=arch)
   model = load_gguf(tmp_path / "tiny.gguf")
   assert model.cfg == cfg
   assert model.name == "tiny"
   # Exactly the dequantized originals, with llama.cpp's Q/K row permutation undone.
-  _assert_params_equal(model.params, params_from_hf(expected, cfg), atol=1e-6)
+  assert_params_equal(model.params, params_from_hf(expected, cfg), atol=1e-6)
   # ... which are the originals up to quantization error.
-  _assert_params_equal(model.params, params, atol=0.05)
+  assert_params_equal(model.params, params, atol=0.05)
   tokens = np.arange(3, 40)
   np.testing.assert_allclose(_logits(model.params, cfg, tokens),
                              _logits(params_from_hf(expected, cfg), cfg, tokens), atol=1e-4)
@@ -232,7 +93,7 @@ def test_tiny_gguf_round_trip(tmp_path, arch, overrides):
 
 
 def test_tiny_gguf_tokenizer(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
   tok = load_gguf(tmp_path / "tiny.gguf").tokenizer
   ids = tok.encode("hello world<|im_end|>")
@@ -252,7 +113,7 @@ def test_tiny_gguf_tokenizer(tmp_path):
                 original_max_position_embeddings=8192),  # Llama 3.1's values; one blended
 ])
 def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, scaling):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   factors = llama3_rope_factors(scaling, cfg.rope_theta, cfg.head_dim)
   write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, rope_factors=factors)
   loaded = load_gguf(tmp_path / "tiny.gguf").cfg
@@ -294,11 +155,11 @@ def test_bundled_model_config(smollm):
     ("qwen2", {"attention_bias": True, "sliding_window": 5, "layer_types": ("full", "sliding")}),
 ])
 def test_hf_round_trip(tmp_path, arch, overrides):
-  cfg, params = _tiny(arch, **overrides)
+  cfg, params = tiny_checkpoint(arch, **overrides)
   save_hf((cfg, params), tmp_path)
   model = load_hf(tmp_path)
   assert model.cfg == cfg
-  _assert_params_equal(model.params, params)
+  assert_params_equal(model.params, params)
   tokens = np.arange(3, 20)
   np.testing.assert_array_equal(_logits(model.params, cfg, tokens), _logits(params, cfg, tokens))
   # transformers' own reader (the safetensors package) agrees with ours on the file
@@ -315,7 +176,7 @@ def test_hf_round_trip(tmp_path, arch, overrides):
 
 
 def test_hf_sharded_bf16_round_trip(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   save_hf((cfg, params), tmp_path, dtype="bfloat16", max_shard_bytes=40_000)
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
@@ -325,7 +186,7 @@ def test_hf_sharded_bf16_round_trip(tmp_path):
   assert load_hf(tmp_path).cfg.dtype == "bfloat16"  # the checkpoint's dtype by default
   model = load_hf(tmp_path, "float32")  # float32 params from bf16 storage: the rounded weights
   as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
-  _assert_params_equal(model.params, as_bf16)
+  assert_params_equal(model.params, as_bf16)
   model16 = load(str(tmp_path), dtype="bfloat16")
   assert model16.cfg.dtype == "bfloat16" and model16.params.embed.dtype == jnp.bfloat16
   tokens = np.arange(3, 20)
@@ -335,15 +196,15 @@ def test_hf_sharded_bf16_round_trip(tmp_path):
 
 def test_hf_reads_safetensors_written_by_the_library(tmp_path):
   from safetensors.numpy import save_file
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   save_hf((cfg, params), tmp_path)
   save_file(read_safetensors(tmp_path / "model.safetensors") | {}, tmp_path / "other.safetensors")
   ours = read_safetensors(tmp_path / "other.safetensors")
-  _assert_params_equal(params_from_hf(ours, cfg), params)
+  assert_params_equal(params_from_hf(ours, cfg), params)
 
 
 def test_hf_model_with_tokenizer_round_trip(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
   model = load(str(tmp_path / "tiny.gguf"))
   save_hf(model, tmp_path / "hf")
@@ -357,7 +218,7 @@ def test_hf_model_with_tokenizer_round_trip(tmp_path):
 
 def test_hf_config_fields(tmp_path):
   """eos lists, generation_config eos, head_dim default and Qwen2 sliding-window switch."""
-  cfg, params = _tiny("qwen2", attention_bias=True)
+  cfg, params = tiny_checkpoint("qwen2", attention_bias=True)
   save_hf((cfg, params), tmp_path)
   config = json.loads((tmp_path / "config.json").read_text())
   del config["head_dim"]
@@ -388,7 +249,7 @@ def test_missing_paths(tmp_path):
 
 @pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3, 0.7, 0.999])
 def test_truncated_tiny_gguf(tmp_path, fraction):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
   data = (tmp_path / "tiny.gguf").read_bytes()
   (tmp_path / "cut.gguf").write_bytes(data[:int(len(data) * fraction)])
@@ -431,13 +292,13 @@ def test_gguf_quant_type_decoded_by_gguf(tmp_path):
   """Q5_0 was refused before jaxspec decoded other types through gguf.quants; it loads now. The
   clear error for a type gguf cannot decode (naming it and a tensor) is tested in
   tests/test_kquants.py."""
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   expected = write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, types={"ffn_up": "Q5_0"})
-  _assert_params_equal(load_gguf(tmp_path / "tiny.gguf").params, params_from_hf(expected, cfg))
+  assert_params_equal(load_gguf(tmp_path / "tiny.gguf").params, params_from_hf(expected, cfg))
 
 
 def test_truncated_and_malformed_safetensors(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   save_hf((cfg, params), tmp_path)
   st = tmp_path / "model.safetensors"
   data = st.read_bytes()
@@ -456,7 +317,7 @@ def test_truncated_and_malformed_safetensors(tmp_path):
 
 
 def test_hf_unsupported_architecture_and_missing_files(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   save_hf((cfg, params), tmp_path)
   config = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
@@ -488,7 +349,7 @@ def test_save_hf_refuses_what_its_classes_cannot_hold(tmp_path):
   for arch, overrides in (("gemma2", {}), ("qwen3", {"qk_norm": True}),
                           ("llama", {"partial_rotary_factor": 0.5}),
                           ("llama", {"hidden_act": "gelu_tanh"})):
-    cfg, params = _tiny(arch, **overrides)
+    cfg, params = tiny_checkpoint(arch, **overrides)
     with pytest.raises(ValueError, match="save_hf writes|saving architecture"):
       save_hf((cfg, params), tmp_path)
     assert not (tmp_path / "config.json").exists()
@@ -514,7 +375,7 @@ def test_config_checks_family_switches():
 def test_gemma2_gguf_without_newer_keys_gets_llama_cpp_defaults(tmp_path):
   """Gemma 2 files converted before the soft-cap and window keys existed: llama.cpp's defaults
   (window 4096, caps 50 and 30), every other layer sliding."""
-  cfg, params = _tiny("llama", num_layers=2, tie_embeddings=True)
+  cfg, params = tiny_checkpoint("llama", num_layers=2, tie_embeddings=True)
   write_tiny_gguf(tmp_path / "g2.gguf", cfg, params, arch="gemma2", tokenizer=False)
   got = load_gguf(tmp_path / "g2.gguf").cfg
   assert (got.attn_softcap, got.final_softcap, got.sliding_window) == (50.0, 30.0, 4096)
@@ -565,7 +426,7 @@ def test_hf_family_configs():
 
 
 def test_hf_missing_tensor(tmp_path):
-  cfg, params = _tiny()
+  cfg, params = tiny_checkpoint()
   tensors = params_to_hf(params, cfg)
   del tensors["model.layers.1.mlp.up_proj.weight"]
   with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is missing"):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from jaxspec.models.hf_loader import save_hf
-from test_checkpoints import _tiny, write_tiny_gguf
+from helpers import tiny_checkpoint, write_tiny_gguf
 
 
 def test_console_script_errors_are_one_line_exit_2(tmp_path):
@@ -16,11 +16,11 @@ def test_console_script_errors_are_one_line_exit_2(tmp_path):
   exe = shutil.which("jaxspec", path=os.path.dirname(sys.executable)) or shutil.which("jaxspec")
   assert exe, "the jaxspec console script is not installed"
   gguf = tmp_path / "tiny.gguf"
-  write_tiny_gguf(gguf, *_tiny())
+  write_tiny_gguf(gguf, *tiny_checkpoint())
   cut = tmp_path / "cut.gguf"
   cut.write_bytes(gguf.read_bytes()[:3000])
   no_tok = tmp_path / "hf"
-  save_hf(_tiny(), no_tok)  # no tokenizer files
+  save_hf(tiny_checkpoint(), no_tok)  # no tokenizer files
   deep = tmp_path / "deep.jsonl"
   deep.write_text("[" * 100000 + "]" * 100000 + "\n")
   badutf = tmp_path / "bad.jsonl"

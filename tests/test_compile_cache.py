@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from test_checkpoints import _tiny, write_tiny_gguf
+from helpers import tiny_checkpoint, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
   path = tmp_path_factory.mktemp("cc") / "tiny.gguf"
-  write_tiny_gguf(path, *_tiny())
+  write_tiny_gguf(path, *tiny_checkpoint())
   return path
 
 

@@ -41,7 +41,7 @@ import jaxspec  # noqa: E402
 from jaxspec.drafters import DraftModel, NGram  # noqa: E402
 from jaxspec.models.llama import forward, forward_jit, init_cache  # noqa: E402
 from jaxspec.models.loading import load  # noqa: E402
-from test_checkpoints import tiny_vocab  # noqa: E402
+from helpers import tiny_vocab  # noqa: E402
 
 B, T, N_NEW, K = 2, 12, 16, 3  # prompts [B, T] (no padding), new tokens, drafts per step
 MAX_LEN = 128  # the cache of the prompt-logits forward: jaxspec's default size for these calls

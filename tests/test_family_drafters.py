@@ -17,42 +17,15 @@ from flax import nnx
 
 from jaxspec import heads
 from jaxspec.api import generate, speculative_generate
-from jaxspec.models import RopeScaling, forward, init_cache, init_params, tiny_config
+from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.hf_loader import check_savable
 from jaxspec.models.model import Model
 from jaxspec.self_draft import self_drafter
 from jaxspec.train.distill import draft_from_target
-import test_tree
-from test_tree import PATHS
+from helpers import FAMILIES, PATHS, assert_tree_forward_matches_plain_forward
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [7]]
 N_NEW = 16
-ORIGINAL = 12  # the length-dependent scalings' original context: generation crosses it
-
-FAMILIES = {
-    # Gemma 3: GeGLU, (1 + w) norms held as scales, embedding scaling, sandwich norms, q/k
-    # norms, two sliding layers then a global one with its own rotary base and linear scaling.
-    "gemma3": dict(hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, post_norms=True,
-                   qk_norm=True, sliding_window=4, layer_types=("sliding", "sliding", "full"),
-                   num_layers=3, rope_theta=1e6, sliding_rope_theta=1e4,
-                   query_pre_attn_scalar=24.0,
-                   rope_scaling=RopeScaling(rope_type="linear", factor=4.0)),
-    # Gemma 2: soft-capped attention scores and logits, alternating windows.
-    "gemma2": dict(hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, post_norms=True,
-                   attn_softcap=5.0, final_softcap=3.0, sliding_window=5,
-                   layer_types=("sliding", "full")),
-    # Phi-4-mini: partial rotary with LongRoPE (short factors, then long past ORIGINAL).
-    "phi4": dict(partial_rotary_factor=0.75, rope_scaling=RopeScaling(
-        rope_type="longrope", factor=4.0, original_max_position_embeddings=ORIGINAL,
-        attention_factor=1.2, short_factor=(1.0, 1.3, 1.7, 2.0, 2.5, 3.0),
-        long_factor=(1.0, 2.0, 4.0, 8.0, 12.0, 16.0))),
-    # A Llama with dynamic NTK crossing its original context (the static scalings, YaRN and
-    # linear, change frequencies only; linear runs in "gemma3").
-    "llama-dynamic": dict(rope_scaling=RopeScaling(
-        rope_type="dynamic", factor=2.0, original_max_position_embeddings=ORIGINAL)),
-}
-
-
 def _model(name: str) -> Model:
   cfg = tiny_config(architecture=name.split("-")[0], **FAMILIES[name])
   params = init_params(cfg, jax.random.key(7), scale=0.2)
@@ -79,7 +52,7 @@ def test_int8_self_draft_and_medusa_tree_equal_generate(family):
 
 
 def test_tree_forward_matches_plain_forward(family):
-  test_tree.test_tree_forward_matches_plain_forward_over_each_path(family[0])
+  assert_tree_forward_matches_plain_forward(family[0])
 
 
 def test_eagle_head_and_distilled_draft_on_a_gemma3_target():

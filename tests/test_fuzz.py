@@ -13,7 +13,7 @@ import pytest
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.hf_loader import save_hf
 from jaxspec.models.loading import load
-from test_checkpoints import _tiny, write_tiny_gguf
+from helpers import tiny_checkpoint, write_tiny_gguf
 
 PEAK_BYTES = 64 << 20  # the tiny checkpoints are a few hundred KB; a garbage size must not pass
 FLIPS = 80
@@ -52,7 +52,7 @@ def _mutations(data: bytes, rng):
 
 def test_fuzz_gguf(tmp_path):
   src = tmp_path / "tiny.gguf"
-  write_tiny_gguf(src, *_tiny())
+  write_tiny_gguf(src, *tiny_checkpoint())
   data = src.read_bytes()
   rng = np.random.default_rng(0)
   outcomes = {"ok": 0, "error": 0}
@@ -71,7 +71,7 @@ def test_fuzz_gguf(tmp_path):
 @pytest.mark.parametrize("which", ["model.safetensors", "config.json"])
 def test_fuzz_hf_directory(tmp_path, which):
   src = tmp_path / "src"
-  save_hf(_tiny(), src)
+  save_hf(tiny_checkpoint(), src)
   data = (src / which).read_bytes()
   rng = np.random.default_rng(1 if which == "config.json" else 2)
   outcomes = {"ok": 0, "error": 0}
@@ -93,7 +93,7 @@ def test_fuzz_config_values(tmp_path):
   """Well-formed JSON with wrong values (the review's list): each refused with a
   CheckpointError naming the field."""
   src = tmp_path / "src"
-  save_hf(_tiny(), src)
+  save_hf(tiny_checkpoint(), src)
   base = json.loads((src / "config.json").read_text())
   bad = {"rope_theta": float("nan"), "rms_norm_eps": -1.0, "tie_word_embeddings": "false",
          "eos_token_id": 2**40, "max_position_embeddings": 0, "num_hidden_layers": 2**31,

@@ -142,3 +142,12 @@ def test_cache_buffers_are_reused_and_stale_entries_never_read(tiny_target, garb
   generate(tiny_target, PROMPTS[:1], **kw)
   assert key not in _CACHE_POOL and len(_CACHE_POOL) == 1
   assert release_cache_buffers() > 0 and not _CACHE_POOL
+
+
+def test_integer_seeds_over_the_whole_documented_range(tiny_target):
+  """Seeds in [2**63, 2**64) are accepted (as their int64 two's complement), not an
+  OverflowError from jax.random.key."""
+  kw = dict(max_new_tokens=4, stop_ids=(), temperature=1.0)
+  top = generate(tiny_target, PROMPTS[:2], key=2**64 - 1, **kw)
+  np.testing.assert_array_equal(top.tokens, generate(tiny_target, PROMPTS[:2], key=-1, **kw).tokens)
+  generate(tiny_target, PROMPTS[:2], key=2**63, **kw)

@@ -21,7 +21,7 @@ from jaxspec.models.errors import CheckpointError
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
 from jaxspec.api import speculative_generate
-from test_speculative import _exact_joint, assert_first_tokens_follow
+from helpers import assert_first_tokens_follow, exact_joint
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [7]]
 N_NEW = 16
@@ -297,7 +297,7 @@ def test_sampling_distribution_with_eagle():
   n = 3000
   out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=3, sampling=sp,
                              num_draft_tokens=2, key=99, max_len=16)
-  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp), "top-k")
+  assert_first_tokens_follow(out.tokens[:, :3], exact_joint(target, prompt, sp), "top-k")
   assert 0.05 < out.stats["acceptance_rate"] < 0.95  # both accepts and rejections happened
 
 

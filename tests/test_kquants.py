@@ -26,7 +26,7 @@ from jaxspec.models.gguf_loader import OWN_TYPES, dequantize, load_gguf, support
 from jaxspec.models.hf_loader import params_from_hf
 from jaxspec.models.llama import stacked_layers
 from jaxspec.models.loading import load
-from test_checkpoints import _assert_params_equal, add_tiny_tokenizer
+from helpers import add_tiny_tokenizer, assert_params_equal
 
 T = gguf.GGMLQuantizationType
 SIZES = gguf.constants.GGML_QUANT_SIZES
@@ -155,7 +155,7 @@ def test_quantized_gguf_loads_gguf_values(tmp_path, types):
   model = load_gguf(tmp_path / "q.gguf")
   assert model.cfg == cfg and model.name == "kquants"
   # Every parameter is gguf's dequantization of the file's bytes, exactly (float32).
-  _assert_params_equal(model.params, params_from_hf(expected, cfg))
+  assert_params_equal(model.params, params_from_hf(expected, cfg))
   # ... and directly, without the Hugging Face layout in between: ffn_down is [D, F] in GGUF
   # (rows of F), jaxspec's w_down [F, D].
   q, qtype = raw["blk.1.ffn_down.weight"]
@@ -182,7 +182,7 @@ def test_bfloat16_load_casts_gguf_values(tmp_path):
   as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
                          params_from_hf(expected, cfg))
   assert model.params.embed.dtype == jnp.bfloat16
-  _assert_params_equal(model.params, as_bf16)
+  assert_params_equal(model.params, as_bf16)
 
 
 @pytest.mark.parametrize("qtype", [t for t in supported_types() if t not in OWN_TYPES])

@@ -29,7 +29,7 @@ from jaxspec.models.model import Model
 from jaxspec.models.tokenizer import Tokenizer
 from jaxspec.sharding import rules as sharding_rules
 from jaxspec.sharding.rules import make_mesh, param_shardings
-from test_checkpoints import write_tiny_gguf
+from helpers import write_tiny_gguf
 
 # Sixteen layers, so the whole model in float32 (64 MB) is many times one layer (3.9 MB) or the
 # largest tensor (the 256 x 1024 MLP matrices, 1 MB), and far above the Python objects that a

@@ -7,7 +7,7 @@ import pytest
 
 from jaxspec import DraftModel, NGram, Sampling, speculative_generate
 from jaxspec.sampling import probs
-from test_speculative import _chi2_critical, small_vocab  # noqa: F401 - a fixture
+from helpers import chi2_critical
 
 
 N_POS = 6  # new tokens checked per row: the prefill's, then five through verify passes
@@ -54,7 +54,7 @@ def _assert_positions_follow(tokens, marginals, what):
     exp = p * len(tokens)
     keep = exp >= 5
     chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    assert chi2 < _chi2_critical(int(keep.sum()) - 1), (what, j, chi2, obs, exp)
+    assert chi2 < chi2_critical(int(keep.sum()) - 1), (what, j, chi2, obs, exp)
 
 
 def _mc_drafter(name, target, draft):

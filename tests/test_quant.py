@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_speculative import _exact_joint, assert_first_tokens_follow
+from helpers import assert_first_tokens_follow, exact_joint
 
 from jaxspec.drafters import DraftModel
 from jaxspec.api import generate
@@ -163,7 +163,7 @@ def test_int8_self_drafter_sampled_distribution():
   drafter = DraftModel(quantize(target, "int8"))
   out = speculative_generate(target, drafter, [prompt] * 2000, max_new_tokens=3, sampling=sp,
                              num_draft_tokens=2, key=4321, max_len=16)
-  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], exact_joint(target, prompt, sp))
   # This target's random weights (std 0.6) amplify the int8 rounding, so the copy's q differs
   # from p enough that rejections, and residual sampling, really happen (measured 0.57).
   assert 0.3 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]

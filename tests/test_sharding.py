@@ -18,7 +18,7 @@ from jaxspec.runner import _COMPILED
 from jaxspec.models import init_params, quantize, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.sharding import Placement, make_mesh, multihost, shard_model, submesh
-from test_speculative import _exact_joint, assert_first_tokens_follow
+from helpers import assert_first_tokens_follow, exact_joint
 
 PROMPTS = multihost.DEMO_PROMPTS
 N_NEW = 16
@@ -181,7 +181,7 @@ def test_host_orchestrated_sampling_is_exact():
   out = speculative_generate(tgt, DraftModel(drf), [prompt] * n, max_new_tokens=3, sampling=sp,
                              num_draft_tokens=2, key=99, placement=pl)
   assert out.stats["placement"]["mode"] == "host"
-  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(tgt, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], exact_joint(tgt, prompt, sp))
   assert 0.05 < out.stats["acceptance_rate"] < 0.9  # both paths of the rejection rule ran
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import REFERENCE, shared_or_skip
+from helpers import REFERENCE, shared_or_skip
 from jaxspec.drafters import NGram, resolve_drafter
 from jaxspec.api import generate
 from jaxspec.api import speculative_generate

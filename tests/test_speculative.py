@@ -1,5 +1,6 @@
 """The speculative core: exact greedy for every drafter, exact sampling, statistics, bad input."""
 
+import dataclasses
 import math
 
 import jax
@@ -9,13 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxspec.drafters import DraftModel, NGram
+from jaxspec.drafters import DraftModel, NGram, Proposal
 from jaxspec.api import generate
-from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models import init_params, tiny_config
 from jaxspec.models.model import Model
-from jaxspec.sampling import Sampling, probs
+from jaxspec.sampling import Sampling
 from jaxspec.decoding.rejection import acceptance
 from jaxspec.api import speculative_generate
+from helpers import assert_first_tokens_follow, chi2_critical, exact_joint
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
@@ -124,7 +126,7 @@ def test_rejection_sample_one_hot_q_n_valid_and_bonus():
       obs = np.bincount(tokens, minlength=v).astype(np.float64)
       exp = probs_.astype(np.float64) * len(tokens)
       chi2 = float(((obs - exp) ** 2 / exp).sum())
-      assert chi2 < _chi2_critical(v - 1), (chi2, obs, exp)
+      assert chi2 < chi2_critical(v - 1), (chi2, obs, exp)
 
     check(emitted[:, 0], p[0])
     acc = n_acc == 1
@@ -133,63 +135,6 @@ def test_rejection_sample_one_hot_q_n_valid_and_bonus():
       np.testing.assert_array_equal(emitted[acc, 0], np.asarray(drafts)[acc, 0])
       check(emitted[acc, 1], p[1])  # the bonus token
     assert (emitted[~acc, 1] == -1).all()
-
-
-def _chi2_critical(df, z=3.719):
-  """Wilson-Hilferty approximation of the chi-square quantile; z = 3.719 is the 1e-4 tail."""
-  return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-@pytest.fixture(scope="module")
-def small_vocab():
-  t_cfg = tiny_config(vocab_size=8, eos_token_ids=())
-  target = Model(t_cfg, init_params(t_cfg, jax.random.key(11), scale=0.6), name="v8-target")
-  d_cfg = tiny_config(vocab_size=8, num_layers=1, eos_token_ids=())
-  # Seed 37: after the first token (sampled from the prefill) the draft's first draft is
-  # accepted about a quarter of the time and its second, after an accepted first, about half:
-  # both draft positions see both paths of the rejection rule (seed 17 gave 0.16 and 0).
-  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(37), scale=0.6), name="v8-draft")
-  return target, draft
-
-
-def _exact_joint(target, prompt, sp):
-  """P(t1, t2, t3) = p(t1) p(t2 | t1) p(t3 | t1 t2) [V, V, V] under the processed target
-  distribution. The first token comes from the prefill; t2 and t3 are the first verify pass's
-  two draft positions."""
-  v = target.cfg.vocab_size
-  seqs = jnp.array([prompt + [a, c] for a in range(v) for c in range(v)])
-  lg, _, _ = forward(target.params, seqs, init_cache(target.cfg, v * v, 16), target.cfg)
-  arr = sp.arrays(v * v)
-  p1 = np.asarray(probs(lg[:1, -3], sampling_arrays_row(arr, 1)))[0]
-  p2 = np.asarray(probs(lg[::v, -2], sampling_arrays_row(arr, v)))  # [a, t2]
-  p3 = np.asarray(probs(lg[:, -1], arr)).reshape(v, v, v)  # [a, c, t3]
-  return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def sampling_arrays_row(arr, n):
-  return jax.tree.map(lambda x: x[:n], arr)
-
-
-def assert_first_tokens_follow(tokens, joint, what="top-k/top-p"):
-  """Chi-square of the rows' first tokens [n, m] against the exact joint [V] * m at the 1e-4
-  tail; cells with expectations under 5 are pooled into one, and tokens of zero probability
-  fail."""
-  v, m = joint.shape[0], joint.ndim
-  assert tokens.shape[1] == m, (tokens.shape, joint.shape)
-  joint = joint.reshape(-1)
-  n = tokens.shape[0]
-  cell = np.zeros(n, np.int64)
-  for j in range(m):
-    cell = cell * v + tokens[:, j]
-  obs = np.bincount(cell, minlength=v ** m)
-  assert obs[joint == 0].sum() == 0, f"a token outside {what} was emitted"
-  keep = joint * n >= 5
-  o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
-  exp = np.append(joint[keep] * n, joint[~keep].sum() * n)
-  if exp[-1] < 5:
-    o, exp = o[:-1], exp[:-1]
-  chi2 = float(((o - exp) ** 2 / exp).sum())
-  assert chi2 < _chi2_critical(len(exp) - 1), (chi2, len(exp))
 
 
 @pytest.mark.parametrize("same", [False, True])
@@ -207,7 +152,7 @@ def test_monte_carlo_joint_of_first_three_tokens(small_vocab, same):
   # to 128: 20000 rows of that is most of the test's time).
   out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=3, sampling=sp,
                              num_draft_tokens=2, key=1234, max_len=16)
-  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], exact_joint(target, prompt, sp))
   if same:
     assert out.stats["acceptance_rate"] > 0.999
   else:  # both paths of the rejection rule ran
@@ -366,5 +311,39 @@ def test_coupled_draft_model_gives_generates_text(tiny_target, poor_draft, small
   out = speculative_generate(target, DraftModel(draft, coupled=True), [prompt] * 20000,
                              max_new_tokens=3, sampling=sp, num_draft_tokens=2, key=77,
                              max_len=16)
-  assert_first_tokens_follow(out.tokens[:, :3], _exact_joint(target, prompt, sp))
+  assert_first_tokens_follow(out.tokens[:, :3], exact_joint(target, prompt, sp))
   assert 0.05 < out.stats["acceptance_rate"] < 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class _WildNGram(NGram):
+  """An n-gram drafter gone wrong: every other draft is an id past the vocabulary (or -1)."""
+  name: str = "wild-ngram"
+
+  def propose(self, params, state, ctx, k, sp, keys):
+    prop, state = super().propose(params, state, ctx, k, sp, keys)
+    bad = jnp.where(jnp.arange(k) % 2 == 1, 10**6, -1)[None, :]
+    tokens = jnp.where(jnp.arange(k)[None, :] % 3 == 2, prop.tokens, bad)
+    return Proposal(tokens=tokens, n_valid=jnp.full_like(prop.n_valid, k)), state
+
+
+def test_out_of_vocabulary_drafts_cannot_change_the_output(tiny_target):
+  ref = generate(tiny_target, PROMPTS[:2], max_new_tokens=16, stop_ids=())
+  out = speculative_generate(tiny_target, _WildNGram(), PROMPTS[:2], max_new_tokens=16,
+                             num_draft_tokens=4, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert out.stats["acceptance_rate"] == 0.0  # the first draft is out of range: nothing counts
+  sp = Sampling(temperature=1.0)
+  ref = generate(tiny_target, PROMPTS[:2], max_new_tokens=16, stop_ids=(), sampling=sp, key=4)
+  out = speculative_generate(tiny_target, _WildNGram(), PROMPTS[:2], max_new_tokens=16,
+                             num_draft_tokens=4, stop_ids=(), sampling=sp, key=4)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)  # no NaN reached the cache
+
+
+def test_draft_model_subclass_is_another_program(tiny_target):
+  class Mine(DraftModel):
+    pass
+
+  a, b = DraftModel(tiny_target), Mine(tiny_target)
+  assert a != b and b != a and hash(a) != hash(b)
+  assert Mine(tiny_target) == b

@@ -13,7 +13,7 @@ from jaxspec.models.model import Model
 from jaxspec.train.data import (DataConfig, DataError, Dataset, read_prompt_file, read_prompts,
                                 target_fingerprint, write_dataset)
 
-from conftest import SHARED
+from helpers import SHARED
 
 PROMPTS = [[5, 9, 11], [7, 3, 4, 8, 20, 30, 40], [60], [12, 13, 14, 15, 16], [100, 101],
            [33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [70, 71, 72], [90, 91, 92, 93]]

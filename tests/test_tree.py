@@ -13,54 +13,22 @@ from flax import nnx
 from jaxspec import AutoK, heads
 from jaxspec.decoding import tree as tree_lib
 from jaxspec.api import generate
-from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models import init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
 from jaxspec.api import speculative_generate
 from jaxspec.decoding.tree import DynamicTree, Tree
-from test_speculative import _chi2_critical, _exact_joint, assert_first_tokens_follow
+from helpers import (PATHS, assert_first_tokens_follow, assert_tree_forward_matches_plain_forward,
+                     chi2_critical, exact_joint)
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [7]]
 N_NEW = 16
-PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 
 
 def test_tree_forward_matches_plain_forward_over_each_path(tiny_target):
   """Every node's logits equal those of a plain causal forward over prompt + the node's path,
   with rows of different cached lengths."""
-  cfg = tiny_target.cfg
-  tree = Tree.from_paths(PATHS)
-  parents, depths, _ = tree.arrays()
-  rng = np.random.default_rng(0)
-  prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11]]
-  b, n = len(prompts), tree.num_nodes
-  tokens = rng.integers(0, cfg.vocab_size, (b, n)).astype(np.int32)
-  pw = max(map(len, prompts))
-  cache = init_cache(cfg, b, 32)
-  prompt = np.zeros((b, pw), np.int32)
-  for i, p in enumerate(prompts):
-    prompt[i, :len(p)] = p
-  _, _, cache = forward(tiny_target.params, jnp.asarray(prompt), cache, cfg)
-  cache = dataclasses.replace(cache, length=jnp.asarray([len(p) for p in prompts], jnp.int32))
-  bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (b, n))
-  sp = Sampling(temperature=1.0).arrays(b)
-  p_tree, _, _ = tree_lib.verify_tree(tiny_target.params, cache, jnp.asarray(tokens), bc(parents),
-                                      bc(depths), cfg, sp, max_depth=tree.depth)
-  # Every node's path as one right-padded batch (causal: the padding after it is never read).
-  seqs, ends = [], []
-  for i, pr in enumerate(prompts):
-    for j in range(n):
-      path, node = [], j
-      while node >= 0:
-        path.append(int(tokens[i, node]))
-        node = int(parents[node])
-      seqs.append(pr + path[::-1])
-      ends.append(len(seqs[-1]) - 1)
-  width = max(map(len, seqs))
-  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
-  lg, _, _ = forward(tiny_target.params, batch, init_cache(cfg, len(seqs), width), cfg)
-  want = jax.nn.softmax(lg[jnp.arange(len(seqs)), jnp.asarray(ends)], axis=-1).reshape(b, n, -1)
-  np.testing.assert_allclose(np.asarray(p_tree), np.asarray(want), atol=1e-5)
+  assert_tree_forward_matches_plain_forward(tiny_target)
 
 
 @pytest.mark.parametrize("form", ["recursive", "coupled"])
@@ -91,7 +59,7 @@ def test_tree_rule_is_exact_monte_carlo(form):
     assert obs[probs == 0].sum() == 0
     keep = exp > 0
     chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    assert chi2 < _chi2_critical(int(keep.sum()) - 1), (chi2, obs, exp)
+    assert chi2 < chi2_critical(int(keep.sum()) - 1), (chi2, obs, exp)
 
   chi2_ok(emitted[:, 0], p[0])
   via1 = emitted[:, 0] == 2
@@ -181,7 +149,7 @@ def test_tree_sampling_distribution():
   target = Model(cfg, init_params(cfg, jax.random.key(11), scale=0.6), name="v8-target")
   sp = Sampling(temperature=0.9, top_k=6)
   prompt = [1, 2, 3, 4]
-  joint = _exact_joint(target, prompt, sp)
+  joint = exact_joint(target, prompt, sp)
   for drafter in (_medusa(target, num_heads=2).with_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
                   _eagle(target, seed=5).with_tree(DynamicTree(depth=2, topk=3, total_tokens=7))):
     out = speculative_generate(target, drafter, [prompt] * 3000, max_new_tokens=3, sampling=sp,
