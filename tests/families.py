@@ -1,6 +1,6 @@
 """Tiny Hugging Face models of every decoder family jaxspec must match, and what to compare with.
 
-Not a test module: `tests/test_families.py` imports it. For each name in `FAMILIES` it gives
+Not a test module: `tests/models/test_families.py` imports it. For each name in `FAMILIES` it gives
 
 - `write_hf(name, path, seed)`: a tiny random `transformers` checkpoint (float32 safetensors)
   whose every weight, norms included, is drawn from a seeded generator at a scale that makes

@@ -1,7 +1,8 @@
 """Helpers the test modules share (fixtures live in conftest.py): the repository's paths, a tiny
 checkpoint written as llama.cpp writes it, exact sampled distributions and their chi-square test,
-the family switches the decoding tests run on, and the tree forward's check against plain
-forwards. Imported as `helpers` from every folder (pyproject.toml puts tests/ on the path)."""
+the family switches the decoding tests run on, the tree forward's check against plain forwards,
+and the fused "auto" loop run with k forced. Imported as `helpers` from every folder
+(pyproject.toml puts tests/ on the path); test modules import nothing from each other."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import tree as tree_lib
+from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.models import RopeScaling, forward, init_cache, init_params, tiny_config
 from jaxspec.models.hf_loader import params_to_hf
 from jaxspec.sampling import Sampling, probs
@@ -83,7 +85,7 @@ def _permute(w, n_head):
 
 
 # ggml type of each tensor in the tiny GGUF: covers every type with jaxspec's own kernel (the
-# types decoded by gguf.quants are in tests/test_kquants.py).
+# types decoded by gguf.quants are in tests/models/test_kquants.py).
 TINY_TYPES = {"token_embd": "Q8_0", "output": "F16", "attn_q": "F16", "attn_k": "Q8_0",
               "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "BF16", "ffn_up": "Q8_0",
               "ffn_down": "F32", "norm": "F32", "bias": "F32"}
@@ -295,3 +297,31 @@ def assert_tree_forward_matches_plain_forward(model):
   lg, _, _ = forward(model.params, batch, init_cache(cfg, len(seqs), width), cfg)
   want = jax.nn.softmax(lg[jnp.arange(len(seqs)), jnp.asarray(ends)], axis=-1).reshape(b, n, -1)
   np.testing.assert_allclose(np.asarray(p_tree), np.asarray(want), atol=1e-5)
+
+
+# -- "auto" with k forced -------------------------------------------------------------------------
+
+
+# Verify cost growing with k as on a CPU, plus a per-token draft cost: the formula's c and v(k).
+DRAFT_C, VERIFY = 0.02, (lambda k: 1.0 + 0.02 * k + 0.05 * k * k)
+CPU_LIKE = CostModel.from_formula(range(9), 0.1, VERIFY)
+
+
+def forced_run(target, drafter, prompts, schedule, *, n_new, k_max=4, sampling=None, key=0):
+  """The fused "auto" loop with k forced: schedule [(k, steps), ...] (the last runs to the end).
+
+  Returns (tokens [B, n_new], statistics)."""
+  from jaxspec import runner
+  from jaxspec.decoding import fused
+  drafter, sp_user, policy, prep = runner.prepare_spec(target, drafter, prompts, n_new, sampling,
+                                                       "auto", AutoK(k_max=k_max), CPU_LIKE, None,
+                                                       None)
+  run = runner.SpecRun(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
+  s = run.start()  # the prefill (the cost model is given: nothing is timed)
+  passes = 0
+  for i, (k, steps) in enumerate(schedule):
+    passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
+    s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
+                     jnp.int32(policy.buckets.index(k)))
+  tokens, _ = fused.outputs_jit(s, n_new)
+  return np.asarray(tokens), run.stats(s.stats)

@@ -3,7 +3,7 @@ internals: int8 self-drafting (a quantized copy of the model), Medusa on a stati
 attention, whose masks must combine with sliding windows and per-layer rotary bases) and the
 tree forward itself. Greedy speculative output must equal `generate` token for token on ragged
 prompts, where the length-dependent rotary scalings cross their original context mid-generation
-(the Hugging Face parity of each family is `tests/test_families.py`; these need no torch).
+(the Hugging Face parity of each family is `tests/models/test_families.py`; these need no torch).
 """
 
 from __future__ import annotations

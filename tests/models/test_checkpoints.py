@@ -60,7 +60,7 @@ def test_dequantize_matches_gguf(qtype):
 def test_dequantize_rejects_wrong_sizes_and_types():
   with pytest.raises(CheckpointError, match="needs 68 bytes"):
     dequantize(np.zeros(60, np.uint8), "Q8_0", (64,))
-  # Q5_K is decoded by gguf.quants now (tests/test_kquants.py); Q8_K is a type gguf cannot decode
+  # Q5_K is decoded by gguf.quants now (models/test_kquants.py); Q8_K is a type gguf cannot decode
   with pytest.raises(CheckpointError, match="Q8_K is not supported"):
     dequantize(np.zeros(292, np.uint8), "Q8_K", (256,))
 
@@ -291,7 +291,7 @@ def test_gguf_unsupported_architecture(tmp_path):
 def test_gguf_quant_type_decoded_by_gguf(tmp_path):
   """Q5_0 was refused before jaxspec decoded other types through gguf.quants; it loads now. The
   clear error for a type gguf cannot decode (naming it and a tensor) is tested in
-  tests/test_kquants.py."""
+  tests/models/test_kquants.py."""
   cfg, params = tiny_checkpoint()
   expected = write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params, types={"ffn_up": "Q5_0"})
   assert_params_equal(load_gguf(tmp_path / "tiny.gguf").params, params_from_hf(expected, cfg))

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 import jaxspec  # noqa: F401  (tests/conftest.py's module teardown expects jaxspec.runner loaded)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-import docs_run  # noqa: E402
+import docs_run  # noqa: E402  (tests/docs_run.py: tests/ is on the path)
+from helpers import ROOT  # noqa: E402
 
 
 def _nav_pages(node) -> list[str]:

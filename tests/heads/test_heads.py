@@ -260,7 +260,7 @@ def test_eagle_deferred_commits_equal_eager_ones(tiny_target, reference, trained
   drafting steps, the deferring drafter drafts exactly what one committing after every plain
   step drafts: the same tokens and acceptances, greedily and under sampling (where acceptance
   reads q, so the drafts' distributions must agree too)."""
-  from test_adaptive import forced_run
+  from helpers import forced_run
   from jaxspec.heads.drafters import EagleDrafter
 
   @dataclasses.dataclass(frozen=True)

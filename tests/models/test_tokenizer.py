@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import gguf
 import jinja2
@@ -15,9 +14,8 @@ from jinja2.exceptions import SecurityError
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.loading import bundled_gguf_path
 from jaxspec.models.tokenizer import StreamDecoder, Tokenizer
+from helpers import REFERENCE
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-REFERENCE = SHARED / "reference" / "smollm2_hf_reference.npz"
 USER_START, END = "<|im_start|>user\n", "<|im_end|>"
 # Multi-byte characters that byte-level BPE splits across tokens.
 UNICODE_TEXT = "naïve café, 東京タワー 🙂🚀 — Ünïcödé ∑x² → ✓ 👍🏽 done"

@@ -15,13 +15,12 @@ from jaxspec.drafters import DraftModel, NGram
 from jaxspec.api import generate
 from jaxspec.sampling import Sampling
 from jaxspec.api import speculative_generate
-from helpers import assert_first_tokens_follow, exact_joint
+from helpers import (CPU_LIKE, DRAFT_C, VERIFY, assert_first_tokens_follow, exact_joint,
+                     forced_run)
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
 KS = tuple(range(9))
-# Verify cost growing with k as on a CPU, plus a per-token draft cost: the formula's c and v(k).
-DRAFT_C, VERIFY = 0.02, (lambda k: 1.0 + 0.02 * k + 0.05 * k * k)
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "decay"))
@@ -227,7 +226,6 @@ def test_plain_steps_observe_a_free_first_draft():
 # Exactness with "auto".
 
 FLAT = CostModel(ks=(0, 8), seconds=(1.0, 1.0))  # every k costs the same: drafting is free
-CPU_LIKE = CostModel.from_formula(range(9), 0.1, VERIFY)
 
 
 @pytest.fixture(scope="module")
@@ -253,27 +251,6 @@ def test_auto_greedy_equals_generate(tiny_target, poor_draft, reference, name):
     assert out.stats["plain_steps"] >= len(ks) // 2
 
 
-def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, sampling=None,
-               key=0):
-  """The fused "auto" loop with k forced: schedule [(k, steps), ...] (the last runs to the end).
-
-  Returns (tokens [B, n_new], statistics)."""
-  from jaxspec import runner
-  from jaxspec.decoding import fused
-  drafter, sp_user, policy, prep = runner.prepare_spec(target, drafter, prompts, n_new, sampling,
-                                                       "auto", AutoK(k_max=k_max), CPU_LIKE, None,
-                                                       None)
-  run = runner.SpecRun(target, drafter, prep, sp_user, policy, (), n_new, key, CPU_LIKE)
-  s = run.start()  # the prefill (the cost model is given: nothing is timed)
-  passes = 0
-  for i, (k, steps) in enumerate(schedule):
-    passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
-    s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
-                     jnp.int32(policy.buckets.index(k)))
-  tokens, _ = fused.outputs_jit(s, n_new)
-  return np.asarray(tokens), run.stats(s.stats)
-
-
 def test_deferred_commits_catch_up_exactly(tiny_target, reference):
   """A draft model's commits are deferred over plain steps (`defer_commit`) and caught up in
   one pass before it drafts again, or when k_max + 1 tokens are pending. Seven plain steps (a
@@ -282,13 +259,14 @@ def test_deferred_commits_catch_up_exactly(tiny_target, reference):
   catch-up left its cache exactly as eager commits would (a hole or a shifted entry makes it
   propose other tokens)."""
   assert DraftModel.defer_commit
-  tokens, st = forced_run(tiny_target, DraftModel(tiny_target), PROMPTS, [(0, 7), (4, None)])
+  tokens, st = forced_run(tiny_target, DraftModel(tiny_target), PROMPTS, [(0, 7), (4, None)],
+                          n_new=N_NEW)
   np.testing.assert_array_equal(tokens, reference.tokens)
   assert st["k_per_step"][:7] == [0] * 7 and set(st["k_per_step"][7:]) == {4}
   np.testing.assert_allclose(st["acceptance_per_position"], 1.0)
   # Plain steps after drafting, then drafting again: the second catch-up starts mid-sequence.
   tokens, st = forced_run(tiny_target, DraftModel(tiny_target), PROMPTS,
-                          [(4, 1), (0, 2), (4, 1), (0, 6), (4, None)])
+                          [(4, 1), (0, 2), (4, 1), (0, 6), (4, None)], n_new=N_NEW)
   np.testing.assert_array_equal(tokens, reference.tokens)
   np.testing.assert_allclose(st["acceptance_per_position"], 1.0)
 

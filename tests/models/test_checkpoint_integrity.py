@@ -26,7 +26,7 @@ from jaxspec.models.gguf_loader import load_gguf
 from jaxspec.models.hf_loader import load_hf, save_hf
 from jaxspec.models.loading import load
 from jaxspec.models.tokenizer import MAX_VOCAB, Tokenizer
-from helpers import tiny_checkpoint, write_tiny_gguf
+from helpers import ROOT, tiny_checkpoint, write_tiny_gguf
 
 # -- helpers: edit a valid tiny GGUF --------------------------------------------------------------
 
@@ -389,7 +389,7 @@ def test_template_limits_leave_real_templates_alone():
   """A long conversation (2 MB of text) through the tiny template renders as jinja2's own
   sandbox renders it."""
   from jinja2.sandbox import ImmutableSandboxedEnvironment
-  from test_checkpoints import TINY_TEMPLATE
+  from helpers import TINY_TEMPLATE
   messages = [{"role": "user" if i % 2 else "assistant", "content": f"{i}" * 1000}
               for i in range(2000)]
   text = _tok(TINY_TEMPLATE).apply_chat_template(messages)
@@ -430,7 +430,7 @@ def test_cli_non_string_and_hostile_templates_exit_2(tmp_path):
   save_hf((cfg, params), hf)
   gguf_tok = load_gguf(_tiny_gguf(tmp_path / "tiny.gguf")).tokenizer
   gguf_tok.backend.save(str(hf / "tokenizer.json"))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = str(ROOT)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
       "JAXSPEC_COMPILE_CACHE": "none",  # and this checkout's jaxspec, not the installed one's
       "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}

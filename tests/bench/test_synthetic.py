@@ -5,7 +5,6 @@ import collections
 import math
 import re
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from jaxspec.models.llama import DEFAULT_SCAN_LAYERS, default_scan_layers
 from jaxspec.models.synthetic import SHAPES, random_model, shape_config
 from jaxspec.api import speculative_generate
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def _prompts(vocab, batch, length, seed=0):
