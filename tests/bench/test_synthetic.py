@@ -65,6 +65,9 @@ def test_oracle_acceptance_is_alpha_and_output_exact(model):
   assert abs(st["tau"] - tau) < 0.15, (st["tau"], tau)
 
 
+# slow: the oracle's sampled text is `generate`'s for the key, token for token
+# (test_speculative's test_sampled_text_is_generates_with_deterministic_drafters).
+@pytest.mark.slow
 def test_oracle_sampled_output_is_the_targets_distribution():
   """Under sampling the oracle is a deterministic drafter (one-hot q) of arbitrary tokens: the
   first two new tokens (the second one verified against drafts) follow the target's own joint

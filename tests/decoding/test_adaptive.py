@@ -311,6 +311,10 @@ def test_auto_stream_stops_plain_runs_at_each_chunk(tiny_target, poor_draft, ref
   assert info["stats"]["plain_steps"] >= len(info["stats"]["k_per_step"]) // 2
 
 
+# slow: under "auto" the draft model is coupled, and test_speculative's
+# test_coupled_draft_model_gives_generates_text checks its text under "auto" token for token and
+# the same joint of a coupled draft model by chi-square.
+@pytest.mark.slow
 def test_auto_sampling_distribution(small_vocab):  # noqa: F811
   """The first three tokens' joint under "auto" with a poor draft: chi-square at the 1e-4 tail."""
   target, draft = small_vocab

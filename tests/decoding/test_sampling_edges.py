@@ -91,7 +91,9 @@ def _split_runs(run, key, splits):
   return whole, parts
 
 
-@pytest.mark.parametrize("which", ["plain", "ngram", "draft-model"])
+# slow: "ngram" samples `generate`'s text for the key (test_speculative), so "plain" covers it.
+@pytest.mark.parametrize("which", ["plain", pytest.param("ngram", marks=pytest.mark.slow),
+                                   "draft-model"])
 def test_per_row_keys_make_rows_independent_of_the_batch(tiny_target, poor_draft, which):
   sp = Sampling(temperature=1.0)
   if which == "plain":

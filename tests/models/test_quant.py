@@ -153,6 +153,10 @@ def test_int8_self_speculation_greedy_equals_generate(target):
   assert out.stats["acceptance_rate"] > 0.7, out.stats["acceptance_rate"]
 
 
+# slow: an int8 copy is one more draft model under the same rule, whose joint on this target
+# test_speculative's test_monte_carlo_joint_of_first_three_tokens checks; int8 self-drafting's
+# greedy equality stays fast (above).
+@pytest.mark.slow
 def test_int8_self_drafter_sampled_distribution():
   """Chi-square of 2000 rows' first three tokens against the target's exact joint (false
   failure probability about 1e-4), drafting with the target's own int8 copy."""
