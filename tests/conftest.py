@@ -8,19 +8,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # passes --compile-cache): a warm cache from an earlier run would change what they time.
 os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "none")
 
-from pathlib import Path  # noqa: E402
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-REFERENCE = SHARED / "reference" / "smollm2_hf_reference.npz"
-
-
-def shared_or_skip(path: Path) -> Path:
-  if not path.exists():
-    pytest.skip(f"{path} is absent (../shared is only present in CI and the dev checkout)")
-  return path
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +27,22 @@ def poor_draft():
   from jaxspec.models.model import Model
   cfg = tiny_config(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
   return Model(cfg, init_params(cfg, jax.random.key(7), scale=0.2), name="tiny-draft")
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+  """A vocabulary-8 target and draft, small enough for exact joint distributions of a few
+  sampled tokens (`helpers.exact_joint`)."""
+  from jaxspec.models import init_params, tiny_config
+  from jaxspec.models.model import Model
+  t_cfg = tiny_config(vocab_size=8, eos_token_ids=())
+  target = Model(t_cfg, init_params(t_cfg, jax.random.key(11), scale=0.6), name="v8-target")
+  d_cfg = tiny_config(vocab_size=8, num_layers=1, eos_token_ids=())
+  # Seed 37: after the first token (sampled from the prefill) the draft's first draft is
+  # accepted about a quarter of the time and its second, after an accepted first, about half:
+  # both draft positions see both paths of the rejection rule (seed 17 gave 0.16 and 0).
+  draft = Model(d_cfg, init_params(d_cfg, jax.random.key(37), scale=0.6), name="v8-draft")
+  return target, draft
 
 
 @pytest.fixture(scope="session")

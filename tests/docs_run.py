@@ -28,7 +28,7 @@ Blocks of other languages (text, the output of a command) are not run.
 
 Exit status 0 when every block ran, 1 otherwise. Not a pytest module (no test_ prefix): the
 examples compile SmolLM2's programs and take minutes, so CI runs this as its own step
-(`make docs`); tests/test_docs.py holds the fast checks.
+(`make docs`); tests/docs/test_docs.py holds the fast checks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tiny Hugging Face models of every decoder family jaxspec must match, and what to compare with.
 
-Not a test module: `tests/test_families.py` imports it. For each name in `FAMILIES` it gives
+Not a test module: `tests/models/test_families.py` imports it. For each name in `FAMILIES` it gives
 
 - `write_hf(name, path, seed)`: a tiny random `transformers` checkpoint (float32 safetensors)
   whose every weight, norms included, is drawn from a seeded generator at a scale that makes
@@ -36,7 +36,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from test_checkpoints import add_tiny_tokenizer, tiny_vocab
+from helpers import add_tiny_tokenizer, tiny_vocab
 
 # Shared sizes. VOCAB must hold the tiny GGUF tokenizer (`tiny_vocab`: 3 special tokens, 256
 # bytes and 5 merges); its bos / eos ids are 1 / 2 (`add_tiny_tokenizer`), the configs' too.

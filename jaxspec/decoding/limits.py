@@ -84,7 +84,7 @@ def working_set(*, batch: int, prompt_len: int, max_len: int, vocab: int, cache_
                 state_bytes: int, verify_tokens: int, heads: int = 0, hidden: int = 0,
                 ffw: int = 0, layer_bytes: int = 0, prefill_logits_tokens: int = 1) -> WorkingSet:
   """The estimate of a decoding call's allocations (`WorkingSet`) from its shapes; within 25%
-  of the compiled programs' `memory_analysis()` (tests/test_memory.py).
+  of the compiled programs' `memory_analysis()` (tests/decoding/test_memory.py).
 
   Args:
     batch, prompt_len, max_len: B, the padded prompt width P, the cache's positions.

@@ -1,0 +1,49 @@
+"""The console script on ordinary bad input: one `error:` line and exit code 2, no traceback.
+Runs on a tiny GGUF the test writes, so it needs no bundled model."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from jaxspec.models.hf_loader import save_hf
+from helpers import tiny_checkpoint, write_tiny_gguf
+
+
+def test_console_script_errors_are_one_line_exit_2(tmp_path):
+  """Ordinary bad input through the installed console script: exit code 2 and an `error:`
+  line on stderr, never a Python traceback (runs without the bundled model)."""
+  exe = shutil.which("jaxspec", path=os.path.dirname(sys.executable)) or shutil.which("jaxspec")
+  assert exe, "the jaxspec console script is not installed"
+  gguf = tmp_path / "tiny.gguf"
+  write_tiny_gguf(gguf, *tiny_checkpoint())
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(gguf.read_bytes()[:3000])
+  no_tok = tmp_path / "hf"
+  save_hf(tiny_checkpoint(), no_tok)  # no tokenizer files
+  deep = tmp_path / "deep.jsonl"
+  deep.write_text("[" * 100000 + "]" * 100000 + "\n")
+  badutf = tmp_path / "bad.jsonl"
+  badutf.write_bytes(b'{"turns": ["\xff\xfe"]}\n')
+  cases = {
+      "missing model": ["generate", "hi", "--model", str(tmp_path / "nope.gguf")],
+      "truncated gguf": ["generate", "hi", "--model", str(cut)],
+      "no tokenizer": ["generate", "hi", "--model", str(no_tok)],
+      "huge seed": ["generate", "hi", "--model", str(gguf), "--seed", str(10**30),
+                    "--max-new-tokens", "2"],
+      "deep json": ["bench", "--model", str(gguf), "--prompts", str(deep), "--out",
+                    str(tmp_path / "b1")],
+      "invalid utf-8": ["bench", "--model", str(gguf), "--prompts", str(badutf), "--out",
+                        str(tmp_path / "b2")],
+      "prompt and --prompts": ["generate", "hi", "--model", str(gguf), "--prompts", str(deep)],
+      "missing --prompts file": ["generate", "--model", str(gguf), "--prompts",
+                                 str(tmp_path / "nope.txt")],
+      "malformed --prompts file": ["generate", "--model", str(gguf), "--prompts", str(badutf)],
+  }
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
+      "JAXSPEC_COMPILE_CACHE": "none"}
+  for name, argv in cases.items():
+    out = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2, (name, out.returncode, out.stderr[-1500:])
+    assert "Traceback" not in out.stderr, (name, out.stderr[-1500:])
+    assert "error:" in out.stderr, (name, out.stderr[-500:])
