@@ -107,19 +107,26 @@ def _eagle_config(target_cfg: LlamaConfig, options: Mapping[str, Any]) -> EagleC
                              head_dim=lc.head_dim, intermediate_size=lc.intermediate_size)
 
 
+# What the draft layer takes from the target: its vocabulary and width, its rotary embedding
+# (the head's positions are the target's), its norm epsilon and token ids. Every other
+# `LlamaConfig` field keeps its default, so the layer is a plain Llama layer (no window,
+# soft-cap, bias, q/k or sandwich norm of the target's family) whatever switches a family adds.
+TAKEN_FROM_TARGET = ("vocab_size", "hidden_size", "rope_theta", "rope_scaling",
+                     "partial_rotary_factor", "rms_norm_eps", "tie_embeddings",
+                     "max_position_embeddings", "bos_token_id", "eos_token_ids", "compute_dtype",
+                     "architecture")
+
+
 def eagle_layer_config(target_cfg: LlamaConfig, cfg: EagleConfig) -> LlamaConfig:
-  """The draft layer's geometry as a one-layer LlamaConfig: the rotary settings are the
-  target's; the layer itself is a plain Llama layer (no window, soft-cap, q/k or sandwich norm
-  of the target's family), as the head trains it."""
-  h = cfg.num_heads or target_cfg.num_heads
-  return dataclasses.replace(
-      target_cfg, num_layers=1, num_heads=h,
+  """The draft layer's geometry as a one-layer LlamaConfig: the target's `TAKEN_FROM_TARGET`
+  fields, the head's own geometry (0: the target's), float32 weights (the head trains in
+  float32), and every other field at its default: a plain Llama layer, as the head trains it."""
+  return LlamaConfig(
+      **{name: getattr(target_cfg, name) for name in TAKEN_FROM_TARGET},
+      num_layers=1, num_heads=cfg.num_heads or target_cfg.num_heads,
       num_kv_heads=cfg.num_kv_heads or target_cfg.num_kv_heads,
       head_dim=cfg.head_dim or target_cfg.head_dim,
-      intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
-      attention_bias=False, sliding_window=None, layer_types=None, sliding_rope_theta=None,
-      attn_softcap=None, final_softcap=None, query_pre_attn_scalar=None, qk_norm=False,
-      post_norms=False, norm_offset=0.0, embed_scale=False, hidden_act="silu", dtype="float32")
+      intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size, dtype="float32")
 
 
 class EagleHead(nnx.Module):

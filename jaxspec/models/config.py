@@ -115,7 +115,8 @@ class LlamaConfig:
   Hashable, so it is passed to `jax.jit` as a static argument; change it with
   `dataclasses.replace`.
 
-  Family switches (defaults are Llama's):
+  Family switches (defaults are Llama's; which family sets which, from which config.json or GGUF
+  key, is its file in `jaxspec.models.families`):
     hidden_act: the gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU) or
       "gelu" (the exact erf form).
     qk_norm: an RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3).

@@ -23,13 +23,11 @@ llama.cpp's `llama` architecture applies rotary embeddings to interleaved pairs,
 jaxspec uses Hugging Face's rotate-half layout, so the loader undoes that permutation. The other
 architectures use the rotate-half ("neox") layout and are not permuted.
 
-What llama.cpp's converter changes, undone or followed here: Gemma's norm weights are stored as
-1 + w (jaxspec's params hold the same scale); Phi-3 keeps the fused `attn_qkv` and a fused
-`ffn_up` of [gate; up] rows, split here, and LongRoPE's divisors as `rope_factors_short` /
-`rope_factors_long` tensors. Settings a GGUF does not record are llama.cpp's fixed ones: Gemma 3's
-sliding layers (every sixth layer global, unless `attention.sliding_window_pattern` says) with a
-rotary base of 10000 (unless `rope.freq_base_swa`), and Gemma 2/3's query scaling (head_dim, or
-hidden/heads for the 27B models, as llama.cpp's `f_attention_scale`).
+What llama.cpp's converter changes per family, and the settings a GGUF does not record
+(llama.cpp's fixed ones), are in each family's file under `jaxspec.models.families` (Gemma's
+1 + w norms, Phi-3's fused tensors, Gemma 2/3's sliding patterns and query scaling); this module
+reads the format and asks the family. LongRoPE's divisors (`rope_factors_short` /
+`rope_factors_long` tensors) and Llama-3's (`rope_freqs`) are read for any architecture.
 """
 
 from __future__ import annotations
@@ -45,15 +43,16 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.models import families
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
 from jaxspec.models.errors import CheckpointError, read_checkpoint, refuse_nonfinite
+from jaxspec.models.families.base import every_nth_full
 from jaxspec.models.llama import Params, rope_inv_freq, stack_params
 from jaxspec.models.model import Model
 from jaxspec.models.tokenizer import MAX_VOCAB
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
-_GEMMA = ("gemma", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = families.GGUF_ARCHITECTURES  # general.architecture values it loads
 # Types decoded by jaxspec's own kernels; `supported_types()` adds those `gguf.quants` decodes.
 OWN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
@@ -589,7 +588,8 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
   fields, tensors = _read_gguf(path)
   meta = _Meta(fields, path)
   arch = meta.get("general.architecture")
-  if arch not in SUPPORTED_ARCHITECTURES:
+  family = families.by_gguf_architecture(arch)
+  if family is None:
     raise CheckpointError(
         f"{path}: GGUF architecture {arch!r} is not supported (supported:"
         f" {', '.join(SUPPORTED_ARCHITECTURES)}); jaxspec runs Llama-family decoders only")
@@ -600,7 +600,7 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
                           " supported; jaxspec runs dense decoders")
 
   n_layers = meta.int(f"{arch}.block_count")
-  per_block = 6 if arch == "phi3" else 9  # the fewest tensors one block holds
+  per_block = family.gguf_min_block_tensors
   if n_layers > len(tensors) // per_block:
     raise CheckpointError(
         f"{path}: block_count {n_layers} is more than its {len(tensors)} tensors can hold"
@@ -693,12 +693,11 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
         " unscaled rotary embeddings, linear and YaRN scaling, Llama-3 scaling (a rope_freqs"
         " tensor) and LongRoPE (rope_factors tensors)")
 
-  # Sliding-window layers: Gemma 2 alternates, Gemma 3 has every sixth layer global (llama.cpp's
-  # fixed patterns, or the file's attention.sliding_window_pattern), Phi-3/Mistral-style files
-  # slide everywhere.
-  # Gemma 2 files written before these keys existed get llama.cpp's defaults (a 4096 window,
-  # caps 50 and 30: `llama-model.cpp`).
-  window = meta.int(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+  # Sliding-window layers: the file's attention.sliding_window_pattern, else the family's fixed
+  # pattern (llama.cpp's: Gemma 2 alternates, Gemma 3 has every sixth layer global), else a
+  # window slides everywhere (Phi-3, Mistral-style files). A family may give a window where the
+  # file records none (Gemma 2 files written before the key existed).
+  window = meta.int(f"{arch}.attention.sliding_window", family.gguf_default_window)
   layer_types = None
   pattern = meta.get(f"{arch}.attention.sliding_window_pattern", None)
   if window:
@@ -707,23 +706,13 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
         raise CheckpointError(f"{path}: attention.sliding_window_pattern lists {len(pattern)}"
                               f" layers, block_count is {n_layers}; the file is inconsistent")
       layer_types = tuple("sliding" if p else "full" for p in pattern)
-    elif arch in ("gemma2", "gemma3"):
-      every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
-      layer_types = tuple("sliding" if (i + 1) % every else "full" for i in range(n_layers))
+    elif family.gguf_sliding_pattern is not None:
+      every = int(pattern) if pattern else family.gguf_sliding_pattern
+      layer_types = every_nth_full(n_layers, every)
     if layer_types is not None and "full" not in layer_types:
       layer_types = None
     if layer_types is not None and "sliding" not in layer_types:
       layer_types, window = None, None
-  gemma = arch in _GEMMA
-  query_scalar = None
-  if arch in ("gemma2", "gemma3"):
-    big = n_layers == (46 if arch == "gemma2" else 62)  # the 27B models: llama.cpp's rule
-    query_scalar = float(d // n_heads if big else head_dim)
-  def softcap(key, gemma2_default):
-    if arch == "gemma3" and key.startswith("attn"):
-      return None  # Gemma 3 never caps attention scores (transformers ignores the setting)
-    default = gemma2_default if arch == "gemma2" else None
-    return (meta.float(f"{arch}.{key}", default) or None) if gemma else None
   # The rotated share of each head as a factor whose int(head_dim * factor) is rope_dim.
   partial = rope_dim / head_dim
   if int(head_dim * partial) != rope_dim:
@@ -735,8 +724,10 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
   eos_ids = tuple(dict.fromkeys(
       i for i in (meta.int(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom"))
       if i is not None))
+  # Switches a tensor's presence shows; the family adds what its metadata (or llama.cpp's fixed
+  # settings) say.
   try:
-    cfg = LlamaConfig(
+    cfg_fields = dict(
         vocab_size=vocab, hidden_size=d, intermediate_size=ff,
         num_layers=n_layers, num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim,
         rope_theta=theta, rope_scaling=scaling,
@@ -745,16 +736,12 @@ def _load_gguf(path: str | os.PathLike, dtype: str | None = None, place=None,
         attention_bias="blk.0.attn_q.bias" in tensors,
         sliding_window=window or None, max_position_embeddings=max_pos,
         bos_token_id=meta.int("tokenizer.ggml.bos_token_id", None), eos_token_ids=eos_ids or (2,),
-        dtype=dtype, architecture=arch, hidden_act="gelu_tanh" if gemma else "silu",
+        dtype=dtype, architecture=family.architecture,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        post_norms="blk.0.post_ffw_norm.weight" in tensors, norm_offset=1.0 if gemma else 0.0,
-        embed_scale=gemma, attn_softcap=softcap("attn_logit_softcapping", 50.0),
-        final_softcap=softcap("final_logit_softcapping", 30.0),
-        query_pre_attn_scalar=query_scalar,
-        layer_types=layer_types,
-        sliding_rope_theta=(meta.float(f"{arch}.rope.freq_base_swa", 10000.0)
-                            if arch == "gemma3" and window else None),
-        partial_rotary_factor=partial)
+        post_norms="blk.0.post_ffw_norm.weight" in tensors,
+        layer_types=layer_types, partial_rotary_factor=partial)
+    cfg_fields.update(family.gguf_switches(meta, cfg_fields))
+    cfg = LlamaConfig(**cfg_fields)
   except ValueError as e:
     raise CheckpointError(f"{path}: invalid or inconsistent model metadata: {e}") from e
 
@@ -790,12 +777,10 @@ def _read_params(tensors: dict, cfg: LlamaConfig, path: Path, place=None, scan: 
                    cfg.head_dim)
   names = ["token_embd.weight", "output_norm.weight"]
   names += [] if cfg.tie_embeddings else ["output.weight"]
-  fused = cfg.architecture == "phi3" and "blk.0.attn_qkv.weight" in tensors
+  family = families.family(cfg.architecture)
+  has = tensors.__contains__
   layer_names = ["attn_norm.weight", "attn_output.weight", "ffn_norm.weight", "ffn_down.weight"]
-  layer_names += (["attn_qkv.weight"] if fused else
-                  ["attn_q.weight", "attn_k.weight", "attn_v.weight"])
-  layer_names += ["ffn_up.weight"] if cfg.architecture == "phi3" else ["ffn_gate.weight",
-                                                                        "ffn_up.weight"]
+  layer_names += family.gguf_projection_names(has)
   if cfg.qk_norm:
     layer_names += ["attn_q_norm.weight", "attn_k_norm.weight"]
   if cfg.post_norms:
@@ -828,24 +813,13 @@ def _read_params(tensors: dict, cfg: LlamaConfig, path: Path, place=None, scan: 
       refuse_nonfinite(out, name, path)
     return out
 
-  permute = cfg.architecture == "llama"  # llama.cpp permutes Q/K rows for `llama` only
+  permute = family.gguf_permuted_qk  # the converter interleaved rotary pairs (Llama)
 
   def layer(i):
     p = f"blk.{i}."
-    if fused:  # Phi-3: [q; k; v] rows
-      wq, wk, wv = np.split(get(p + "attn_qkv.weight", ((h + 2 * g) * k, d)),
-                            [h * k, (h + g) * k])
-    else:
-      wq = get(p + "attn_q.weight", (h * k, d))  # [out, in] like Hugging Face
-      wk = get(p + "attn_k.weight", (g * k, d))
-      wv = get(p + "attn_v.weight", (g * k, d))
+    wq, wk, wv, w_gate, w_up = family.gguf_projections(get, has, p, cfg)  # [out, in]
     if permute:
       wq, wk = _unpermute_rows(wq, h), _unpermute_rows(wk, g)
-    if cfg.architecture == "phi3":  # ffn_up holds [gate; up] rows
-      gate_up = get(p + "ffn_up.weight", (2 * f, d))
-      w_gate, w_up = gate_up[:f], gate_up[f:]
-    else:
-      w_gate, w_up = get(p + "ffn_gate.weight", (f, d)), get(p + "ffn_up.weight", (f, d))
     out = dict(
         attn_norm=get(p + "attn_norm.weight", (d,)),
         wq=wq.T.reshape(d, h, k), wk=wk.T.reshape(d, g, k), wv=wv.T.reshape(d, g, k),

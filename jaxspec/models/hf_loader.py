@@ -11,6 +11,10 @@ a truncated or malformed file is a `CheckpointError` naming the tensor and the f
 library's bare "incomplete metadata". Pickled checkpoints (`pytorch_model.bin`) are never
 loaded.
 
+What is specific to a family (its class names, how its config.json sets `LlamaConfig`'s
+switches, its tensor names where they differ from Llama's) is in its file under
+`jaxspec.models.families`; this module reads the formats and asks the family.
+
 `save_hf` writes the same layout with Hugging Face tensor names, so `transformers` can read what
 jaxspec writes (a distilled draft model, or a tiny model in a test). The writer is jaxspec's own:
 `safetensors.numpy.save_file` writes the same bytes except that it orders the tensors by dtype
@@ -30,27 +34,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxspec.models import families
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
 from jaxspec.models.errors import CheckpointError, read_checkpoint, refuse_nonfinite
+from jaxspec.models.families.base import Family, flag
 from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
 
-# Hugging Face class name <-> jaxspec `LlamaConfig.architecture`.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-                 "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
-_SAVABLE = ("llama", "mistral", "qwen2")  # what `save_hf` writes
-# Multimodal checkpoints jaxspec does not read (their decoder's tensors sit beside a vision
-# tower it would have to skip): refused with the text-only class to load instead.
-_MULTIMODAL = {"Mistral3ForConditionalGeneration": "MistralForCausalLM"}
-# Multimodal checkpoints whose text decoder jaxspec runs by itself (the vision tower and
-# projector are not read): class -> (text class, prefix of the text model's tensor names).
-_TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM",
-                                                          "language_model.")}
+# Hugging Face class name -> jaxspec `LlamaConfig.architecture` (the families' registry).
+ARCHITECTURES = families.HF_CLASSES
 
 
 def text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
@@ -58,9 +51,10 @@ def text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
   "" for a text model; text_config and "language_model." for Gemma 3's multimodal checkpoints
   (gemma-3-4b and larger), whose text decoder runs alone."""
   archs = config.get("architectures") or []
-  if archs and archs[0] in _TEXT_OF_MULTIMODAL and isinstance(config.get("text_config"), dict):
-    cls, prefix = _TEXT_OF_MULTIMODAL[archs[0]]
-    text = dict(config["text_config"], architectures=[cls])
+  multimodal = families.text_of_multimodal(archs[0]) if archs else None
+  if multimodal and isinstance(config.get("text_config"), dict):
+    family, prefix = multimodal
+    text = dict(config["text_config"], architectures=[family.hf_class])
     for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
       if key in config and key not in text:
         text[key] = config[key]
@@ -264,16 +258,6 @@ def _ids(value: Any) -> list[int]:
   return list(values)
 
 
-def _flag(config: Mapping[str, Any], name: str, default: bool, where: str) -> bool:
-  """A boolean field: JSON true/false only (the string "false" is not False)."""
-  value = config.get(name, default)
-  if value is None:
-    return default
-  if not isinstance(value, bool):
-    raise CheckpointError(f"{where}: {name} must be true or false, got {value!r}")
-  return value
-
-
 def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
                    where: str = "config.json") -> LlamaConfig:
   """A `LlamaConfig` from a Hugging Face config.json dict."""
@@ -290,23 +274,22 @@ def config_from_hf(config: Mapping[str, Any], dtype: str = "float32",
 # Activation names of Hugging Face configs -> LlamaConfig.hidden_act.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
-_GEMMA = ("gemma", "gemma2", "gemma3")
 
 
 def _rope_scaling(rope: Mapping[str, Any], config: Mapping[str, Any], where: str,
-                  arch: str = "llama") -> RopeScaling | None:
+                  family: Family) -> RopeScaling | None:
   """`RopeScaling` from one rope_parameters / rope_scaling dict (None: unscaled)."""
   rope_type = rope.get("rope_type", rope.get("type"))
   if rope_type in (None, "default"):
     return None
-  if arch == "phi3" and rope_type in ("su", "yarn"):
-    rope_type = "longrope"  # transformers' Phi-3 reads both older names as LongRoPE
+  if isinstance(rope_type, str):  # names the family's class reads as another type
+    rope_type = family.hf_rope_aliases.get(rope_type, rope_type)
   max_pos = int(config.get("max_position_embeddings", 2048))
-  # Where transformers takes the pretraining length from: Phi-3 keeps it beside the rope dict
-  # (its config class defaults it to 4096).
+  # Where transformers takes the pretraining length from: beside the rope dict (Phi-3), in it,
+  # else the family's default or max_position_embeddings.
   orig = int(config.get("original_max_position_embeddings")
              or rope.get("original_max_position_embeddings")
-             or (4096 if arch == "phi3" else max_pos))
+             or family.hf_original_context or max_pos)
   if rope_type == "llama3":
     return RopeScaling(
         factor=float(rope["factor"]), low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
@@ -344,55 +327,27 @@ def _rope_scaling(rope: Mapping[str, Any], config: Mapping[str, Any], where: str
                         " 'dynamic', 'yarn' and 'longrope' scalings")
 
 
-def _layer_types(config: Mapping[str, Any], arch: str, n_layers: int, where: str
-                 ) -> tuple[str, ...] | None:
-  """Per-layer "sliding"/"full" attention as transformers assigns it (None: uniform)."""
-  if arch == "mistral":  # transformers' Mistral slides every layer (no layer_types)
-    return None
-  if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
-    return None  # transformers drops the window then, whatever layer_types say
-  types = config.get("layer_types")
-  if types is not None:
-    if not isinstance(types, list) or len(types) != n_layers:
-      raise CheckpointError(f"{where}: layer_types must list one entry per layer ({n_layers})")
-    names = {"sliding_attention": "sliding", "full_attention": "full"}
-    if any(t not in names for t in types):
-      raise CheckpointError(f"{where}: layer_types {sorted(set(types))} has kinds jaxspec does"
-                            " not run; it supports 'sliding_attention' and 'full_attention'")
-    return tuple(names[t] for t in types)
-  if arch == "gemma2":  # transformers 4.x: every other layer, starting with a sliding one
-    return tuple("sliding" if (i + 1) % 2 else "full" for i in range(n_layers))
-  if arch == "gemma3":
-    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
-                  or 6)
-    return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n_layers))
-  if arch in ("qwen2", "qwen3"):
-    first = int(config.get("max_window_layers", 28))  # transformers' default
-    return tuple("sliding" if i >= first else "full" for i in range(n_layers))
-  return None
-
-
-def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaConfig:
+def _family(config: Mapping[str, Any], where: str) -> Family:
+  """The family of a (text) config.json: by its class, else by its model_type."""
   archs = config.get("architectures") or []
   arch_name = archs[0] if archs else None
-  if arch_name is None:
-    by_type = {v: k for k, v in ARCHITECTURES.items()}
-    arch_name = by_type.get(_MODEL_TYPES.get(config.get("model_type")))
-  if arch_name in _MULTIMODAL:
+  family = families.by_hf_class(arch_name)
+  if family is None and arch_name is None:
+    family = families.by_model_type(config.get("model_type"))
+  refused_for = families.refusing(arch_name)
+  if refused_for is not None:
     raise CheckpointError(f"{where}: {arch_name} is a multimodal checkpoint; jaxspec runs text"
-                          f" decoders: load a text-only {_MULTIMODAL[arch_name]} checkpoint")
-  if arch_name not in ARCHITECTURES:
+                          f" decoders: load a text-only {refused_for.hf_class} checkpoint")
+  if family is None:
     raise CheckpointError(
         f"{where}: architecture {arch_name or config.get('model_type')!r} is not supported"
         f" (supported: {', '.join(ARCHITECTURES)})")
-  arch = ARCHITECTURES[arch_name]
-  gemma = arch in _GEMMA
-  act_name = (config.get("hidden_activation") if gemma else None) or config.get(
-      "hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
-  if arch == "gemma" and act_name == "gelu" and not config.get("hidden_activation"):
-    # Gemma 1's config.json says "gelu" but means the tanh form: transformers rewrites it so
-    # (5.x) or ignores hidden_act for Gemma (4.x).
-    act_name = "gelu_pytorch_tanh"
+  return family
+
+
+def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaConfig:
+  family = _family(config, where)
+  act_name = family.hf_activation(config)
   if act_name not in _ACTIVATIONS:
     raise CheckpointError(f"{where}: hidden activation {act_name!r} is not supported (supported:"
                           f" {', '.join(_ACTIVATIONS)})")
@@ -410,83 +365,73 @@ def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaCon
   n_kv = int(config.get("num_key_value_heads") or n_heads)
 
   # Rotary parameters: transformers 5 keeps them in rope_parameters (Gemma 3: one dict per
-  # layer kind), 4.x in rope_theta + rope_scaling (Gemma 3: rope_local_base_freq).
+  # layer kind), 4.x in rope_theta + rope_scaling (Gemma 3: rope_local_base_freq, read by its
+  # family).
   rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-  local_theta = config.get("rope_local_base_freq", 10000.0) if arch == "gemma3" else None
+  switches: dict[str, Any] = {}  # the fields the family reads on top of these
   local_scaling = None
   if "full_attention" in rope or "sliding_attention" in rope:
     local = rope.get("sliding_attention") or {}
     rope = rope.get("full_attention") or {}
     if local:
-      local_theta = local.get("rope_theta", local_theta)
-      local_scaling = _rope_scaling(local, config, where, arch)
+      if "rope_theta" in local:
+        switches["sliding_rope_theta"] = local["rope_theta"]
+      local_scaling = _rope_scaling(local, config, where, family)
   theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
-  scaling = _rope_scaling(rope, config, where, arch)
+  scaling = _rope_scaling(rope, config, where, family)
   if local_scaling is not None:
     raise CheckpointError(f"{where}: rope scaling of the sliding-window layers is not supported;"
                           " jaxspec scales the global layers' rotary embedding only")
   partial = float(rope.get("partial_rotary_factor") or config.get("partial_rotary_factor")
                   or 1.0)
 
-  layer_types = _layer_types(config, arch, n_layers, where)
+  layer_types = family.hf_layer_types(config, n_layers, where)
   window = config.get("sliding_window")
   if layer_types is not None:
     if "sliding" not in layer_types or window is None:
       layer_types, window = None, None
     elif "full" not in layer_types:
       layer_types = None  # every layer slides: the Mistral form
-  elif arch in ("qwen2", "qwen3", "llama", "gemma"):
-    window = None  # these slide only where layer_types / use_sliding_window say so
-  if arch == "gemma3" and window is None:
-    local_theta = None  # no sliding layers: one rotary base
-  attention_bias = True if arch == "qwen2" else _flag(config, "attention_bias", False, where)
-  if arch == "phi3" and attention_bias:
-    raise CheckpointError(f"{where}: Phi-3 attention biases are not supported")
+  elif not family.hf_window_everywhere:
+    window = None  # this family slides only where layer_types say so
+  attention_bias = (family.hf_attention_bias if family.hf_attention_bias is not None
+                    else flag(config, "attention_bias", False, where))
+  tie = flag(config, "tie_word_embeddings", family.hf_tie_default, where)
 
   eos = _ids(config.get("eos_token_id"))
   bos = config.get("bos_token_id")
   if isinstance(bos, list):
     bos = bos[0] if bos else None
-  num = lambda name: None if config.get(name) is None else float(config[name])
   try:
-    return LlamaConfig(
+    fields = dict(
         vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=n_layers,
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rope_theta=theta,
         rope_scaling=scaling, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=_flag(config, "tie_word_embeddings", gemma, where),
-        attention_bias=attention_bias, sliding_window=None if window is None else int(window),
+        tie_embeddings=tie, attention_bias=attention_bias,
+        sliding_window=None if window is None else int(window),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos) if eos else LlamaConfig.__dataclass_fields__[
             "eos_token_ids"].default,
-        dtype=dtype, architecture=arch, hidden_act=_ACTIVATIONS[act_name],
-        qk_norm=arch in ("qwen3", "gemma3"), post_norms=arch in ("gemma2", "gemma3"),
-        norm_offset=1.0 if gemma else 0.0, embed_scale=gemma,
-        # Gemma 3 never caps attention scores (transformers ignores the setting there).
-        attn_softcap=num("attn_logit_softcapping") if arch == "gemma2" else None,
-        final_softcap=num("final_logit_softcapping") if gemma else None,
-        query_pre_attn_scalar=num("query_pre_attn_scalar") if gemma else None,
-        layer_types=layer_types,
-        sliding_rope_theta=float(local_theta) if local_theta is not None else None,
-        partial_rotary_factor=partial)
+        dtype=dtype, architecture=family.architecture, hidden_act=_ACTIVATIONS[act_name],
+        layer_types=layer_types, partial_rotary_factor=partial, **switches)
+    fields.update(family.hf_switches(config, fields, where))
+    if fields.get("sliding_rope_theta") is not None:
+      fields["sliding_rope_theta"] = float(fields["sliding_rope_theta"])
+    return LlamaConfig(**fields)
+  except CheckpointError:
+    raise  # a family's refusal names its own fix
   except (TypeError, ValueError) as e:
     raise CheckpointError(f"{where}: inconsistent configuration: {e}") from e
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
   """The config.json dict `transformers` reads for `cfg`."""
-  by_arch = {v: k for k, v in ARCHITECTURES.items() if v in _SAVABLE}
-  if cfg.architecture == "mistral" and cfg.attention_bias:
-    raise ValueError("MistralForCausalLM has no attention biases: save this model with"
-                     " architecture 'llama' or 'qwen2'")
   check_savable(cfg)
-  if cfg.architecture == "llama" and cfg.sliding_window is not None:
-    raise ValueError("LlamaForCausalLM has no sliding window: save this model with architecture"
-                     " 'mistral' (or 'qwen2' with biases)")
-  if cfg.architecture == "mistral" and cfg.layer_types is not None:
-    raise ValueError("MistralForCausalLM slides every layer: per-layer windows save as 'qwen2'")
+  family = families.family(cfg.architecture)
+  own = family.hf_save(cfg)  # the family's keys, or ValueError for what its class lacks
   out: dict[str, Any] = {
-      "architectures": [by_arch[cfg.architecture]], "model_type": cfg.architecture,
+      "architectures": [family.hf_class], "model_type": family.hf_model_type,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
       "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -499,17 +444,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
       "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
       "torch_dtype": dtype, "rope_scaling": rope_scaling_to_hf(cfg.rope_scaling),
   }
-  if cfg.architecture == "llama":
-    out.update(attention_bias=cfg.attention_bias, mlp_bias=False)
-  elif cfg.architecture == "mistral":
-    out.update(sliding_window=cfg.sliding_window)
-  else:
-    sliding = cfg.sliding_window is not None
-    out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
-               max_window_layers=0 if sliding else cfg.num_layers)
-    if cfg.layer_types is not None:
-      out.update(layer_types=[f"{t}_attention" for t in cfg.layer_types],
-                 max_window_layers=cfg.layer_types.index("sliding"))
+  out.update(own)
   return out
 
 
@@ -537,20 +472,30 @@ def rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
   return out
 
 
-# LlamaConfig switches the savable classes (Llama, Mistral, Qwen2) cannot express, with the
-# value they must have.
-_UNSAVABLE = dict(hidden_act="silu", qk_norm=False, post_norms=False, norm_offset=0.0,
-                  embed_scale=False, attn_softcap=None, final_softcap=None,
-                  query_pre_attn_scalar=None, sliding_rope_theta=None, partial_rotary_factor=1.0)
+# The LlamaConfig fields a saved config.json records: those `config_to_hf` writes for every
+# savable family, those the families' `hf_save` write, and the ones that are no checkpoint's
+# (dtype is save_hf's argument, compute_dtype a run-time choice). Every other field is a switch
+# the savable classes (Llama, Mistral, Qwen2) cannot express and must keep its default, so a
+# switch added to LlamaConfig is refused on save until a writer records it.
+_SAVED = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+          "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+          "tie_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_ids",
+          "architecture", "attention_bias", "sliding_window", "layer_types", "dtype",
+          "compute_dtype")
+
+
+def _unsavable(cfg: LlamaConfig) -> dict[str, Any]:
+  """The switches of `cfg`'s class that a saved checkpoint cannot hold, with their defaults."""
+  return {f.name: f.default for f in dataclasses.fields(cfg) if f.name not in _SAVED}
 
 
 def check_savable(cfg: LlamaConfig) -> None:
   """Raises ValueError, before any work, when `save_hf` cannot write a model of `cfg` (a
   family whose Hugging Face class jaxspec does not write, or a switch those classes lack)."""
-  if cfg.architecture not in _SAVABLE:
+  if cfg.architecture not in families.SAVABLE:
     raise ValueError(f"saving architecture {cfg.architecture!r} is not supported (jaxspec loads"
-                     f" it, but writes only {', '.join(sorted(_SAVABLE))} checkpoints)")
-  for name, value in _UNSAVABLE.items():
+                     f" it, but writes only {', '.join(sorted(families.SAVABLE))} checkpoints)")
+  for name, value in _unsavable(cfg).items():
     if getattr(cfg, name) != value:
       raise ValueError(f"a {cfg.architecture} checkpoint cannot hold {name}="
                        f"{getattr(cfg, name)!r}: save_hf writes Llama, Mistral and Qwen2"
@@ -688,28 +633,19 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig,
     return a
 
   off = np.float32(cfg.norm_offset)  # Gemma stores w for a (1 + w) scale: params hold 1 + w
-  gemma_sandwich = cfg.post_norms
+  sandwich = cfg.post_norms
+  family = families.family(cfg.architecture)
 
   def layer(i):
     p = f"model.layers.{i}."
-    if cfg.architecture == "phi3":  # fused [q; k; v] and [gate; up] rows
-      qkv = get(p + "self_attn.qkv_proj.weight", ((h + 2 * g) * k, d))
-      q_w, k_w, v_w = np.split(qkv, [h * k, (h + g) * k])
-      gate_up = get(p + "mlp.gate_up_proj.weight", (2 * f, d))
-      gate_w, up_w = gate_up[:f], gate_up[f:]
-    else:
-      q_w = get(p + "self_attn.q_proj.weight", (h * k, d))
-      k_w = get(p + "self_attn.k_proj.weight", (g * k, d))
-      v_w = get(p + "self_attn.v_proj.weight", (g * k, d))
-      gate_w = get(p + "mlp.gate_proj.weight", (f, d))
-      up_w = get(p + "mlp.up_proj.weight", (f, d))
+    q_w, k_w, v_w, gate_w, up_w = family.hf_projections(get, p, cfg)  # fused ones split
     out = dict(
         attn_norm=get(p + "input_layernorm.weight", (d,)) + off,
         wq=q_w.T.reshape(d, h, k), wk=k_w.T.reshape(d, g, k), wv=v_w.T.reshape(d, g, k),
         wo=get(p + "self_attn.o_proj.weight", (d, h * k)).T.reshape(h, k, d),
         w_gate=gate_w.T, w_up=up_w.T,
         w_down=get(p + "mlp.down_proj.weight", (d, f)).T)
-    if gemma_sandwich:  # Gemma 2/3: post_attention_layernorm is the attention output's norm
+    if sandwich:  # post_norms (Gemma 2/3): post_attention_layernorm is the attention output's norm
       out.update(post_attn_norm=get(p + "post_attention_layernorm.weight", (d,)) + off,
                  mlp_norm=get(p + "pre_feedforward_layernorm.weight", (d,)) + off,
                  post_mlp_norm=get(p + "post_feedforward_layernorm.weight", (d,)) + off)
@@ -754,6 +690,7 @@ def params_to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
   if cfg.attention_bias != bool(biases):
     raise ValueError(f"cfg.attention_bias is {cfg.attention_bias} but params"
                      f" {'have' if biases else 'lack'} q/k/v biases: make them agree")
+  zeros = families.family(cfg.architecture).hf_save_zeros(cfg)
   out = {"model.embed_tokens.weight": np32(params.embed)}
   for i in range(cfg.num_layers):
     p = f"model.layers.{i}."
@@ -766,12 +703,8 @@ def params_to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
       out[p + "self_attn.q_proj.bias"] = biases["bq"][i].reshape(h * k)
       out[p + "self_attn.k_proj.bias"] = biases["bk"][i].reshape(g * k)
       out[p + "self_attn.v_proj.bias"] = biases["bv"][i].reshape(g * k)
-      if cfg.architecture == "llama":  # HF Llama's attention_bias also biases o_proj
-        out[p + "self_attn.o_proj.bias"] = np.zeros((d,), np.float32)
-    elif cfg.architecture == "qwen2":  # HF Qwen2 always has q/k/v biases
-      out[p + "self_attn.q_proj.bias"] = np.zeros((h * k,), np.float32)
-      out[p + "self_attn.k_proj.bias"] = np.zeros((g * k,), np.float32)
-      out[p + "self_attn.v_proj.bias"] = np.zeros((g * k,), np.float32)
+    for name, shape in zeros.items():  # what the family's class has and jaxspec does not
+      out[p + name] = np.zeros(shape, np.float32)
     out[p + "post_attention_layernorm.weight"] = layers["mlp_norm"][i]
     out[p + "mlp.gate_proj.weight"] = layers["w_gate"][i].T
     out[p + "mlp.up_proj.weight"] = layers["w_up"][i].T
