@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxspec.checks import check_int, is_int
 from jaxspec.decoding import limits
 from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
@@ -51,15 +52,11 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
       up to a multiple of 64.
   """
   check_model(model)
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or not 1 <= max_new_tokens <= MAX_POSITIONS:
-    raise ValueError(f"max_new_tokens must be an integer in [1, {MAX_POSITIONS}], got"
-                     f" {max_new_tokens!r}")
-  if max_len is not None and (isinstance(max_len, bool) or not isinstance(
-      max_len, (int, np.integer)) or not 1 <= max_len <= MAX_POSITIONS):
-    raise ValueError(f"max_len must be an integer in [1, {MAX_POSITIONS}], got {max_len!r}")
+  check_int("max_new_tokens", max_new_tokens, 1, MAX_POSITIONS)
+  if max_len is not None:
+    check_int("max_len", max_len, 1, MAX_POSITIONS)
   if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                  and isinstance(prompts[0], (int, np.integer))):
+                                  and is_int(prompts[0])):
     prompts = [prompts]
   if isinstance(prompts, (np.ndarray, jax.Array)):  # token ids: [P] one prompt, [B, P] a batch
     if isinstance(prompts, jax.core.Tracer):
@@ -144,8 +141,7 @@ def check_cache_fits(model: Model, batch: int, max_len: int, *, prompt_len: int 
 
 def check_chunk(chunk) -> int:
   """A stream's chunk: an integer >= 1 (0 would never advance)."""
-  if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-    raise ValueError(f"chunk must be an integer >= 1 (steps between yields), got {chunk!r}")
+  check_int("chunk", chunk, 1, why="steps between yields")
   return int(chunk)
 
 

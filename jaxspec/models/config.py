@@ -9,17 +9,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.checks import check_int
+
 
 # Bounds on sizes: int32 for anything that becomes an array index or id; a dimension of 2**24
 # or a depth of 4096 layers is far past any checkpoint and still fails before an allocation.
 _MAX_INT32 = 2**31 - 1
 _MAX_DIM = 2**24
 _MAX_LAYERS = 4096
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-    raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -73,7 +70,7 @@ class RopeScaling:
     for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor",
                  "beta_fast", "beta_slow"):
       _check_positive(f"rope_scaling.{name}", getattr(self, name))
-    _check_int("rope_scaling.original_max_position_embeddings",
+    check_int("rope_scaling.original_max_position_embeddings",
                self.original_max_position_embeddings, 1, _MAX_INT32)
     if self.rope_type == "llama3" and self.high_freq_factor == self.low_freq_factor:
       raise ValueError(f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must differ"
@@ -175,22 +172,22 @@ class LlamaConfig:
     # epsilon, an id past int32, the string "false" for a flag) fails at load, not as NaN logits.
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
                  "num_kv_heads", "head_dim", "max_position_embeddings"):
-      _check_int(name, getattr(self, name), 1, _MAX_DIM if name != "max_position_embeddings"
+      check_int(name, getattr(self, name), 1, _MAX_DIM if name != "max_position_embeddings"
                  else _MAX_INT32)
-    _check_int("num_layers", self.num_layers, 1, _MAX_LAYERS)
+    check_int("num_layers", self.num_layers, 1, _MAX_LAYERS)
     _check_positive("rope_theta", self.rope_theta)
     _check_positive("rms_norm_eps", self.rms_norm_eps)
     for name in ("tie_embeddings", "attention_bias", "qk_norm", "post_norms", "embed_scale"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.sliding_window is not None:
-      _check_int("sliding_window", self.sliding_window, 1, _MAX_INT32)
+      check_int("sliding_window", self.sliding_window, 1, _MAX_INT32)
     if self.bos_token_id is not None:
-      _check_int("bos_token_id", self.bos_token_id, 0, _MAX_INT32)
+      check_int("bos_token_id", self.bos_token_id, 0, _MAX_INT32)
     if not isinstance(self.eos_token_ids, tuple):
       raise ValueError(f"eos_token_ids must be a tuple of token ids, got {self.eos_token_ids!r}")
     for t in self.eos_token_ids:
-      _check_int("eos_token_ids", t, 0, _MAX_INT32)
+      check_int("eos_token_ids", t, 0, _MAX_INT32)
     if self.head_dim % 2:
       raise ValueError(f"head_dim {self.head_dim} is odd: rotary embeddings rotate pairs")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):

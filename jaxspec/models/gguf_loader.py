@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.checks import is_int
 from jaxspec.models import families
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
@@ -374,7 +375,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
       raise CheckpointError(f"{path} is corrupt: metadata {key!r} appears twice")
     fields[key] = _read_value(cur, vtype, key)
   alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
-  if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+  if (not is_int(alignment, numpy=False) or alignment <= 0
       or alignment & (alignment - 1)):
     raise CheckpointError(f"{path} is corrupt: general.alignment {alignment!r} is not a power of"
                           " two")
@@ -462,7 +463,7 @@ class _Meta:
         raise CheckpointError(f"{self.path}: per-layer {key!r} = {v} differs across layers,"
                               " which jaxspec does not support")
       v = v[0]
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+    if not is_int(v):
       raise CheckpointError(f"{self.path}: metadata {key!r} = {v!r} is not an integer")
     return int(v)
 

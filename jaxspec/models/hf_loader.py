@@ -34,6 +34,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxspec.checks import is_int
 from jaxspec.models import families
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
@@ -253,7 +254,7 @@ def _ids(value: Any) -> list[int]:
   if value is None:
     return []
   values = value if isinstance(value, list) else [value]
-  if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+  if not all(is_int(v, numpy=False) for v in values):
     raise CheckpointError(f"token id {value!r} is not an integer or a list of integers")
   return list(values)
 
