@@ -103,3 +103,86 @@ def test_sharding_specs_are_unchanged():
     leaves = jax.tree_util.tree_flatten_with_path(param_shardings(tree, mesh))[0]
     text = ";".join(f"{jax.tree_util.keystr(k)}={v.spec}" for k, v in leaves)
     assert hashlib.sha256(text.encode()).hexdigest()[:16] == SPECS[name], name
+
+
+# -- the table and what reads it ------------------------------------------------------------------
+def test_the_table_declares_every_field_in_order():
+  from jaxspec.models.llama import Params
+  from jaxspec.models.weights import LAYER_WEIGHTS, MODEL_WEIGHTS
+  assert [w.name for w in LAYER_WEIGHTS] == [f.name for f in dataclasses.fields(LayerParams)]
+  assert [w.name for w in MODEL_WEIGHTS] == [f.name for f in dataclasses.fields(Params)
+                                             if f.name != "layers"]
+
+
+def test_declarations_give_shapes_presence_and_dtypes():
+  from jaxspec.models.weights import WEIGHT
+  cfg = tiny_config(num_layers=3, dtype="bfloat16", norm_offset=1.0)
+  assert WEIGHT["wo"].shape(cfg) == (3, 4, 16, 64)
+  assert WEIGHT["wo"].shape(cfg, stacked=False) == (4, 16, 64)
+  assert WEIGHT["embed"].shape(cfg) == WEIGHT["embed"].shape(cfg, stacked=False) == (128, 64)
+  assert WEIGHT["wo"].contract_axes(stacked=True) == (1, 2) and WEIGHT["wo"].n_out == 1
+  assert WEIGHT["wq"].n_out == 2 and WEIGHT["embed"].contract_axes(stacked=True) == (1,)
+  assert WEIGHT["lm_head"].present(cfg) and not WEIGHT["lm_head"].present(
+      tiny_config(tie_embeddings=True))
+  assert not WEIGHT["bq"].present(cfg) and WEIGHT["bq"].present(tiny_config(attention_bias=True))
+  # Gemma's norm scales load in float32; every other weight in the configuration's dtype
+  assert str(WEIGHT["q_norm"].dtype(cfg)) == "float32"
+  assert str(WEIGHT["wq"].dtype(cfg)) == "bfloat16"
+  assert str(WEIGHT["attn_norm"].dtype(tiny_config(dtype="bfloat16"))) == "bfloat16"
+
+
+def test_a_declaration_that_contradicts_itself_is_refused():
+  from jaxspec.models.weights import Weight
+  with pytest.raises(ValueError, match="contracted axes must lead"):
+    Weight(name="w", axes=("ffw", "embed"), contract=(1,), output_major=True)
+  with pytest.raises(ValueError, match="init 'zeros'"):
+    Weight(name="w", axes=("embed",), init="zeros")
+
+
+def test_stack_params_refuses_a_layer_the_declarations_do_not_match():
+  cfg = tiny_config(qk_norm=True)
+  layer, embed, final_norm, head = _host(init_params(cfg, jax.random.key(7)))
+
+  def missing(i):
+    out = layer(i)
+    del out["k_norm"]
+    return out
+
+  with pytest.raises(ValueError, match=r"layer 0 .* k_norm is missing, declared \(16,\)"):
+    stack_params(cfg, missing, embed, final_norm, head)
+  wrong = lambda i: {**layer(i), "wo": layer(i)["wo"][:2]}
+  with pytest.raises(ValueError, match=r"wo is \(2, 16, 64\), declared \(4, 16, 64\)"):
+    stack_params(cfg, wrong, embed, final_norm, head)
+  extra = lambda i: {**layer(i), "bq": np.zeros((4, 16), np.float32)}
+  with pytest.raises(ValueError, match=r"bq is \(4, 16\), declared absent"):
+    stack_params(cfg, extra, embed, final_norm, head, place=Placer(make_mesh({"model": 2})))
+
+
+def test_output_major_is_an_argument():
+  from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, NO_OUTPUT_MAJOR, OutputMajor,
+                                    OutputMajorPolicy)
+  p = init_params(tiny_config(), jax.random.key(7))
+  om = lambda policy: isinstance(
+      llama.with_scan_layers(p, False, output_major=policy).layers[0].wq, OutputMajor)
+  assert om(DEFAULT_OUTPUT_MAJOR)  # the CPU holds every float dtype output-major
+  assert not om(NO_OUTPUT_MAJOR)
+  assert not om(OutputMajorPolicy(platforms=(("gpu", None),)))
+  assert not om(OutputMajorPolicy(platforms=(("cpu", frozenset({"bfloat16"})),)))
+  assert om(OutputMajorPolicy(platforms=(("cpu", frozenset({"float32"})),)))
+  assert not hasattr(llama, "OUTPUT_MAJOR_PLATFORMS")  # no module switch left to overwrite
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_layers_are_profiled_as_attention_and_mlp(scan):
+  import functools
+  import re
+
+  import jax.numpy as jnp
+  from jaxspec.models import forward, init_cache
+  cfg = tiny_config()
+  p = llama.with_scan_layers(init_params(cfg, jax.random.key(7)), scan)
+  compiled = jax.jit(functools.partial(forward, cfg=cfg)).lower(
+      p, jnp.ones((1, 3), jnp.int32), init_cache(cfg, 1, 8)).compile()
+  names = re.findall(r'op_name="([^"]*)"', compiled.as_text())
+  for scope in ("attention", "mlp"):
+    assert any(re.search(rf"/{scope}/(\S+/)?dot_general", n) for n in names), scope
