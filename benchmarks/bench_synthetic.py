@@ -260,7 +260,7 @@ def main(argv=None):
                                                           "both"])
   ap.add_argument("--output-major", default="default", choices=["default", "on", "off"],
                   help="hold unrolled matmul weights output-major (jaxspec.models.llama."
-                       "OUTPUT_MAJOR_PLATFORMS): the backend's default, or on/off to compare")
+                       "OutputMajorPolicy): the backend's default, or on/off to compare")
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--k", type=int, default=4)
@@ -299,18 +299,19 @@ def main(argv=None):
   backend = jax.default_backend()
   # The XLA options of this run's programs (per program: jaxspec's defaults stay untouched).
   engine = Engine(compiler_options={backend: json.loads(args.options)} if args.options else None)
-  if args.output_major != "default":
-    llama_lib.OUTPUT_MAJOR_PLATFORMS = ({"cpu", "gpu"} if args.output_major == "on" else set())
-    llama_lib.OUTPUT_MAJOR_DTYPES = {}  # every float dtype
+  output_major = {"default": llama_lib.DEFAULT_OUTPUT_MAJOR,  # "on": every float dtype
+                  "on": llama_lib.OutputMajorPolicy(platforms=(("cpu", None), ("gpu", None))),
+                  "off": llama_lib.NO_OUTPUT_MAJOR}[args.output_major]
+  om_platforms = sorted(platform for platform, _ in output_major.platforms)
   gib = args.bandwidth_gib or (2.0 if backend != "cpu" else 0.5)
   bws = device_bandwidth(gib)
   bw = bws["limit"]
   out = dict(machine=machine(), bandwidth_gbs={k: v / 1e9 for k, v in bws.items()},
-             output_major_platforms=sorted(llama_lib.OUTPUT_MAJOR_PLATFORMS), args={
+             output_major_platforms=om_platforms, args={
       k: v for k, v in vars(args).items() if not k.startswith("_")},
       compiler_options=engine.options(), results=[])
   print(f"{backend}: bandwidth copy {bws['copy'] / 1e9:.0f} GB/s, read {bws['read'] / 1e9:.0f}"
-        f" GB/s; output-major on {sorted(llama_lib.OUTPUT_MAJOR_PLATFORMS)}; compiler options"
+        f" GB/s; output-major on {om_platforms}; compiler options"
         f" {engine.options() or 'XLA defaults'}", flush=True)
   log = functools.partial(print, flush=True)
   layouts = {"default": [None], "stacked": [True], "unrolled": [False],
@@ -326,11 +327,11 @@ def main(argv=None):
   for (shape, dtype), batches in plan.items():
     args._shape = shape
     t0 = time.perf_counter()
-    model = random_model(shape, dtype)
+    model = random_model(shape, dtype, output_major=output_major)
     log(f"{shape} {dtype}: built in {time.perf_counter() - t0:.1f} s")
     for scan in layouts:
       m = model if scan is None else dataclasses.replace(
-          model, params=with_scan_layers(model.params, scan))
+          model, params=with_scan_layers(model.params, scan, output_major=output_major))
       for b in batches:
         try:
           out["results"].append(bench_one(engine, m, b, args, bw, log))

@@ -21,17 +21,14 @@ import dataclasses
 import functools
 import math
 import os
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.models.config import LlamaConfig
+from jaxspec.models.weights import LAYER_WEIGHTS, WEIGHT, WEIGHTS, QArray
 from jaxspec.pytree import pytree_dataclass
-
-if TYPE_CHECKING:
-  from jaxspec.models.quant import QArray
 
 
 _pytree = pytree_dataclass
@@ -41,36 +38,38 @@ _pytree = pytree_dataclass
 @dataclasses.dataclass
 class LayerParams:
   """Decoder layer weights, stacked on a leading layer axis L (or, in `Params.layers`' unrolled
-  layout, one LayerParams per layer without that axis: `with_scan_layers`). The matmul weights
-  may be int8 `QArray`s (`jaxspec.models.quant`); norms and biases are always float."""
+  layout, one LayerParams per layer without that axis: `with_scan_layers`). Each field's shape,
+  logical axes, initializer and the switch that adds an optional one are declared once, in
+  `jaxspec.models.weights.WEIGHTS`. The matmul weights may be int8 `QArray`s
+  (`jaxspec.models.quant`) or, unrolled, `OutputMajor`; norms and biases are always float."""
 
-  attn_norm: jax.Array  # [L, D]
-  wq: jax.Array | QArray  # [L, D, H, K]
-  wk: jax.Array | QArray  # [L, D, G, K]
-  wv: jax.Array | QArray  # [L, D, G, K]
-  wo: jax.Array | QArray  # [L, H, K, D]
-  mlp_norm: jax.Array  # [L, D]
-  w_gate: jax.Array | QArray  # [L, D, F]
-  w_up: jax.Array | QArray  # [L, D, F]
-  w_down: jax.Array | QArray  # [L, F, D]
-  bq: jax.Array | None = None  # [L, H, K] (Qwen2)
-  bk: jax.Array | None = None  # [L, G, K]
-  bv: jax.Array | None = None  # [L, G, K]
-  q_norm: jax.Array | None = None  # [L, K] (Qwen3, Gemma 3: cfg.qk_norm)
-  k_norm: jax.Array | None = None  # [L, K]
-  post_attn_norm: jax.Array | None = None  # [L, D] (Gemma 2/3: cfg.post_norms)
-  post_mlp_norm: jax.Array | None = None  # [L, D]
+  attn_norm: jax.Array
+  wq: jax.Array | QArray
+  wk: jax.Array | QArray
+  wv: jax.Array | QArray
+  wo: jax.Array | QArray
+  mlp_norm: jax.Array
+  w_gate: jax.Array | QArray
+  w_up: jax.Array | QArray
+  w_down: jax.Array | QArray
+  bq: jax.Array | None = None  # Qwen2 (cfg.attention_bias)
+  bk: jax.Array | None = None
+  bv: jax.Array | None = None
+  q_norm: jax.Array | None = None  # Qwen3, Gemma 3 (cfg.qk_norm)
+  k_norm: jax.Array | None = None
+  post_attn_norm: jax.Array | None = None  # Gemma 2/3 (cfg.post_norms)
+  post_mlp_norm: jax.Array | None = None
 
 
 @_pytree
 @dataclasses.dataclass
 class Params:
-  """All weights of a Llama-family model."""
+  """All weights of a Llama-family model (declared in `jaxspec.models.weights.WEIGHTS`)."""
 
-  embed: jax.Array | QArray  # [V, D]
+  embed: jax.Array | QArray
   layers: LayerParams | tuple[LayerParams, ...]  # stacked, or one per layer (unrolled)
-  final_norm: jax.Array  # [D]
-  lm_head: jax.Array | QArray | None = None  # [D, V]; None when tied to `embed`.
+  final_norm: jax.Array
+  lm_head: jax.Array | QArray | None = None  # None when tied to `embed`.
 
 
 @_pytree
@@ -149,8 +148,8 @@ class OutputMajor:
     return np.asarray(self.logical(), dtype)
 
 
-# A LayerParams matmul weight's output axes (the trailing axes of its logical layout).
-_OUT_AXES = dict(wq=2, wk=2, wv=2, wo=1, w_gate=1, w_up=1, w_down=1)
+# The LayerParams weights the unrolled layout may hold output-major (`Weight.output_major`).
+_OUTPUT_MAJOR = tuple(w.name for w in LAYER_WEIGHTS if w.output_major)
 
 
 def as_logical(w):
@@ -162,15 +161,16 @@ def _to_output_major(lp: LayerParams) -> LayerParams:
   """One unrolled layer's float matmul weights as `OutputMajor` (int8 `QArray`s stay)."""
   def conv(name):
     w = getattr(lp, name)
-    if isinstance(w, OutputMajor) or _is_quantized(w):
+    if isinstance(w, (OutputMajor, QArray)):
       return w
-    return OutputMajor.from_logical(w, _OUT_AXES[name])
-  return dataclasses.replace(lp, **{name: conv(name) for name in _OUT_AXES})
+    return OutputMajor.from_logical(w, WEIGHT[name].n_out)
+  return dataclasses.replace(lp, **{name: conv(name) for name in _OUTPUT_MAJOR})
 
 
 def _to_input_major(lp: LayerParams) -> LayerParams:
   """The inverse of `_to_output_major`: every matmul weight in its logical layout."""
-  return dataclasses.replace(lp, **{name: as_logical(getattr(lp, name)) for name in _OUT_AXES})
+  return dataclasses.replace(lp, **{name: as_logical(getattr(lp, name))
+                                    for name in _OUTPUT_MAJOR})
 
 
 def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None, *, place=None,
@@ -184,23 +184,26 @@ def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None, *, pl
   sharding rules), each tensor is converted to cfg's dtype alone and every device receives only
   its shard of it (`place.put`), so host memory holds about one layer in float32 at a time and
   no device ever holds a full unsharded weight; layers come stacked (`scan`: each layer written
-  into its slot of the stacked array in place) or one per layer. Gemma's norm scales stay
-  float32 (`NORM_FIELDS`).
+  into its slot of the stacked array in place) or one per layer. Every weight takes the dtype
+  its declaration gives (`Weight.dtype`: Gemma's norm scales stay float32), and every layer
+  must hold exactly the weights `cfg` declares, in their declared shapes.
   """
-  import ml_dtypes
   import numpy as np
-  np_dtype = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
-  # Gemma's (1 + w) norm scales stay float32, as Gemma computes them (`LlamaConfig.norm_offset`):
-  # rounded to bfloat16 they would scale every norm by up to 0.4% off.
-  dtype_of = lambda key: np.float32 if cfg.norm_offset and key in NORM_FIELDS else np_dtype
+  dtype_of = lambda key: np.dtype(WEIGHT[key].dtype(cfg))
   fetch = lambda x: x() if callable(x) else x
+
+  def layer_arrays(i):
+    arrays = {key: fetch(value) for key, value in layer(i).items()}
+    _check_layer_arrays(cfg, i, arrays)
+    return arrays.items()
+
   if place is not None:
     place.check(cfg)
     host = lambda key, x: np.ascontiguousarray(fetch(x), dtype_of(key))
     per_layer: dict[str, list] = {}
     stacked: dict[str, jax.Array] = {}
     for i in range(cfg.num_layers):
-      for key, value in layer(i).items():
+      for key, value in layer_arrays(i):
         x = host(key, value)
         if scan:  # written into its slot of the stacked array, which is updated in place
           if key not in stacked:
@@ -221,7 +224,7 @@ def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None, *, pl
   to_jax = lambda key, x: jax.device_put(np.ascontiguousarray(fetch(x), dtype_of(key)))
   stacked = {}
   for i in range(cfg.num_layers):
-    for key, value in layer(i).items():
+    for key, value in layer_arrays(i):
       if key not in stacked:
         stacked[key] = np.empty((cfg.num_layers, *value.shape), dtype_of(key))
       stacked[key][i] = value
@@ -232,9 +235,19 @@ def stack_params(cfg: LlamaConfig, layer, embed, final_norm, lm_head=None, *, pl
   return dataclasses.replace(params, lm_head=None if head is None else to_jax("lm_head", head))
 
 
-# The norm weights (`stack_params` keeps Gemma's in float32).
-NORM_FIELDS = frozenset(("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
-                         "post_mlp_norm", "final_norm"))
+def _check_layer_arrays(cfg: LlamaConfig, i: int, arrays: dict) -> None:
+  """A loader's layer i holds exactly the layer weights `cfg` declares, in their shapes."""
+  import numpy as np
+  want = {w.name: w.shape(cfg, stacked=False) for w in LAYER_WEIGHTS if w.present(cfg)}
+  got = {k: tuple(np.shape(v)) for k, v in arrays.items()}
+  if got != want:
+    diff = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+    raise ValueError(
+        f"layer {i} of the loaded weights does not match the configuration's declarations:"
+        + "".join(f" {k} is {got.get(k, 'missing')}, declared {want.get(k, 'absent')};"
+                  for k in diff)
+        + " the loader must give every weight `jaxspec.models.weights.WEIGHTS` declares for"
+        " this configuration (`Weight.present`, `Weight.shape`)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,8 +256,8 @@ NORM_FIELDS = frozenset(("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn
 # (`forward` unrolls the layers). Unrolled compiles several times slower, but on XLA's CPU
 # backend a scan copies every layer's weights out of the stacked arrays at every step (a
 # dynamic slice is materialised before each matmul), so an unrolled step reads the weights once
-# instead of three times: about 1.4x faster decoding and verification on this project's CPUs.
-# MaxText calls the same choice `scan_layers`.
+# instead of three times (measurements: docs/lab-notes/code-notes-moved.md). MaxText calls the
+# same choice `scan_layers`.
 
 
 def is_scanned(params: Params) -> bool:
@@ -259,63 +272,77 @@ def stacked_layers(params: Params) -> LayerParams:
   return _stack_layers(params.layers)
 
 
-def with_scan_layers(params: Params, scan: bool) -> Params:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutputMajorPolicy:
+  """Where the unrolled layout holds its float matmul weights output-major (`OutputMajor`):
+  on one device of a listed platform, for the dtypes listed for it. A sharded model keeps the
+  logical layout, which the sharding rules and XLA's partitioner expect.
+
+  Attributes:
+    platforms: (platform, dtypes) pairs: on a device of `platform` ("cpu", "gpu") the matmul
+      weights whose dtype is in `dtypes` (names such as "float32"; None: every float dtype)
+      are held output-major. A platform not listed keeps the logical layout.
+  """
+
+  platforms: tuple[tuple[str, frozenset[str] | None], ...] = ()
+
+  def applies(self, tree) -> bool:
+    """Whether every weight of `tree` is a concrete array on one device where this policy holds
+    its dtype output-major."""
+    allowed = dict(self.platforms)
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+      return False
+    for x in leaves:
+      if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+      devices = x.devices()
+      if len(devices) != 1:
+        return False
+      platform = next(iter(devices)).platform
+      if platform not in allowed:
+        return False
+      dtypes = allowed[platform]
+      if dtypes is not None and x.ndim > 1 and str(x.dtype) not in dtypes:
+        return False
+    return True
+
+
+# The default: on the CPU every float matmul weight (see `OutputMajor`); on GPUs float32 ones
+# only. There a float32 decode step's matrix-vector products (full float32 precision) lower to
+# reductions, and XLA's row reduction over the contiguous input axis reads a weight at close to
+# the memory's bandwidth where the column reduction of the logical [in, out] layout does not.
+# bfloat16 weights stay logical on GPUs, the layout of the fastest bfloat16 steps measured;
+# `benchmarks/bench_synthetic.py --output-major on|off` compares (measurements:
+# docs/lab-notes/code-notes-moved.md).
+DEFAULT_OUTPUT_MAJOR = OutputMajorPolicy(
+    platforms=(("cpu", None), ("gpu", frozenset({"float32"}))))
+# The logical layout everywhere (what a sharded model keeps).
+NO_OUTPUT_MAJOR = OutputMajorPolicy()
+
+
+def with_scan_layers(params: Params, scan: bool, *,
+                     output_major: OutputMajorPolicy = DEFAULT_OUTPUT_MAJOR) -> Params:
   """`params` in the stacked (scan=True) or per-layer (scan=False) layout; the same object
   when already so. Converting copies the layer weights once (the old arrays can then be
-  freed); values are unchanged. On the CPU backend the per-layer layout holds the float
-  matmul weights output-major (`OutputMajor`), whose few-row products sum in another order:
-  outputs then agree with the stacked layout's up to float rounding."""
+  freed); values are unchanged. Where `output_major` applies (by default on the CPU backend)
+  the per-layer layout holds the float matmul weights output-major (`OutputMajor`), whose
+  few-row products sum in another order: outputs then agree with the stacked layout's up to
+  float rounding; with `NO_OUTPUT_MAJOR` they are bit-identical."""
   if scan == is_scanned(params) or params.layers is None:
     return params
   if scan:
     return dataclasses.replace(params, layers=stacked_layers(params))
   n = jax.tree.leaves(params.layers)[0].shape[0]
-  take = _take_layer_output_major if _output_major_for(params.layers) else _take_layer
+  take = _take_layer_output_major if output_major.applies(params.layers) else _take_layer
   return dataclasses.replace(params, layers=tuple(take(params.layers, i) for i in range(n)))
-
-
-# Where the unrolled layout holds its matmul weights output-major (benchmarks change these to
-# measure the difference). CPU: every float weight, see `OutputMajor`. GPU: float32 weights
-# only. There a float32 decode step's matrix-vector products (full float32 precision) lower to
-# reductions; over the contiguous input axis XLA's row reduction reads a weight at close to
-# the memory's bandwidth, where the column reduction of the logical [in, out] layout did not
-# (H200, Llama-3.2-1B shape: the tied LM head, a row reduction, 4.6 TB/s; the MLP's column
-# reductions 3.0-3.7 TB/s; a step 2.08 -> 1.73 ms with this layout, 2D products and shared
-# rotary tables). bfloat16 weights stay logical on GPUs, the layout of the fastest bfloat16
-# steps measured (4.67 ms at the Llama-3.1-8B shape); output-major bfloat16 with bfloat16
-# products is unmeasured there (`benchmarks/bench_synthetic.py --output-major on` compares).
-OUTPUT_MAJOR_PLATFORMS = {"cpu", "gpu"}
-OUTPUT_MAJOR_DTYPES = {"cpu": None, "gpu": {"float32"}}  # None: every float dtype
-OUTPUT_MAJOR_ON_CPU = True  # kept for callers that switch the CPU's alone
-
-
-def _output_major_for(tree) -> bool:
-  """Whether every weight of `tree` is a concrete array on one device of a platform in
-  `OUTPUT_MAJOR_PLATFORMS` (a sharded model keeps the logical layout, which the sharding rules
-  and XLA's partitioner expect)."""
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return False
-  for x in leaves:
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-      return False
-    devices = x.devices()
-    if len(devices) != 1:
-      return False
-    platform = next(iter(devices)).platform
-    if platform not in OUTPUT_MAJOR_PLATFORMS or (platform == "cpu" and not OUTPUT_MAJOR_ON_CPU):
-      return False
-    dtypes = OUTPUT_MAJOR_DTYPES.get(platform)
-    if dtypes is not None and x.ndim > 1 and str(x.dtype) not in dtypes:
-      return False
-  return True
 
 
 def input_major(params: Params) -> Params:
   """`params` with every `OutputMajor` weight back in its logical layout (the same object when
   none is output-major)."""
   if is_scanned(params) or params.layers is None or not any(
-      isinstance(getattr(lp, n), OutputMajor) for lp in params.layers for n in _OUT_AXES):
+      isinstance(getattr(lp, n), OutputMajor) for lp in params.layers for n in _OUTPUT_MAJOR):
     return params
   return dataclasses.replace(params, layers=tuple(_to_input_major(lp) for lp in params.layers))
 
@@ -329,11 +356,10 @@ _stack_layers = jax.jit(lambda layers: jax.tree.map(
     lambda *a: jnp.stack(a), *(_to_input_major(lp) for lp in layers)))
 
 
-# The layer layout `jaxspec.load` picks per backend (`default_scan_layers`), from measurements:
-#   cpu: unrolled. A scan copies every layer's weights out of the stacked arrays at every step;
-#     unrolled decodes and verifies about 1.4x faster on this project's CPUs.
-#   gpu: unrolled. The same copies on an H200 (JAX 0.11.2, batch 1, bfloat16): Llama-3.1-8B
-#     shape 11.9 ms a step stacked against 4.67 ms unrolled, Llama-3.2-1B 2.39 against 1.30.
+# The layer layout `jaxspec.load` picks per backend (`default_scan_layers`), from measurements
+# (docs/lab-notes/code-notes-moved.md):
+#   cpu: unrolled. A scan copies every layer's weights out of the stacked arrays at every step.
+#   gpu: unrolled. The same copies happen on GPUs.
 #   tpu: stacked, unmeasured here (MaxText's default; TPU XLA fuses the per-layer slice into
 #     the matmul). Compile time stays flat in depth.
 DEFAULT_SCAN_LAYERS = {"cpu": False, "gpu": False, "cuda": False, "rocm": False, "tpu": True}
@@ -362,28 +388,23 @@ def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None) -> K
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params:
-  """Random weights (normal, std `scale`; norms at 1) for tests and distillation starts."""
-  d, f, h, g, k, n = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                      cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+  """Random weights for tests and distillation starts: every weight `cfg` declares
+  (`jaxspec.models.weights.WEIGHTS`), in its declared shape and cfg's dtype, normal with std
+  `scale` or ones (norms) as its declaration says. The "normal" weights draw, in the table's
+  order, from 16 keys split from `key`."""
   dt = cfg.jnp_dtype
   keys = iter(jax.random.split(key, 16))
 
-  def normal(shape):
-    return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+  def make(w):
+    if not w.present(cfg):
+      return None
+    if w.init == "ones":
+      return jnp.ones(w.shape(cfg), dt)
+    return (scale * jax.random.normal(next(keys), w.shape(cfg), jnp.float32)).astype(dt)
 
-  layers = LayerParams(
-      attn_norm=jnp.ones((n, d), dt), wq=normal((n, d, h, k)), wk=normal((n, d, g, k)),
-      wv=normal((n, d, g, k)), wo=normal((n, h, k, d)), mlp_norm=jnp.ones((n, d), dt),
-      w_gate=normal((n, d, f)), w_up=normal((n, d, f)), w_down=normal((n, f, d)),
-      bq=normal((n, h, k)) if cfg.attention_bias else None,
-      bk=normal((n, g, k)) if cfg.attention_bias else None,
-      bv=normal((n, g, k)) if cfg.attention_bias else None,
-      q_norm=jnp.ones((n, k), dt) if cfg.qk_norm else None,
-      k_norm=jnp.ones((n, k), dt) if cfg.qk_norm else None,
-      post_attn_norm=jnp.ones((n, d), dt) if cfg.post_norms else None,
-      post_mlp_norm=jnp.ones((n, d), dt) if cfg.post_norms else None)
-  return Params(embed=normal((cfg.vocab_size, d)), layers=layers, final_norm=jnp.ones((d,), dt),
-                lm_head=None if cfg.tie_embeddings else normal((d, cfg.vocab_size)))
+  arrays = {w.name: make(w) for w in WEIGHTS}
+  return Params(layers=LayerParams(**{w.name: arrays.pop(w.name) for w in LAYER_WEIGHTS}),
+                **arrays)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, scale_f32: bool = False) -> jax.Array:
@@ -656,32 +677,25 @@ def _precision(*operands) -> lax.Precision | None:
   rounded form (TF32 or bfloat16 passes), whose error grows with the operands rather than
   staying at float32's. A verify pass over k+1 tokens and a one-token decode step run
   differently shaped products, so under that default greedy speculative decoding departed from
-  `generate` (measured on an H200, 2026-11-26: 1 of 8 MT-bench prompts diverged within 128
-  tokens for n-gram and EAGLE-tree drafting; with JAX_DEFAULT_MATMUL_PRECISION=highest none
-  did). A float32 model now means float32 arithmetic on every backend, as in PyTorch, whose
-  float32 matmuls do not use TF32 by default; for the fast form, load the model in bfloat16.
-  XLA's CPU backend computes float32 products in float32 either way.
+  `generate` (seen on an H200; docs/lab-notes/code-notes-moved.md). A float32 model now means
+  float32 arithmetic on every backend, as in PyTorch, whose float32 matmuls do not use TF32 by
+  default; for the fast form, load the model in bfloat16. XLA's CPU backend computes float32
+  products in float32 either way.
   """
   if any(getattr(x, "dtype", None) == jnp.float32 for x in operands):
     return lax.Precision.HIGHEST
   return None
 
 
-def _is_quantized(w) -> bool:
-  from jaxspec.models.quant import QArray  # quant imports this module
-  return isinstance(w, QArray)
-
-
 def _weight(w, dtype) -> jax.Array:
   """A weight as read by a matmul: an int8 `QArray` is dequantized here, inside the jitted
   pass, so only int8 is stored; a plain array is returned as is (no cast). (`OutputMajor`
   weights never come here: `_dense` multiplies them in their own layout.)"""
-  return w.dequantize(dtype) if _is_quantized(w) else w
+  return w.dequantize(dtype) if isinstance(w, QArray) else w
 
 
 # Rows (batch x positions) up to which an output-major weight is multiplied block by block; a
-# prefill's many rows run one matmul (there the blocked form is slower: 256 rows 323 -> 355 ms
-# for SmolLM2's layers).
+# prefill's many rows run one matmul, where the blocked form is slower.
 _DENSE_BLOCK = 64
 _DENSE_BLOCKED_MAX_ROWS = 64
 
@@ -692,13 +706,11 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
   `spec` names the product for readers (the weight's logical layout); it runs as one
   [rows, I] x [I, O] matrix product (plain arrays, or int8 ones dequantized to `dtype`), or as
   [rows, I] x [O, I] for an `OutputMajor` weight, on the CPU in blocks of 64 output rows for up
-  to 64 rows. Products return the operands' dtype: on an H200 a bfloat16 decode step whose
-  products returned float32 (`preferred_element_type`) ran slower (Llama-3.1-8B shape,
-  5.30-5.66 ms a step against 4.67 before), its Triton matrix-vector kernels reading the
-  weights at about 3 TB/s. The blocked CPU form: SmolLM2's 30 layers, 3 rows (a k = 2
-  verify) 33 -> 20 ms, 16 rows 49 -> 31 ms, one row 15 -> 14 ms (the 2-core AMD EPYC VM with
-  XLA's Eigen matmuls; on the later Intel Xeon VM, whose dots run through YNNPACK, the blocked
-  and the one-product forms measure the same)."""
+  to 64 rows. Products return the operands' dtype: a bfloat16 decode step whose products
+  returned float32 (`preferred_element_type`) ran slower on GPUs, its matrix-vector kernels
+  reading the weights below the memory's bandwidth. The blocked CPU form keeps XLA's Eigen
+  matmuls from repacking the weight per call (with YNNPACK dots both forms cost the same).
+  Measurements: docs/lab-notes/code-notes-moved.md."""
   if not isinstance(w, OutputMajor):
     wd = _weight(w, dtype)
     lead = x.shape[:x.ndim - n_in]
@@ -729,8 +741,9 @@ def _dense(x: jax.Array, w, n_in: int, spec: str, dtype) -> jax.Array:
 def embed_tokens(embed, tokens: jax.Array, dtype) -> jax.Array:
   """Embedding rows [B, T, D] of tokens [B, T]: an int8 table gathers int8 rows and scales
   only those, never dequantizing the whole [V, D] table."""
-  return embed.take_rows(tokens, dtype) if _is_quantized(embed) else jnp.take(embed, tokens,
-                                                                               axis=0)
+  if isinstance(embed, QArray):
+    return embed.take_rows(tokens, dtype)
+  return jnp.take(embed, tokens, axis=0)
 
 
 def lm_head_weight(params: Params) -> jax.Array:
@@ -760,8 +773,8 @@ def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
   a batched matmul over blocks of 2048 vocabulary rows (a free reshape of the table): XLA's
   CPU matmul for a few rows repacks the whole right-hand side per call, which for a table
   far larger than the caches costs about as much again as reading it; block by block the
-  repacking stays in cache. SmolLM2 (49152 x 576): 2 rows 14 -> 8 ms, 8 rows 17 -> 9 ms,
-  one row (a gemv, unchanged) 6 ms. Same values up to float rounding (summation order).
+  repacking stays in cache (measurements: docs/lab-notes/code-notes-moved.md). Same values up
+  to float rounding (summation order).
   """
   if params.lm_head is None:
     w = _weight(params.embed, hidden.dtype)
@@ -785,11 +798,11 @@ def _after(x: jax.Array, i: int) -> jax.Array:
 
   Unrolled, each layer's attention reads a slice of the [L, ...] caches, which XLA copies out.
   Those copies depend on nothing but the caches, so XLA CPU's default (concurrency-optimized)
-  scheduler runs all 2L of them before the first layer: at batch 16 and 320 cached positions
-  that is 236 MB written and read back from memory instead of from cache. Slicing at an index
-  that depends on the layer's input keeps each copy just before its use, as a scan does (the
-  same as `--xla_cpu_enable_concurrency_optimized_scheduler=false`, which per-program compiler
-  options do not reach). Attention of 30 layers at batch 16: 105 -> 24 ms."""
+  scheduler runs all 2L of them before the first layer: at large batches and caches they are
+  written to and read back from memory instead of from cache. Slicing at an index that depends
+  on the layer's input keeps each copy just before its use, as a scan does (the same as
+  `--xla_cpu_enable_concurrency_optimized_scheduler=false`, which per-program compiler options
+  do not reach; measurements: docs/lab-notes/code-notes-moved.md)."""
   nan = jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32)  # 0 or 1: min(i, i + nan) == i
   return jnp.minimum(jnp.int32(i), i + nan)
 
@@ -853,32 +866,35 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     lp, idx = xs[:2]
     if len(xs) > 2:  # a scan over mixed layers: this layer's kind as a traced bool
       sliding = xs[2]
-    h = norm(x, lp.attn_norm)
-    dt = h.dtype
-    q = _dense(h, lp.wq, 1, "btd,dhk->bthk", dt)
-    k = _dense(h, lp.wk, 1, "btd,dgk->btgk", dt)
-    v = _dense(h, lp.wv, 1, "btd,dgk->btgk", dt)
-    if lp.bq is not None:
-      q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    if lp.q_norm is not None:
-      q, k = norm(q, lp.q_norm), norm(k, lp.k_norm)
-    if sliding is None or local_tables is tables:
-      tab = tables
-    elif isinstance(sliding, bool):
-      tab = local_tables if sliding else tables
-    else:
-      tab = jax.tree.map(lambda a, b_: jnp.where(sliding, a, b_), local_tables, tables)
-    q = apply_rope(q, positions, None, tab)
-    k = apply_rope(k, positions, None, tab)
-    attn = attention(q, k, v, None if fresh else cache.k, None if fresh else cache.v, length,
-                      positions, block_mask, cfg, sliding=sliding, layer=idx)
-    o = _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
-    x = x + (o if lp.post_attn_norm is None else norm(o, lp.post_attn_norm))
-    h = norm(x, lp.mlp_norm)
-    gate = _dense(h, lp.w_gate, 1, "btd,df->btf", dt)
-    up = _dense(h, lp.w_up, 1, "btd,df->btf", dt)
-    m = _dense(act(gate) * up, lp.w_down, 1, "btf,fd->btd", dt)
-    x = x + (m if lp.post_mlp_norm is None else norm(m, lp.post_mlp_norm))
+    # Named scopes label the two halves of a layer in profiles and HLO metadata only.
+    with jax.named_scope("attention"):
+      h = norm(x, lp.attn_norm)
+      dt = h.dtype
+      q = _dense(h, lp.wq, 1, "btd,dhk->bthk", dt)
+      k = _dense(h, lp.wk, 1, "btd,dgk->btgk", dt)
+      v = _dense(h, lp.wv, 1, "btd,dgk->btgk", dt)
+      if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+      if lp.q_norm is not None:
+        q, k = norm(q, lp.q_norm), norm(k, lp.k_norm)
+      if sliding is None or local_tables is tables:
+        tab = tables
+      elif isinstance(sliding, bool):
+        tab = local_tables if sliding else tables
+      else:
+        tab = jax.tree.map(lambda a, b_: jnp.where(sliding, a, b_), local_tables, tables)
+      q = apply_rope(q, positions, None, tab)
+      k = apply_rope(k, positions, None, tab)
+      attn = attention(q, k, v, None if fresh else cache.k, None if fresh else cache.v, length,
+                        positions, block_mask, cfg, sliding=sliding, layer=idx)
+      o = _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
+      x = x + (o if lp.post_attn_norm is None else norm(o, lp.post_attn_norm))
+    with jax.named_scope("mlp"):
+      h = norm(x, lp.mlp_norm)
+      gate = _dense(h, lp.w_gate, 1, "btd,df->btf", dt)
+      up = _dense(h, lp.w_up, 1, "btd,df->btf", dt)
+      m = _dense(act(gate) * up, lp.w_down, 1, "btf,fd->btd", dt)
+      x = x + (m if lp.post_mlp_norm is None else norm(m, lp.post_mlp_norm))
     return x, (k, v, x if want else None)
 
   if not is_scanned(params):  # one tree per layer (`with_scan_layers`): unrolled
@@ -893,8 +909,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
     k_new, v_new, per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs)
     # The new keys and values as values computed after the last layer: writing them into the
     # cache then waits for every layer's read of it, so XLA updates the cache in place instead
-    # of copying the whole [L, B, S, G, K] cache (twice per step inside a decode loop; at
-    # batch 16 and 320 positions a decode step 130 -> 100 ms). Always exactly k_new, v_new.
+    # of copying the whole [L, B, S, G, K] cache (twice per step inside a decode loop).
+    # Always exactly k_new, v_new.
     keep = _after(x, 0) == 0
     k_new, v_new = jnp.where(keep, k_new, 0), jnp.where(keep, v_new, 0)
   else:

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any
 
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Params, is_scanned, with_scan_layers
+from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, OutputMajorPolicy, Params, is_scanned,
+                                  with_scan_layers)
 
 
 @dataclasses.dataclass
@@ -29,11 +30,13 @@ class Model:
     """True when the layers are stacked and run by `lax.scan`; False when unrolled."""
     return is_scanned(self.params)
 
-  def with_scan_layers(self, scan: bool) -> Model:
+  def with_scan_layers(self, scan: bool, *,
+                       output_major: OutputMajorPolicy = DEFAULT_OUTPUT_MAJOR) -> Model:
     """This model with its layers stacked (scan=True) or unrolled (scan=False); itself when
-    already so. Unrolled steps run faster on XLA's CPU backend (1.4x at batch 1) and compile
-    several times slower; outputs agree up to float rounding
-    (`jaxspec.models.llama.with_scan_layers`)."""
+    already so. Unrolled steps run faster on XLA's CPU backend and compile several times
+    slower; outputs agree up to float rounding, where `output_major` holds the unrolled matmul
+    weights output-major (`jaxspec.models.llama.with_scan_layers`)."""
     if bool(scan) == self.scan_layers:
       return self
-    return dataclasses.replace(self, params=with_scan_layers(self.params, bool(scan)))
+    return dataclasses.replace(self, params=with_scan_layers(self.params, bool(scan),
+                                                             output_major=output_major))

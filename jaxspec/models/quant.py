@@ -6,17 +6,12 @@ int8 is weight-only and per output channel, symmetric: every weight is stored as
 weight inside the jitted pass, where it reads it; only the int8 values (and the small scales)
 are stored. Norms and biases stay in float.
 
-Contracted axes per weight (stacked layouts, letters as in `jaxspec.models`):
-
-  wq [L, D, H, K], wk / wv [L, D, G, K]   contract D        scale [L, 1, H|G, K]
-  wo [L, H, K, D]                         contract H, K     scale [L, 1, 1, D]
-  w_gate / w_up [L, D, F]                 contract D        scale [L, 1, F]
-  w_down [L, F, D]                        contract F        scale [L, 1, D]
-  lm_head [D, V]                          contract D        scale [1, V]
-  embed [V, D]                            contract D        scale [V, 1]: one scale per row,
-                                          which is per channel both for the embedding gather
-                                          (a row is a token's vector) and for the tied LM head
-                                          (embed.T's output channel v is row v)
+The weights quantized, and the axes each contracts, are their declarations' (`Weight.contract`
+in `jaxspec.models.weights`): wo [L, H, K, D] contracts H and K (scale [L, 1, 1, D]), w_down
+[L, F, D] contracts F, the other layer matmuls and the untied LM head contract D. The embedding
+[V, D] contracts D too (scale [V, 1]): one scale per row, which is per channel both for the
+embedding gather (a row is a token's vector) and for the tied LM head (embed.T's output
+channel v is row v).
 
 The scales of layer weights keep the leading L axis, so `lax.scan` over layers slices a
 `QArray` like any other leaf.
@@ -29,53 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.models.llama import Params, as_logical, is_scanned
-from jaxspec.pytree import pytree_dataclass
 from jaxspec.models.model import Model
+from jaxspec.models.weights import LAYER_WEIGHTS, MODEL_WEIGHTS, QArray
 
 PRECISIONS = ("int8", "bfloat16", "float32")
-
-# Contracted axes of every quantized weight (see the module docstring); other fields (norms,
-# biases) stay in float.
-_LAYER_AXES = {"wq": (1,), "wk": (1,), "wv": (1,), "wo": (1, 2), "w_gate": (1,), "w_up": (1,),
-               "w_down": (1,)}
-_EMBED_AXES = (1,)
-_LM_HEAD_AXES = (0,)
-
-
-@pytree_dataclass
-@dataclasses.dataclass
-class QArray:
-  """A weight-only int8 weight with per-output-channel float32 scales: w ~= q * scale."""
-
-  q: jax.Array  # the weight's shape, int8 in [-127, 127]
-  scale: jax.Array  # the weight's shape with the contracted axes set to 1, float32
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.q.shape
-
-  @property
-  def dtype(self) -> Any:
-    return self.q.dtype
-
-  def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """The float weight in `dtype` (the product is formed in float32: one rounding)."""
-    return (self.q.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(dtype)
-
-  def take_rows(self, idx: jax.Array, dtype) -> jax.Array:
-    """Rows `idx` of a [V, D] weight with per-row scales [V, 1], as [..., D] in `dtype`:
-    gathers int8 rows and their scales, never dequantizing the whole table."""
-    if self.scale.ndim != 2 or self.scale.shape[1] != 1:
-      raise ValueError(f"take_rows needs per-row scales [V, 1], got {self.scale.shape}: only"
-                       " the embedding table is quantized per row")
-    rows = jnp.take(self.q, idx, axis=0).astype(jnp.float32)  # [..., D]
-    return (rows * jnp.take(self.scale, idx, axis=0)).astype(dtype)  # scales [..., 1]
 
 
 @functools.partial(jax.jit, static_argnames=("axes",))
@@ -115,21 +72,22 @@ def param_bytes(params) -> int:
   return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
-def _quantize_layers(lp, skip: int):
-  """A LayerParams' matmul weights in int8; skip=1 for one unrolled layer (no layer axis)."""
-  return dataclasses.replace(
-      lp, **{name: quantize_array(as_logical(getattr(lp, name)), tuple(a - skip for a in axes))
-             for name, axes in _LAYER_AXES.items()})
+def _quantize_fields(tree, weights, stacked: bool):
+  """`tree`'s matmul weights among `weights` (those that contract axes) in int8; norms, biases
+  and absent weights as they are."""
+  def one(w):
+    x = getattr(tree, w.name)
+    return quantize_array(as_logical(x), w.contract_axes(stacked)) if x is not None else None
+  return dataclasses.replace(tree, **{w.name: one(w) for w in weights if w.contract})
 
 
 def _quantize_params(params: Params) -> Params:
   layers = params.layers
   if layers is not None:  # channels are per layer, so each unrolled layer quantizes alone
-    layers = (_quantize_layers(layers, 0) if is_scanned(params)
-              else tuple(_quantize_layers(lp, 1) for lp in layers))
-  return dataclasses.replace(
-      params, embed=quantize_array(params.embed, _EMBED_AXES), layers=layers,
-      lm_head=None if params.lm_head is None else quantize_array(params.lm_head, _LM_HEAD_AXES))
+    layers = (_quantize_fields(layers, LAYER_WEIGHTS, stacked=True) if is_scanned(params)
+              else tuple(_quantize_fields(lp, LAYER_WEIGHTS, stacked=False) for lp in layers))
+  return dataclasses.replace(_quantize_fields(params, MODEL_WEIGHTS, stacked=False),
+                             layers=layers)
 
 
 def _cast_params(params: Params, dtype) -> Params:

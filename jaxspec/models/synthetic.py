@@ -18,7 +18,8 @@ import dataclasses
 import jax
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
-from jaxspec.models.llama import init_params, with_scan_layers
+from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, OutputMajorPolicy, init_params,
+                                  with_scan_layers)
 from jaxspec.models.model import Model
 
 SHAPES: dict[str, LlamaConfig] = {
@@ -60,7 +61,8 @@ def shape_config(name: str, dtype: str = "float32") -> LlamaConfig:
 
 
 def random_model(name_or_cfg: str | LlamaConfig, dtype: str = "float32", *, seed: int = 0,
-                 scan_layers: bool | None = None) -> Model:
+                 scan_layers: bool | None = None,
+                 output_major: OutputMajorPolicy = DEFAULT_OUTPUT_MAJOR) -> Model:
   """A random-weight `Model` (no tokenizer) of a named shape or a given configuration.
 
   Args:
@@ -68,12 +70,14 @@ def random_model(name_or_cfg: str | LlamaConfig, dtype: str = "float32", *, seed
     dtype: "float32" or "bfloat16".
     seed: the weights' PRNG seed.
     scan_layers: the layer layout; None takes the backend's default (`default_scan_layers`).
+    output_major: where the unrolled layout holds its matmul weights output-major
+      (`jaxspec.models.llama.with_scan_layers`).
   """
   from jaxspec.models.llama import default_scan_layers
   cfg = (shape_config(name_or_cfg, dtype) if isinstance(name_or_cfg, str)
          else dataclasses.replace(name_or_cfg, dtype=dtype))
   params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed))
   scan = default_scan_layers() if scan_layers is None else scan_layers
-  params = with_scan_layers(params, scan)
+  params = with_scan_layers(params, scan, output_major=output_major)
   name = name_or_cfg if isinstance(name_or_cfg, str) else "random"
   return Model(cfg=cfg, params=params, tokenizer=None, name=f"{name}-random-{dtype}")

@@ -5,7 +5,7 @@ logical axes (below); a `ShardingRules` maps each logical axis to a mesh axis (o
 replicated), which gives the array's `PartitionSpec`. The default rules are tensor-parallel over
 "model" (attention heads, MLP hidden, vocabulary) and data-parallel over "data" (the batch).
 
-Logical axes:
+Logical axes (a weight's are declared with it, in `jaxspec.models.weights.WEIGHTS`):
   batch      rows of a batch (prompts, caches, sequence buffers)
   layers     the stacked decoder-layer axis (never sharded by the default rules)
   embed      the model width D
@@ -34,29 +34,8 @@ from jaxspec.models.errors import LayoutError
 from jaxspec.models.llama import (KVCache, LayerParams, OutputMajor, Params, default_scan_layers,
                                   input_major)
 from jaxspec.models.model import Model
+from jaxspec.models.weights import WEIGHT, axis_sizes
 
-# The logical axes of every weight, in the order of its dimensions.
-PARAM_AXES = dict(
-    embed=("vocab", "embed"),
-    final_norm=("embed",),
-    lm_head=("embed", "vocab"),
-    attn_norm=("layers", "embed"),
-    mlp_norm=("layers", "embed"),
-    wq=("layers", "embed", "heads", "head_dim"),
-    wk=("layers", "embed", "kv_heads", "head_dim"),
-    wv=("layers", "embed", "kv_heads", "head_dim"),
-    wo=("layers", "heads", "head_dim", "embed"),
-    w_gate=("layers", "embed", "ffw"),
-    w_up=("layers", "embed", "ffw"),
-    w_down=("layers", "ffw", "embed"),
-    bq=("layers", "heads", "head_dim"),
-    bk=("layers", "kv_heads", "head_dim"),
-    bv=("layers", "kv_heads", "head_dim"),
-    q_norm=("layers", "head_dim"),
-    k_norm=("layers", "head_dim"),
-    post_attn_norm=("layers", "embed"),
-    post_mlp_norm=("layers", "embed"),
-)
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # KVCache.k / .v
 
 
@@ -183,9 +162,7 @@ def mesh_axis_size(mesh: Mesh, name: str | None) -> int:
 def check_fits(cfg: LlamaConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, *,
                batch_size: int | None = None) -> None:
   """Raises ValueError, naming the fix, when the mesh does not divide what it shards."""
-  sizes = dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, ffw=cfg.intermediate_size,
-               vocab=cfg.vocab_size, embed=cfg.hidden_size, head_dim=cfg.head_dim,
-               layers=cfg.num_layers)
+  sizes = axis_sizes(cfg)
   if batch_size is not None:
     sizes["batch"] = batch_size
   for logical, n in sizes.items():
@@ -205,24 +182,24 @@ def param_shardings(params: Params, mesh: Mesh, rules: ShardingRules = DEFAULT_R
   """A pytree of NamedShardings matching `params` (quantized weights shard like their values;
   per-channel scales follow the value's spec where their dimension is not 1)."""
 
-  def for_field(name, leaf, skip=0):
+  def for_field(name, leaf, unrolled=False):
     if leaf is None:
       return None
-    axes = PARAM_AXES[name][skip:]
+    axes = WEIGHT[name].axes if unrolled else WEIGHT[name].stacked_axes
     if isinstance(leaf, OutputMajor):  # stored [*out, *in]: the same names, permuted
       n_in = len(axes) - leaf.n_out
       axes = (*axes[n_in:], *axes[:n_in])
     return jax.tree.map(lambda x: NamedSharding(mesh, _spec_for(x.shape, axes, rules, mesh)),
                         leaf)
 
-  def for_layers(lp, skip):
-    return LayerParams(**{f.name: for_field(f.name, getattr(lp, f.name), skip)
+  def for_layers(lp, unrolled):
+    return LayerParams(**{f.name: for_field(f.name, getattr(lp, f.name), unrolled)
                           for f in dataclasses.fields(LayerParams)})
 
   if isinstance(params.layers, tuple):  # unrolled: each layer's specs without the layer axis
-    layers = tuple(for_layers(lp, 1) for lp in params.layers)
+    layers = tuple(for_layers(lp, True) for lp in params.layers)
   else:
-    layers = for_layers(params.layers, 0)
+    layers = for_layers(params.layers, False)
   return Params(embed=for_field("embed", params.embed), layers=layers,
                 final_norm=for_field("final_norm", params.final_norm),
                 lm_head=for_field("lm_head", params.lm_head))
@@ -387,7 +364,7 @@ class Placer:
       raise LayoutError(str(e)) from None
 
   def sharding(self, name: str, shape, layer_axis: bool = False) -> NamedSharding:
-    axes = PARAM_AXES[name][1:] if layer_axis else PARAM_AXES[name]
+    axes = WEIGHT[name].axes if layer_axis else WEIGHT[name].stacked_axes
     return NamedSharding(self.mesh, _spec_for(shape, axes, self.rules, self.mesh))
 
   def put(self, name: str, x: np.ndarray, layer_axis: bool = False) -> jax.Array:

@@ -125,14 +125,14 @@ def test_config_rejects_bad_gqa_and_dtype():
 
 # -- layer layout: stacked (lax.scan) or unrolled (one set of weights per layer) --------------------
 @pytest.mark.parametrize("output_major", [False, True])
-def test_unrolled_layers_match_scanned(monkeypatch, output_major):
+def test_unrolled_layers_match_scanned(output_major):
   # Unrolled with the logical weight layout: bit-identical to the scan. With the output-major
   # layout the CPU backend uses by default: the same weights, outputs equal up to rounding.
-  from jaxspec.models import llama
-  from jaxspec.models.llama import OutputMajor, is_scanned, stacked_layers, with_scan_layers
-  monkeypatch.setattr(llama, "OUTPUT_MAJOR_ON_CPU", output_major)
+  from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, NO_OUTPUT_MAJOR, OutputMajor,
+                                    is_scanned, stacked_layers, with_scan_layers)
   cfg, params = _model(num_layers=3, attention_bias=True)
-  un = with_scan_layers(params, False)
+  un = with_scan_layers(params, False,
+                        output_major=DEFAULT_OUTPUT_MAJOR if output_major else NO_OUTPUT_MAJOR)
   assert not is_scanned(un) and len(un.layers) == 3 and un.layers[1].wq.shape == (64, 4, 16)
   assert isinstance(un.layers[1].wo, OutputMajor) == output_major
   if output_major:
@@ -162,18 +162,18 @@ def test_unrolled_layers_match_scanned(monkeypatch, output_major):
 
 
 @pytest.mark.parametrize("layout", ["scanned", "unrolled", "output-major", "int8"])
-def test_float32_products_are_full_float32(monkeypatch, layout):
+def test_float32_products_are_full_float32(layout):
   # A float32 model multiplies in float32 on every backend: every product of the forward asks
   # for HIGHEST precision, or XLA's GPU/TPU default (TF32 / bfloat16 passes) makes a verify
   # pass and a decode step round differently and greedy speculation depart from `generate`
   # (seen on an H200). Checked in the lowered program, which is the same on every backend;
   # bfloat16 models keep the backend's default.
   from jaxspec.models import llama
-  monkeypatch.setattr(llama, "OUTPUT_MAJOR_ON_CPU", layout == "output-major")
   cfg, params = _model(num_layers=2, tie_embeddings=True)
   unrolled = layout in ("unrolled", "output-major")
   if unrolled:
-    params = llama.with_scan_layers(params, False)
+    params = llama.with_scan_layers(params, False, output_major=(
+        llama.DEFAULT_OUTPUT_MAJOR if layout == "output-major" else llama.NO_OUTPUT_MAJOR))
   elif layout == "int8":  # weights dequantized to float32 inside the pass
     from jaxspec.models.quant import quantize
     params = quantize(params, "int8")

@@ -27,3 +27,15 @@ def test_generate_is_a_function_and_the_modules_are_modules():
   for name in ("api", "engine", "decoding", "decoding.fused", "decoding.step",
                "decoding.rejection", "decoding.host", "decoding.plain", "decoding.tree"):
     assert importlib.import_module(f"jaxspec.{name}").__name__ == f"jaxspec.{name}"
+
+
+def test_no_import_circles():
+  """No module of jaxspec reaches itself through its imports, function-local ones included
+  (packages' own `__init__` imports of their modules aside)."""
+  import grimp
+  graph = grimp.build_graph("jaxspec", cache_dir=None)
+  packages = {m for m in graph.modules if graph.find_children(m)}
+  modules = sorted(graph.modules - packages)
+  circles = [(m, n) for m in modules for n in graph.find_modules_directly_imported_by(m)
+             if n not in packages and n != m and graph.chain_exists(importer=n, imported=m)]
+  assert not circles, circles
