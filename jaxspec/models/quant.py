@@ -16,7 +16,7 @@ channel v is row v).
 The scales of layer weights keep the leading L axis, so `lax.scan` over layers slices a
 `QArray` like any other leaf.
 
-Self-speculation, `DraftModel(quantize(target, "int8"))`, is `jaxspec.self_draft.self_drafter`:
+Self-speculation, `DraftModel(quantize(target, "int8"))`, is `jaxspec.drafters.self_drafter`:
 it needs `jaxspec.drafters`, which sits above this package.
 """
 
