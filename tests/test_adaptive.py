@@ -259,7 +259,7 @@ def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, samp
 
   Returns (tokens [B, n_new], statistics)."""
   from jaxspec import runner
-  from jaxspec.decoding import fused
+  from jaxspec.decoding import loop
   drafter, sp_user, policy, prep = runner.prepare_spec(target, drafter, prompts, n_new, sampling,
                                                        "auto", AutoK(k_max=k_max), CPU_LIKE, None,
                                                        None)
@@ -270,7 +270,7 @@ def forced_run(target, drafter, prompts, schedule, *, k_max=4, n_new=N_NEW, samp
     passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
     s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
                      jnp.int32(policy.buckets.index(k)))
-  tokens, _ = fused.outputs_jit(s, n_new)
+  tokens, _ = loop.outputs_jit(s, n_new)
   return np.asarray(tokens), run.stats(s.stats)
 
 

@@ -24,6 +24,6 @@ def test_generate_is_a_function_and_the_modules_are_modules():
 
   import jaxspec
   assert callable(jaxspec.generate) and jaxspec.generate.__module__ == "jaxspec.api"
-  for name in ("api", "runner", "decoding", "decoding.fused", "decoding.step",
-               "decoding.rejection", "decoding.host", "decoding.plain", "decoding.tree"):
+  for name in ("api", "runner", "decoding", "decoding.loop", "decoding.two_mesh",
+               "decoding.rejection", "decoding.plain", "decoding.tree", "lm"):
     assert importlib.import_module(f"jaxspec.{name}").__name__ == f"jaxspec.{name}"
