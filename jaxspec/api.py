@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import loop, plain
+from jaxspec.decoding import loop as fused
+from jaxspec.decoding import plain
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import Drafter
 from jaxspec.decoding.functional import as_key
@@ -193,7 +194,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
   t0 = time.perf_counter()
   state = run.start()
   state = run.target_state(run.loop(state, run.max_steps))
-  outs = jax.block_until_ready(loop.outputs_jit(state, int(max_new_tokens)))
+  outs = jax.block_until_ready(fused.outputs_jit(state, int(max_new_tokens)))
   dt = time.perf_counter() - t0 - run.profile_seconds
   run.finish(state)
   toks, n_out, *lp = to_host(outs)
