@@ -172,17 +172,17 @@ class StepConfig:
   lm: the target model (`CausalLM`). drafter: the `Drafter`. policy: how k is chosen.
   max_new_tokens: new tokens per row: an int, or in `speculative_decode` a traced [] int32
     (the config is then built inside the trace and never hashed).
-  stop_ids: tokens that end a row. max_len: the target cache's positions (the prefill's).
-  max_steps: the length of `SpecStats.k_history` (target passes recorded).
+  max_len: the target cache's positions. max_steps: the length of `SpecStats.k_history` (the
+  target passes recorded). stop_ids: tokens that end a row.
   """
 
   lm: Any
   drafter: Drafter
   policy: Policy
   max_new_tokens: Any
+  max_len: int
+  max_steps: int
   stop_ids: tuple[int, ...] = ()
-  max_len: int = 0
-  max_steps: int = 0
 
   @property
   def hidden_layers(self) -> tuple[int, ...]:

@@ -216,11 +216,11 @@ def prefill(lm, params, prompt, lengths, max_len: int, *, hidden_layers=(), logi
                                hidden_layers=hidden_layers, fresh=True, seq_lengths=lengths)
     last = jnp.take_along_axis(hidden.final, (lengths - 1)[:, None, None], axis=1)[:, 0]
     out = lm.logits_from_hidden(params, last) if logits else None
-    return out, hidden, with_length(cache, lengths)
+    return out, hidden, dataclasses.replace(cache, length=lengths)
   cache = init_cache(lm, params, b, max_len)
   all_logits, hidden, cache = forward(lm, params, prompt, cache, hidden_layers=hidden_layers)
   out = None
   if logits:
     out = jnp.take_along_axis(all_logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return out, hidden, with_length(cache, lengths)
+  return out, hidden, dataclasses.replace(cache, length=lengths)
 
