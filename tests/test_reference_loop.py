@@ -39,7 +39,9 @@ def reference_loop(target: Target, drafter, dparams, prompt, prompt_len, key, sp
   ctx = DraftContext(seq=seq, seq_len=seq_len, prompt_len=prompt_len, n_new=n_out)
   state = drafter.commit(dparams, state, ctx)
   # The loop keeps: the cache holds seq[:, :seq_len - 1]; the newest token is the next input.
-  while bool(jnp.any(n_out < max_new)):
+
+  @jax.jit
+  def step(state, cache, seq, seq_len, n_out):
     live = n_out < max_new
     last = seq[rows, seq_len - 1]
     # Draft: k tokens per row, with the step's draft keys.
@@ -61,7 +63,10 @@ def reference_loop(target: Target, drafter, dparams, prompt, prompt_len, key, sp
     cache = dataclasses.replace(new_cache, length=cache.length + n_emit)
     seq_len, n_out = seq_len + n_emit, n_out + n_emit
     ctx = DraftContext(seq=seq, seq_len=seq_len, prompt_len=prompt_len, n_new=n_emit)
-    state = drafter.commit(dparams, state, ctx)
+    return drafter.commit(dparams, state, ctx), cache, seq, seq_len, n_out
+
+  while bool(jnp.any(n_out < max_new)):  # one jitted step at a time, the host deciding when
+    state, cache, seq, seq_len, n_out = step(state, cache, seq, seq_len, n_out)
   return seq[rows[:, None], prompt_len[:, None] + jnp.arange(max_new)[None, :]]
 
 
