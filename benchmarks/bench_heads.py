@@ -34,9 +34,9 @@ from jaxspec.drafters import resolve_drafter
 
 def _methods(spec: str, target):
   """Method labels -> drafters (None: plain). An item NAME[=PATH][:tree=SPEC] drafts a tree
-  (`jaxspec.decoding.tree.parse_tree`: a size, dynamic:DEPTH,TOPK,TOTAL or paths), e.g.
+  (`jaxspec.cli_options.parse_tree`: a size, dynamic:DEPTH,TOPK,TOTAL or paths), e.g.
   eagle:tree=32."""
-  from jaxspec.decoding.tree import parse_tree
+  from jaxspec.cli_options import parse_tree
   out = {}
   for item in spec.split(";" if ";" in spec else ","):
     base, _, opt = item.partition(":")

@@ -37,9 +37,9 @@ from common import ROOT, forward_costs, machine, write_json  # noqa: E402
 
 import importlib  # noqa: E402
 
-from jaxspec.decoding import fused  # noqa: E402
+from jaxspec.decoding import loop  # noqa: E402
 from jaxspec.decoding import plain as plain_lib  # noqa: E402
-from jaxspec.decoding.step import resolve_policy  # noqa: E402
+from jaxspec.decoding.loop import resolve_policy  # noqa: E402
 from jaxspec.models.llama import LlamaLM  # noqa: E402
 llama_lib = importlib.import_module("jaxspec.models.llama")
 from jaxspec.drafters import Oracle  # noqa: E402
@@ -142,7 +142,7 @@ class Spec:
     t = time.perf_counter()
     st = jax.block_until_ready(self.run_.loop(st, self.run_.max_steps))
     dt = time.perf_counter() - t
-    toks, _ = fused.outputs_jit(st, self.n)
+    toks, _ = loop.outputs_jit(st, self.n)
     return dt, runs.summarize_stats(st.stats, self.k), np.asarray(toks)
 
 

@@ -1,10 +1,12 @@
 """Command-line options shared by the subcommands (`jaxspec generate`, `train` and `bench`):
-sampling, the layer layout, the persistent compilation cache, and argparse types for counts.
+sampling, the layer layout, the persistent compilation cache, argparse types for counts, and
+the draft-tree spec (`parse_tree`).
 (a layer below both `jaxspec.cli` and `jaxspec.bench`, which use it)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -125,3 +127,30 @@ def count(text: str) -> int:
 def count0(text: str) -> int:
   """An argparse type: an integer in [0, 2**24]."""
   return parse_int(text, 0, 2**24, error=argparse.ArgumentTypeError)
+
+
+def parse_tree(spec: str, drafter):
+  """The CLI's --tree: N (a tree of N nodes, `jaxspec.decoding.tree.default_tree`),
+  dynamic:DEPTH,TOPK,TOTAL (EAGLE-2), a JSON list of paths, or a .json file holding one."""
+  # Imported here: the subcommands' --help and argument parsing do not load JAX.
+  from jaxspec.decoding.tree import DynamicTree, as_tree, default_tree
+  text = spec.strip()
+  try:
+    if text.isdigit():
+      return default_tree(drafter, int(text))
+    if text.startswith("dynamic:"):
+      parts = text.removeprefix("dynamic:").split(",")
+      if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--tree {spec!r}: expected dynamic:DEPTH,TOPK,TOTAL, e.g."
+                         " dynamic:5,8,32")
+      return DynamicTree(*map(int, parts))
+    if text.startswith("["):
+      paths = json.loads(text)
+    elif os.path.isfile(text):
+      paths = json.loads(open(text).read())
+    else:
+      raise ValueError(f"--tree {spec!r}: expected a number of nodes, dynamic:DEPTH,TOPK,TOTAL,"
+                       " a JSON list of paths like [[0],[1],[0,0]], or a .json file of one")
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--tree {spec!r} is not valid JSON: {e}") from None
+  return as_tree(paths, max_depth=getattr(drafter, "max_draft_tokens", None))

@@ -311,7 +311,7 @@ def forced_run(target, drafter, prompts, schedule, *, n_new, k_max=4, sampling=N
   """The fused "auto" loop with k forced: schedule [(k, steps), ...] (the last runs to the end).
 
   Returns (tokens [B, n_new], statistics)."""
-  from jaxspec.decoding import fused
+  from jaxspec.decoding import loop
   from jaxspec.engine import DEFAULT, io, runs
   req = io.prepare_spec(target, drafter, prompts, max_new_tokens=n_new, sampling=sampling,
                         num_draft_tokens="auto", auto=AutoK(k_max=k_max), cost=CPU_LIKE,
@@ -323,5 +323,5 @@ def forced_run(target, drafter, prompts, schedule, *, n_new, k_max=4, sampling=N
     passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
     s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
                      jnp.int32(policy.buckets.index(k)))
-  tokens, _ = fused.outputs_jit(s, n_new)
+  tokens, _ = loop.outputs_jit(s, n_new)
   return np.asarray(tokens), run.stats(s.stats)

@@ -288,7 +288,7 @@ def _generate(args, prompts, sampling, status) -> int:
   drafter = _make_drafter(args.draft, model, args.dtype or model.cfg.dtype)
   status.phase(None)
   if args.tree is not None:
-    from jaxspec.decoding.tree import parse_tree
+    from jaxspec.cli_options import parse_tree
     if drafter is None:
       raise SystemExit("error: --tree needs a drafter: a Medusa or EAGLE head (--draft eagle)")
     if args.num_draft_tokens != "auto":

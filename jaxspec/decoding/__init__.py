@@ -4,12 +4,13 @@
                                               max_new_tokens=64)
     out.tokens, out.lengths, out.logprobs            # a pytree of arrays
 
-The algorithm is in three files: `rejection.py` (draft, verify, acceptance, rejection_sample),
-`step.py` (what both loops share: choose k, verify a branch, accept, roll back, record) and
-`fused.py` / `host.py` (the single-jit loop and the two-mesh loop over `step.py`); beside them
-`tree.py` (tree drafts), `adaptive.py` (choosing k), `plain.py` (plain decoding), `drafter.py`
-(the drafter protocol), `protocol.py` (the model protocol, `CausalLM`) and `functional.py`
-(`speculative_decode`, `decode`).
+The algorithm is in two files: `rejection.py` (draft, verify, acceptance, rejection_sample) and
+`loop.py` (the loop's static `StepConfig`, its state, one step as choose k -> draft -> verify ->
+accept, and the single-jit loop around it); `two_mesh.py` runs the same step as separate
+programs on two meshes (the target's and the drafter's). Beside them `tree.py` (tree drafts),
+`adaptive.py` (choosing k), `plain.py` (plain decoding), `drafter.py` (the drafter protocol),
+`protocol.py` (the operations the loop runs on a model meeting `CausalLM`, whose types live in
+`jaxspec.lm`), `limits.py` (size checks) and `functional.py` (`speculative_decode`, `decode`).
 """
 
 from jaxspec.decoding.adaptive import AutoK, CostModel
@@ -17,7 +18,7 @@ from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal
 from jaxspec.decoding.functional import DecodeOutput, decode, speculative_decode
 from jaxspec.decoding.protocol import CausalLM, LengthCache, Target, as_target, check_lm
 from jaxspec.decoding.rejection import acceptance, draft, rejection_sample, verify
-from jaxspec.decoding.step import SpecStats
+from jaxspec.decoding.loop import SpecStats
 from jaxspec.sampling import Sampling, SamplingArrays
 
 __all__ = ["AutoK", "CausalLM", "CostModel", "DecodeOutput", "DraftContext", "Drafter",

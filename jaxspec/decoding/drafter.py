@@ -40,7 +40,7 @@ from typing import Any
 import jax
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.models.llama import Hidden
+from jaxspec.lm import Hidden
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.decoding import fused, limits, plain, protocol
+from jaxspec.decoding import limits, loop, plain, protocol
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
-from jaxspec.decoding.step import SpecStats, costs_array, resolve_policy
+from jaxspec.decoding.loop import SpecStats, StepConfig, costs_array, resolve_policy
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 
@@ -364,12 +364,13 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
 def _speculative_jit(target, dparams, prompt, lengths, key, max_new, sp, costs, *, drafter,
                      policy, capacity, max_len, stop_ids, pad_id):
   max_new = jnp.clip(max_new, 1, capacity)
-  static = dict(lm=target.lm, drafter=drafter, policy=policy, max_new_tokens=max_new,
-                stop_ids=stop_ids)
-  s = fused.spec_init(target.params, dparams, prompt, lengths, sp, key, max_len=max_len,
-                      seq_cap=max_len + policy.k_max + 1, max_steps=capacity + 1, **static)
-  s = fused.spec_loop(target.params, dparams, s, sp, costs, max_new + 1, jnp.int32(-1), **static)
-  toks, n_out, *lp = fused.outputs(s, capacity)
+  # Built inside the trace (max_new_tokens is traced here): the jit's static arguments are the
+  # pieces above, and this config is never hashed.
+  cfg = StepConfig(lm=target.lm, drafter=drafter, policy=policy, max_new_tokens=max_new,
+                   stop_ids=stop_ids, max_len=max_len, max_steps=capacity + 1)
+  s = loop.spec_init(target.params, dparams, prompt, lengths, sp, key, cfg=cfg)
+  s = loop.spec_loop(target.params, dparams, s, sp, costs, max_new + 1, jnp.int32(-1), cfg=cfg)
+  toks, n_out, *lp = loop.outputs(s, capacity)
   return DecodeOutput(tokens=jnp.where(toks < 0, pad_id, toks), lengths=n_out,
                       logprobs=lp[0] if lp else None, target_passes=s.stats.target_passes,
                       stats=s.stats)

@@ -18,10 +18,12 @@ read, and are overwritten before they could be. `hidden` is None, a [B, T, D] ar
 `Hidden` (the final normed states and, in order, the outputs of the requested `hidden_layers`),
 which drafters that read the target's features (heads) need.
 
-`jaxspec.models.llama.LlamaLM` is jaxspec's implementation; it also offers the block interface
-(`forward_block`, `write_block`, `pad_block`, tree attention) with which a verify branch inside a
-`lax.switch` only reads the cache and the new keys and values are written once after it. A
-model without it runs the same loop with its cache passed through the branches.
+The protocol's types (`CausalLM`, `Hidden`) live in `jaxspec.lm`, below both the models package
+and this one, which imports nothing from the models. jaxspec's Llama (`LlamaLM`) is its
+implementation; it also offers the block interface (`forward_block`, `write_block`,
+`pad_block`, tree attention), found here by its methods (`is_block_lm`), with which a verify
+branch inside a `lax.switch` only reads the cache and the new keys and values are written once
+after it. A model without it runs the same loop with its cache passed through the branches.
 `Target(lm, params)` binds a model to its weights as one pytree for `jaxspec.decoding`'s
 functions.
 """
@@ -30,26 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Protocol, runtime_checkable
+import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import Hidden, LlamaLM
-
-
-@runtime_checkable
-class CausalLM(Protocol):
-  """A causal language model the decoding loop can run (see the module docstring)."""
-
-  @property
-  def vocab_size(self) -> int: ...
-
-  def init_cache(self, params: Any, batch_size: int, max_len: int) -> Any: ...
-
-  def forward(self, params: Any, tokens: jax.Array, cache: Any, lengths: jax.Array, *,
-              hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, Any, Any]: ...
+from jaxspec.lm import LM_OF_CONFIG, CausalLM, Hidden  # noqa: F401 - the protocol's types
 
 
 REQUIRED = ("vocab_size", "init_cache", "forward")
@@ -80,10 +69,10 @@ def check_lm(lm, who: str = "target") -> None:
 
 
 def as_lm(lm):
-  """`lm` itself, or jaxspec's Llama for a `LlamaConfig` (the older signatures took one)."""
-  if isinstance(lm, LlamaConfig):
-    return LlamaLM(lm)
-  return lm
+  """`lm` itself, or the model a registered configuration stands for (`jaxspec.lm`'s
+  `register_config`: a `LlamaConfig` is jaxspec's Llama, as the older signatures took one)."""
+  make = LM_OF_CONFIG.get(type(lm))
+  return lm if make is None else make(lm)
 
 
 def is_block_lm(lm) -> bool:
@@ -112,7 +101,7 @@ def as_target(model, params=None, who: str = "target") -> Target:
     check_lm(model.lm, who)
     return model if params is None else Target(model.lm, params)
   if hasattr(model, "cfg") and hasattr(model, "params") and hasattr(model, "tokenizer"):
-    return Target(LlamaLM(model.cfg), model.params if params is None else params)  # a Model
+    return Target(as_lm(model.cfg), model.params if params is None else params)  # a Model
   check_lm(model, who)
   return Target(model, params)
 
@@ -202,7 +191,6 @@ def with_length(cache, length):
 def _takes_seq_lengths(lm) -> bool:
   """Whether a block model's prefill takes each row's prompt length (jaxspec's Llama does:
   length-dependent rotary scaling rotates a prompt by its length)."""
-  import inspect
   try:
     return "seq_lengths" in inspect.signature(lm.forward_block).parameters
   except (TypeError, ValueError):
@@ -228,11 +216,11 @@ def prefill(lm, params, prompt, lengths, max_len: int, *, hidden_layers=(), logi
                                hidden_layers=hidden_layers, fresh=True, seq_lengths=lengths)
     last = jnp.take_along_axis(hidden.final, (lengths - 1)[:, None, None], axis=1)[:, 0]
     out = lm.logits_from_hidden(params, last) if logits else None
-    return out, hidden, with_length(cache, lengths)
+    return out, hidden, dataclasses.replace(cache, length=lengths)
   cache = init_cache(lm, params, b, max_len)
   all_logits, hidden, cache = forward(lm, params, prompt, cache, hidden_layers=hidden_layers)
   out = None
   if logits:
     out = jnp.take_along_axis(all_logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return out, hidden, with_length(cache, lengths)
+  return out, hidden, dataclasses.replace(cache, length=lengths)
 

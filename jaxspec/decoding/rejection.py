@@ -4,7 +4,7 @@
   verify(params, cache, last [B], drafts [B, k], lm, sp) -> p [B, k+1, V], hidden, cache
   rejection_sample(p, q, drafts, keys) -> n_accepted [B], emitted [B, k+1]
 
-Pure and jit-compatible; `jaxspec.decoding.step` builds one loop step from them.
+Pure and jit-compatible; `jaxspec.decoding.loop` builds one loop step from them.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def verify(params, cache, last: jax.Array, drafts: jax.Array, lm, sp: SamplingAr
   Returns:
     p [B, k+1, V] float32 target distributions (p[:, i] is the distribution of the token after
     drafts[:, :i]), the target's Hidden states [B, k+1, D], and the cache with length + k + 1
-    (the caller moves it back to what was accepted); with write=False the new block's keys and
-    values (k_new, v_new) [L, B, k+1, G, K] instead, for `write_cache`.
+    (the caller moves it back to what was accepted); with write=False the new block (jaxspec's
+    Llama: keys and values [L, B, k+1, G, K]) instead, for `protocol.write_block`.
   """
   lm = protocol.as_lm(lm)
   tokens = jnp.concatenate([last[:, None], drafts], axis=1)

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.decoding import protocol
-from jaxspec.models.llama import Hidden
+from jaxspec.lm import Hidden
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 # The most nodes (root included) a tree may have: the verify pass's width.
@@ -393,30 +393,3 @@ def default_tree(drafter, size: int):
     return Tree.from_accuracies(acc, size, max_depth=drafter.max_draft_tokens)
   raise ValueError(f"the {getattr(drafter, 'name', 'drafter')} drafter drafts chains only: tree"
                    " drafting needs a Medusa or an EAGLE head")
-
-
-def parse_tree(spec: str, drafter):
-  """The CLI's --tree: N (a tree of N nodes, `default_tree`), dynamic:DEPTH,TOPK,TOTAL
-  (EAGLE-2), a JSON list of paths, or a .json file holding one."""
-  import json
-  import os
-  text = spec.strip()
-  try:
-    if text.isdigit():
-      return default_tree(drafter, int(text))
-    if text.startswith("dynamic:"):
-      parts = text.removeprefix("dynamic:").split(",")
-      if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"--tree {spec!r}: expected dynamic:DEPTH,TOPK,TOTAL, e.g."
-                         " dynamic:5,8,32")
-      return DynamicTree(*map(int, parts))
-    if text.startswith("["):
-      paths = json.loads(text)
-    elif os.path.isfile(text):
-      paths = json.loads(open(text).read())
-    else:
-      raise ValueError(f"--tree {spec!r}: expected a number of nodes, dynamic:DEPTH,TOPK,TOTAL,"
-                       " a JSON list of paths like [[0],[1],[0,0]], or a .json file of one")
-  except json.JSONDecodeError as e:
-    raise ValueError(f"--tree {spec!r} is not valid JSON: {e}") from None
-  return as_tree(paths, max_depth=getattr(drafter, "max_draft_tokens", None))

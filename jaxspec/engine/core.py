@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import fused, plain
+from jaxspec.decoding import loop
+from jaxspec.decoding import plain
 from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.plain import DecodeState
-from jaxspec.decoding.step import SpecState
+from jaxspec.decoding.loop import SpecState
 from jaxspec.engine import io
 from jaxspec.engine.runs import SpecRun, placed_run
 from jaxspec.models.llama import LlamaLM, init_cache
@@ -338,7 +339,7 @@ class Engine:
     t0 = time.perf_counter()
     state = run.start()
     state = run.target_state(run.loop(state, run.max_steps))
-    outs = jax.block_until_ready(fused.outputs_jit(state, req.max_new_tokens))
+    outs = jax.block_until_ready(loop.outputs_jit(state, req.max_new_tokens))
     dt = time.perf_counter() - t0 - run.profile_seconds
     run.finish(state)
     toks, n_out, *lp = io.to_host(outs)

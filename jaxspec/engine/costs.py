@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxspec.decoding import protocol
 from jaxspec.decoding.adaptive import CostModel, isotonic
-from jaxspec.decoding.step import Policy, SpecState, costs_array
+from jaxspec.decoding.loop import Policy, SpecState, costs_array
 from jaxspec.engine.io import to_host
 
 

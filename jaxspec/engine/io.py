@@ -20,7 +20,7 @@ from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
 from jaxspec.decoding.functional import check_drafter_for, check_stop_ids, working_set
 from jaxspec.decoding.limits import MAX_POSITIONS
-from jaxspec.decoding.step import Policy, resolve_policy
+from jaxspec.decoding.loop import Policy, resolve_policy
 from jaxspec.drafters import resolve_drafter
 from jaxspec.models.llama import LlamaLM
 from jaxspec.models.model import Model

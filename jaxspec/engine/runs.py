@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import fused, host
+from jaxspec.decoding import loop
+from jaxspec.decoding import two_mesh
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import as_key
-from jaxspec.decoding.step import SpecState, SpecStats, costs_array
+from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
 from jaxspec.engine.costs import MIN_COST_SPAN, longest, measure_costs, state_at_length
 from jaxspec.engine.io import SpecRequest, put_global, shardings_of, to_host
 from jaxspec.models.llama import LlamaLM, init_cache
@@ -67,12 +68,10 @@ class SpecRun:
     self.costs = costs_array(req.policy, req.cost)
     self.profile_seconds = 0.0
     self.failover: Failover | None = None  # a two-mesh run's fall back to plain steps
-    self.static = dict(lm=LlamaLM(req.target.cfg), drafter=req.drafter, policy=req.policy,
-                       max_new_tokens=req.max_new_tokens, stop_ids=req.stop_ids)
-    # The sequence buffer holds prompt + outputs, plus k + 1 slots a step may write past.
-    self.init_static = dict(max_len=req.prep.max_len,
-                            seq_cap=req.prep.max_len + req.policy.k_max + 1,
-                            max_steps=self.max_steps, **self.static)
+    self.static = dict(cfg=StepConfig(
+        lm=LlamaLM(req.target.cfg), drafter=req.drafter, policy=req.policy,
+        max_new_tokens=req.max_new_tokens, stop_ids=req.stop_ids, max_len=req.prep.max_len,
+        max_steps=self.max_steps))
     # The cost models measured for "auto" are kept per these shapes and layouts.
     self.cost_key = (req.target.cfg, req.drafter, self.batch, req.prep.tokens.shape[1],
                      req.prep.max_len, req.policy.buckets, repr(req.sampling),
@@ -97,29 +96,29 @@ class SpecRun:
     if self.pooled:
       c = jax.eval_shape(functools.partial(init_cache, target.cfg, b, prep.max_len))
       bufs = (c.k, c.v)
-    state0 = jax.eval_shape(functools.partial(fused.spec_init_jit, **self.init_static),
+    state0 = jax.eval_shape(functools.partial(loop.spec_init_jit, **self.static),
                             *self.init_args, bufs)
     loop_args = (self.tparams, self.dparams, state0, self.sp, self.costs, jnp.int32(0),
                  jnp.int32(-1))
     compile = self.engine.compile
     if sh is None:
-      self.init_exe, c1 = compile(fused.spec_init_jit, "spec-init", *self.init_args, bufs,
-                                  **self.init_static)
-      self.loop_exe, c2 = compile(fused.spec_loop_jit, "spec-loop", *loop_args, **self.static)
+      self.init_exe, c1 = compile(loop.spec_init_jit, "spec-init", *self.init_args, bufs,
+                                  **self.static)
+      self.loop_exe, c2 = compile(loop.spec_loop_jit, "spec-loop", *loop_args, **self.static)
       return c1 + c2
     sh.check_batch(b)
     st_sh = sh.state(state0, b)
     p_sh = (shardings_of(self.tparams), shardings_of(self.dparams))
     rep = sh.replicated()
     init_in = (*p_sh, sh.batch(2), sh.batch(1), sh.state(self.sp, b), rep)
-    self.init_exe, c1 = compile(fused.spec_init, ("spec-init", sh), *self.init_args,
+    self.init_exe, c1 = compile(loop.spec_init, ("spec-init", sh), *self.init_args,
                                 jit_kwargs=dict(in_shardings=init_in, out_shardings=st_sh),
-                                **self.init_static)
+                                **self.static)
     # Global arrays on the mesh (on several hosts every process passes the same prompts).
     self.init_args = put_global(self.init_args, init_in)
     self.sp = self.init_args[4]
     loop_in = (*p_sh, st_sh, sh.state(self.sp, b), rep, rep, rep)
-    self.loop_exe, c2 = compile(fused.spec_loop, ("spec-loop", sh), *loop_args,
+    self.loop_exe, c2 = compile(loop.spec_loop, ("spec-loop", sh), *loop_args,
                                 jit_kwargs=dict(in_shardings=loop_in, out_shardings=st_sh,
                                                 donate_argnums=(2,)), **self.static)
     return c1 + c2
@@ -141,8 +140,8 @@ class SpecRun:
     if self.pooled:
       self.engine.keep_cache_buffers(self.target.cfg, state.cache.k, state.cache.v)
 
-  def _measure_costs(self, state, loop, sp) -> None:
-    """The engine's cost model for these shapes, or `loop` (the `measure_costs` signature)
+  def _measure_costs(self, state, run_loop, sp) -> None:
+    """The engine's cost model for these shapes, or `run_loop` (the `measure_costs` signature)
     timed from `state` once; `self.costs` is then its array."""
     self.cost = self.engine.cost_models.get(self.cost_key)
     if self.cost is None:
@@ -150,7 +149,7 @@ class SpecRun:
       self.engine.report("measuring the step cost of each k")
       t0 = time.perf_counter()
       try:
-        self.cost = measure_costs(loop, self.tparams, self.dparams, state, sp, self.policy,
+        self.cost = measure_costs(run_loop, self.tparams, self.dparams, state, sp, self.policy,
                                   batch_size=self.batch, short_state=self.short_state(state))
       finally:
         self.engine.report(None)
@@ -279,14 +278,14 @@ class HostRun(SpecRun):
     # Target side: the fused loop's prefill, with a stand-in drafter that keeps the prefill's
     # hidden states (when the real drafter reads them) as its state, for the drafter's init.
     self.tinit_args = (self.tparams, None, tok, lens, self.sp_t, as_key(req.key, b))
-    tstatic = dict(self.init_static, drafter=host.HiddenOnly(drafter.uses_target_hidden,
-                                                             drafter.hidden_layers))
-    tstate0, hid0, fctx0 = jax.eval_shape(functools.partial(host.host_target_init, **tstatic),
+    tstatic = dict(cfg=dataclasses.replace(self.static["cfg"], drafter=two_mesh.HiddenOnly(
+        drafter.uses_target_hidden, drafter.hidden_layers)))
+    tstate0, hid0, fctx0 = jax.eval_shape(functools.partial(two_mesh.host_target_init, **tstatic),
                                           *self.tinit_args)
     t_sh = self.tsh.state(tstate0, b)
     rep_t = self.tsh.replicated()
     self.tinit_exe, _ = compile(
-        host.host_target_init, ("host-tinit", self.tsh), *self.tinit_args,
+        two_mesh.host_target_init, ("host-tinit", self.tsh), *self.tinit_args,
         jit_kwargs=dict(in_shardings=(shardings_of(self.tparams), None, self.tsh.batch(2),
                                       self.tsh.batch(1), self.tsh.state(self.sp_t, b), rep_t),
                         out_shardings=(t_sh, self.tsh.state(hid0, b),
@@ -294,12 +293,12 @@ class HostRun(SpecRun):
         **tstatic)
     # Drafter side: its init from the prompt (and the target's prefill features).
     self.dinit_exe, _ = compile(
-        host.host_drafter_init, ("host-dinit", self.dsh), self.dparams, tok, lens, hid0,
+        two_mesh.host_drafter_init, ("host-dinit", self.dsh), self.dparams, tok, lens, hid0,
         jit_kwargs=dict(in_shardings=(shardings_of(self.dparams), self.dsh.batch(2),
                                       self.dsh.batch(1), self.dsh.state(hid0, b))),
         drafter=drafter, max_len=prep.max_len)
     self._tok, self._lens = tok, lens
-    dstate0 = host.shapes_of(self.dinit_exe.out_info)
+    dstate0 = two_mesh.shapes_of(self.dinit_exe.out_info)
     kmax = policy.k_max
     # The drafter's copy of the context, as the verify program returns it.
     ctx0 = DraftContext(seq=tstate0.seq, seq_len=tstate0.seq_len, prompt_len=tstate0.prompt_len)
@@ -311,27 +310,27 @@ class HostRun(SpecRun):
         continue
       draft_args = (self.dparams, dstate0, ctx0, tstate0.keys, self.sp_d)
       self.draft_exes[k], _ = compile(
-          host.host_draft, ("host-draft", d_sh), *draft_args,
+          two_mesh.host_draft, ("host-draft", d_sh), *draft_args,
           jit_kwargs=dict(in_shardings=(shardings_of(self.dparams), d_sh.state(dstate0, b),
                                         ctx_sh, d_sh.batch(1), d_sh.state(self.sp_d, b)),
                           # The drafter's cache is written in place (after a failure it is
                           # not needed again).
                           donate_argnums=(1,)),
           drafter=drafter, k=k, kmax=kmax)
-    prop0 = host.shapes_of(self.draft_exes[kmax].out_info[0])
+    prop0 = two_mesh.shapes_of(self.draft_exes[kmax].out_info[0])
     self.prop_sh_t = self.tsh.state(prop0, b)
     verify_args = (self.tparams, tstate0, prop0, jnp.int32(0), self.sp_t, self.costs,
                    jnp.int32(-1))
     self.verify_exe, _ = compile(
-        host.host_verify, ("host-verify", self.tsh), *verify_args,
+        two_mesh.host_verify, ("host-verify", self.tsh), *verify_args,
         jit_kwargs=dict(in_shardings=(shardings_of(self.tparams), t_sh, self.prop_sh_t, rep_t,
                                       self.tsh.state(self.sp_t, b), rep_t, rep_t),
                         out_shardings=(t_sh, None, rep_t), donate_argnums=(1,)),
         **self.static)
-    ctx_full = host.shapes_of(self.verify_exe.out_info[1])
+    ctx_full = two_mesh.shapes_of(self.verify_exe.out_info[1])
     self.ctx_sh_d = d_sh.state(ctx_full, b)
     self.commit_exe, _ = compile(
-        host.host_commit, ("host-commit", d_sh), self.dparams, dstate0, ctx_full,
+        two_mesh.host_commit, ("host-commit", d_sh), self.dparams, dstate0, ctx_full,
         jit_kwargs=dict(in_shardings=(shardings_of(self.dparams), d_sh.state(dstate0, b),
                                       self.ctx_sh_d), donate_argnums=(1,)),
         drafter=drafter)
@@ -342,7 +341,7 @@ class HostRun(SpecRun):
 
   # -- running
 
-  def start(self) -> host.HostState:
+  def start(self) -> two_mesh.HostState:
     tstate, hidden, first = self.tinit_exe(*self.tinit_args)
     b = self.batch
     ctx = DraftContext(seq=tstate.seq, seq_len=tstate.seq_len, prompt_len=tstate.prompt_len)
@@ -356,17 +355,17 @@ class HostRun(SpecRun):
       self._fail_over(0, e)
       dstate = None
     # idx is chosen below, once the costs are known (timing forces every bucket itself).
-    state = host.HostState(t=tstate, d=dstate, ctx=ctx,
+    state = two_mesh.HostState(t=tstate, d=dstate, ctx=ctx,
                            keys=jax.device_put(tstate.keys, self.d_batch1), idx=jnp.int32(0))
     if self.policy.auto and self.cost is None:
       self._measure_costs(state, self._loop_for_costs, self.sp_t)
-    return dataclasses.replace(state, idx=host.host_choose_jit(
-        state.t, self.costs, policy=self.policy, max_new_tokens=int(self.max_steps - 1)))
+    return dataclasses.replace(state, idx=two_mesh.host_choose_jit(state.t, self.costs,
+                                                               **self.static))
 
-  def target_state(self, state: host.HostState):
+  def target_state(self, state: two_mesh.HostState):
     return state.t
 
-  def short_state(self, state: host.HostState) -> None:
+  def short_state(self, state: two_mesh.HostState) -> None:
     return None  # two meshes: timed at the prompt's length only
 
   def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
@@ -380,10 +379,10 @@ class HostRun(SpecRun):
       self.failover = Failover(step=step, error=_short_error(e))
       _forget_failed_runs(set(self.dsh.mesh.devices.flat) - set(self.tsh.mesh.devices.flat))
 
-  def loop(self, state: host.HostState, until) -> host.HostState:
+  def loop(self, state: two_mesh.HostState, until) -> two_mesh.HostState:
     return self._run(state, int(until), -1, self.costs)
 
-  def _run(self, state: host.HostState, until: int, force_idx: int, costs):
+  def _run(self, state: two_mesh.HostState, until: int, force_idx: int, costs):
     force = jnp.int32(force_idx)
     n = int(state.t.stats.target_passes)
     while n < until and not bool(np.asarray(state.t.done).all()):
@@ -419,14 +418,14 @@ class HostRun(SpecRun):
           state = dataclasses.replace(state, t=tstate)
           n += 1
           continue
-        state = host.HostState(t=tstate, d=dstate,
+        state = two_mesh.HostState(t=tstate, d=dstate,
                                ctx=DraftContext(seq=ctx_d.seq, seq_len=ctx_d.seq_len,
                                                 prompt_len=ctx_d.prompt_len),
                                keys=state.keys, idx=nxt)
       n += 1
     return state
 
-  def _plain_step(self, state: host.HostState, costs) -> host.HostState:
+  def _plain_step(self, state: two_mesh.HostState, costs) -> two_mesh.HostState:
     """After a failover: a plain target step, the drafter's half of the state left behind."""
     tstate, _, _ = self.verify_exe(self.tparams, state.t, self.prop_zero, jnp.int32(0), self.sp_t,
                                    costs, jnp.int32(0))

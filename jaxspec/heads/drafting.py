@@ -5,7 +5,7 @@ Each drafter is a frozen, hashable dataclass whose static part is the head's NNX
 `HeadParams`: the head's `nnx.State` and the target arrays it reads (embedding, final norm, LM
 head), which are the target's own arrays, referenced and not copied.
 
-What the loop gives a drafter (see `jaxspec.decoding.fused.spec_step`). After every step the
+What the loop gives a drafter (see `jaxspec.decoding.loop.spec_step`). After every step the
 sequence holds x_0 .. x_{n-1} (n = seq_len); the target's cache holds [0, n - 1), and x_{n-1}
 is the input of the next verify pass. `commit` receives the Hidden of the last verify pass over
 [x_{n'-1}, d_1 .. d_k] (n' the previous seq_len): block index j holds f_{n'-1+j}, and the kept

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxspec.lm import Hidden, register_config
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.weights import LAYER_WEIGHTS, WEIGHT, WEIGHTS, QArray
 from jaxspec.pytree import pytree_dataclass
@@ -92,15 +93,6 @@ class KVCache:
   @property
   def batch_size(self) -> int:
     return self.k.shape[1]
-
-
-@_pytree
-@dataclasses.dataclass
-class Hidden:
-  """Hidden states returned by `forward`."""
-
-  final: jax.Array  # [B, T, D] after the final norm (what the LM head reads)
-  layers: jax.Array | None = None  # [n, B, T, D] outputs of the requested layers, in order
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["n_out"])
@@ -1037,3 +1029,6 @@ class LlamaLM:
 
   def logits_from_hidden(self, params, hidden):
     return softcap(logits_from_hidden(params, hidden), self.cfg.final_softcap)
+
+
+register_config(LlamaConfig, LlamaLM)

@@ -1,6 +1,6 @@
 """Placement: where the target and the drafter run. The target on one mesh and the drafter on
 another (a sub-mesh, or another backend such as the host CPU beside a GPU target) run the
-two-mesh loop (`jaxspec.decoding.host`, driven by `jaxspec.engine.runs.HostRun`); both on one mesh,
+two-mesh loop (`jaxspec.decoding.two_mesh`, driven by `jaxspec.engine.runs.HostRun`); both on one mesh,
 the fused loop.
 """
 

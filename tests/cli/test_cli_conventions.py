@@ -188,7 +188,7 @@ def test_merged_stats_of_batches():
 
 
 def test_every_printed_drafter_name_is_one_draft_takes(bundled):
-  from jaxspec.decoding.tree import parse_tree
+  from jaxspec.cli_options import parse_tree
   labels = {}
   for spec in gen.DRAFT_NAMES:
     d = gen._make_drafter(spec, bundled, "float32")

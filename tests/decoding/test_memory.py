@@ -12,7 +12,7 @@ import pytest
 from jaxspec import generate
 from jaxspec.decoding import functional as F
 from jaxspec.decoding import limits, protocol
-from jaxspec.decoding.step import costs_array, resolve_policy
+from jaxspec.decoding.loop import costs_array, resolve_policy
 from jaxspec.drafters import NGram
 from jaxspec.models import init_params, tiny_config
 from jaxspec.models.model import Model

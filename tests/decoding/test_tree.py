@@ -20,6 +20,7 @@ from jaxspec.api import speculative_generate
 from jaxspec.decoding.tree import DynamicTree, Tree
 from helpers import (PATHS, assert_first_tokens_follow, assert_tree_forward_matches_plain_forward,
                      chi2_critical, exact_joint)
+from jaxspec.cli_options import parse_tree
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [7]]
 N_NEW = 16
@@ -205,25 +206,25 @@ def test_tree_from_accuracies():
 
 def test_parse_tree_and_default_tree(tiny_target, tmp_path):
   eagle, medusa = _eagle(tiny_target), _medusa(tiny_target)
-  assert tree_lib.parse_tree("dynamic:3,2,4", eagle) == DynamicTree(depth=3, topk=2,
+  assert parse_tree("dynamic:3,2,4", eagle) == DynamicTree(depth=3, topk=2,
                                                                     total_tokens=4)
-  assert tree_lib.parse_tree("[[0],[1],[0,0]]", medusa).paths == ((0,), (1,), (0, 0))
+  assert parse_tree("[[0],[1],[0,0]]", medusa).paths == ((0,), (1,), (0, 0))
   f = tmp_path / "tree.json"
   f.write_text("[[0], [0, 0]]")
-  assert tree_lib.parse_tree(str(f), medusa).depth == 2
-  assert tree_lib.parse_tree("16", eagle) == DynamicTree(depth=tree_lib.EAGLE_DEPTH,
+  assert parse_tree(str(f), medusa).depth == 2
+  assert parse_tree("16", eagle) == DynamicTree(depth=tree_lib.EAGLE_DEPTH,
                                                          topk=tree_lib.EAGLE_TOPK,
                                                          total_tokens=16)
   with pytest.raises(ValueError, match="no measured top-k accuracies"):
-    tree_lib.parse_tree("8", medusa)
+    parse_tree("8", medusa)
   acc = ((0.5, 0.2), (0.3, 0.1), (0.2, 0.1))
   assert len(tree_lib.default_tree(dataclasses.replace(medusa, topk_accuracy=acc), 4).paths) == 4
   with pytest.raises(ValueError, match="expected dynamic:DEPTH,TOPK,TOTAL"):
-    tree_lib.parse_tree("dynamic:3,2", eagle)
+    parse_tree("dynamic:3,2", eagle)
   with pytest.raises(ValueError, match="not valid JSON"):
-    tree_lib.parse_tree("[[0],", medusa)
+    parse_tree("[[0],", medusa)
   with pytest.raises(ValueError, match="expected a number of nodes"):
-    tree_lib.parse_tree("wide", medusa)
+    parse_tree("wide", medusa)
 
 
 def test_sampled_head_chains_are_coupled_under_auto(tiny_target):

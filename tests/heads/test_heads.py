@@ -395,7 +395,7 @@ def test_bundled_head_names(tiny_target):
 
 def test_heads_with_few_drafts_cap_k_before_compiling(tiny_target, trained):
   from jaxspec.decoding.adaptive import AutoK
-  from jaxspec.decoding.step import resolve_policy
+  from jaxspec.decoding.loop import resolve_policy
   medusa = heads.HEADS["medusa"].drafter(trained["medusa"]["model"], tiny_target)  # 3 heads
   assert medusa.max_draft_tokens == 3
   assert resolve_policy("auto", None, medusa).k_max == 3  # the default AutoK is capped

@@ -18,15 +18,15 @@ computation, out-of-memory included) fails before the target consumes anything, 
 generation goes on with plain target steps from the intact target state, keeping every token
 already emitted, and the statistics record it.
 
-The draft, verify and commit programs reuse the fused loop's pieces (`_verify_branch`,
-`_finish_step`), so a host-orchestrated run computes exactly what the fused loop computes:
-same tokens under greedy decoding, same keys under sampling.
+The programs here run inside jit; the host loop that dispatches them is `HostRun`'s, on the host side.
+They reuse the fused loop's pieces (`loop.verify_branch`, `loop.finish_step`, one `StepConfig`),
+so a host-orchestrated run computes exactly what the fused loop computes: same tokens under
+greedy decoding, same keys under sampling.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -35,9 +35,9 @@ from jax import lax
 
 from jaxspec.decoding import adaptive
 from jaxspec.decoding.drafter import DraftContext, Drafter, NoState, Proposal
+from jaxspec.decoding.loop import (StepConfig, draft_keys, finish_step, slice_proposal,
+                                   spec_prefill, step_inputs, verify_branch)
 from jaxspec.decoding.rejection import draft
-from jaxspec.decoding.step import (finish_step, room, slice_proposal, spec_prefill, step_inputs,
-                                   step_keys, verify_branch)
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 
@@ -61,60 +61,55 @@ def host_draft(dparams, dstate, ctx: DraftContext, keys, sp, *, drafter, k, kmax
   """Drafter mesh: propose k drafts (k static: one program per draft count, so the drafter's
   cache is updated in place rather than carried through a switch), padded to k_max."""
   b = ctx.seq.shape[0]
-  kd, _ = step_keys(keys, ctx.seq_len)
   ctx = dataclasses.replace(ctx, row_keys=keys)  # the drafter's copy of the rows' keys
-  prop, new = draft(drafter, dparams, dstate, ctx, k, sp, kd)
+  with jax.named_scope("draft"):
+    prop, new = draft(drafter, dparams, dstate, ctx, k, sp, draft_keys(keys, ctx.seq_len))
   n_valid = jnp.full((b,), k, jnp.int32) if prop.n_valid is None else prop.n_valid
   pad = lambda x: jnp.pad(x, [(0, 0), (0, kmax - k)] + [(0, 0)] * (x.ndim - 2))
   return Proposal(tokens=pad(prop.tokens), q=None if prop.q is None else pad(prop.q),
                   n_valid=n_valid), new
 
 
-def host_verify(tparams, s, prop: Proposal, idx, sp, costs, force_idx, *, lm, drafter, policy,
-                max_new_tokens, stop_ids):
+def host_verify(tparams, s, prop: Proposal, idx, sp, costs, force_idx, *, cfg: StepConfig):
   """Target mesh: verify the proposal for bucket `idx`, accept, roll back, choose the next k.
 
   Returns (new target state, the context the drafter commits, the next bucket index)."""
-  kmax = policy.k_max
-  live, _, kv, last = step_inputs(s, kmax + 1)
+  live, _, keys, last = step_inputs(s, cfg.policy.k_max + 1)
   forced = force_idx >= 0
-  vb = functools.partial(verify_branch, lm=lm, drafter=drafter, kmax=kmax,
-                         logprobs=policy.logprobs)
-  nv_all = prop.n_valid
 
   def branch(k):
     def run(cache):
-      if k == 0:
-        return vb(tparams, cache, last, None, 0, sp, kv, live, forced)
-      return vb(tparams, cache, last, slice_proposal(prop, k, nv_all), k, sp, kv, live, forced)
+      p = None if k == 0 else slice_proposal(prop, k, prop.n_valid)
+      return verify_branch(tparams, cache, last, p, k, sp, keys, live, forced, cfg)
     return run
 
   def step(s):
-    out = lax.switch(idx, [branch(k) for k in policy.buckets], s.cache)
-    return finish_step(s, out, lm=lm, policy=policy, max_new_tokens=max_new_tokens,
-                       stop_ids=stop_ids)
+    out = lax.switch(idx, [branch(k) for k in cfg.policy.buckets], s.cache)
+    with jax.named_scope("accept"):
+      return finish_step(s, out, cfg)
 
   def idle(s):  # every row is done: nothing runs, nothing is counted
     b = s.seq.shape[0]
-    hidden = jax.eval_shape(lambda c: branch(0)(c)[2], s.cache)
+    hidden = jax.eval_shape(lambda c: branch(0)(c).hidden, s.cache)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), hidden)
     z = jnp.zeros((b,), jnp.int32)
     return s, DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, hidden=zeros,
                            hidden_pos=z, n_new=z)
 
   new, ctx = lax.cond(jnp.any(live), step, idle, s)
-  nxt = host_choose(new, costs, policy=policy, max_new_tokens=max_new_tokens)
-  return new, ctx, nxt
+  return new, ctx, host_choose(new, costs, cfg=cfg)
 
 
-def host_choose(s, costs, *, policy, max_new_tokens):
+def host_choose(s, costs, *, cfg: StepConfig):
   """The next step's bucket index: the controller's choice ("auto", without knowing which rows
   have real drafts before drafting), or the largest bucket for a fixed k."""
+  policy = cfg.policy
   if not policy.auto:
     return jnp.int32(len(policy.buckets) - 1)
   alpha = adaptive.acceptance_estimate(s.counts, policy.prior)
-  idx, _ = adaptive.choose(alpha, ~s.done, costs, policy.buckets, None,
-                           room(s, max_new_tokens), policy.margin, length=s.seq_len)
+  room = cfg.max_new_tokens - (s.seq_len - s.prompt_len)
+  idx, _ = adaptive.choose(alpha, ~s.done, costs, policy.buckets, None, room, policy.margin,
+                           length=s.seq_len)
   return idx.astype(jnp.int32)
 
 
@@ -128,7 +123,7 @@ def shapes_of(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-host_choose_jit = jax.jit(host_choose, static_argnames=("policy", "max_new_tokens"))
+host_choose_jit = jax.jit(host_choose, static_argnames=("cfg",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +142,12 @@ class HiddenOnly(Drafter):
     return state
 
 
-def host_target_init(tparams, dparams, prompt, prompt_len, sp, key, **static):
-  """The fused loop's prefill and first token on the target mesh; returns the state (without
-  the stand-in's state), the prefill's hidden states for the drafter's init, from the one
-  prefill, and the first token's context, which the drafter commits after its init."""
-  s, ctx = spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, **static)
+def host_target_init(tparams, dparams, prompt, prompt_len, sp, key, *, cfg: StepConfig):
+  """The fused loop's prefill and first token on the target mesh (cfg.drafter: the stand-in
+  `HiddenOnly`); returns the state (without the stand-in's state), the prefill's hidden states
+  for the drafter's init, from the one prefill, and the first token's context, which the
+  drafter commits after its init."""
+  s, ctx = spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg)
   return dataclasses.replace(s, draft_state=NoState()), s.draft_state, ctx
 
 
