@@ -42,13 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.checks import is_int
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 _DEFAULT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _is_real(v) -> bool:
@@ -85,11 +82,11 @@ class AutoK:
   margin: float = 0.05
 
   def __post_init__(self):
-    if not _is_int(self.k_max) or not 1 <= self.k_max <= MAX_K:
+    if not is_int(self.k_max) or not 1 <= self.k_max <= MAX_K:
       raise ValueError(f"AutoK.k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
     if self.buckets is not None:
       b = tuple(self.buckets) if isinstance(self.buckets, (Sequence, np.ndarray)) else None
-      if not b or isinstance(self.buckets, str) or any(not _is_int(k) or not 0 <= k <= self.k_max
+      if not b or isinstance(self.buckets, str) or any(not is_int(k) or not 0 <= k <= self.k_max
                                                        for k in b):
         raise ValueError(f"AutoK.buckets must be a sequence of draft counts in 0..k_max="
                          f"{self.k_max}, got {self.buckets!r}")
@@ -142,7 +139,7 @@ class CostModel:
 
   def __post_init__(self):
     if isinstance(self.ks, (str, bytes)) or not isinstance(self.ks, (Sequence, np.ndarray)) \
-        or not len(self.ks) or not all(_is_int(k) and k >= 0 for k in self.ks) \
+        or not len(self.ks) or not all(is_int(k) and k >= 0 for k in self.ks) \
         or list(self.ks) != sorted(set(self.ks)):
       raise ValueError(f"CostModel.ks must be ascending distinct draft counts >= 0 (0: a plain"
                        f" step), e.g. (0, 1, 2, 4), got {self.ks!r}")
@@ -158,12 +155,12 @@ class CostModel:
       if not all(_is_real(x) and x < np.inf and lo_ok(x) for x in v):
         what = "positive" if name != "per_token" else "non-negative"
         raise ValueError(f"CostModel.{name} must be finite {what} seconds, got {v!r}")
-    if self.batch_size is not None and (not _is_int(self.batch_size) or self.batch_size < 1):
+    if self.batch_size is not None and (not is_int(self.batch_size) or self.batch_size < 1):
       raise ValueError(f"CostModel.batch_size must be None or a positive integer, got"
                        f" {self.batch_size!r}")
     if not isinstance(self.source, str):
       raise ValueError(f"CostModel.source must be a string, got {self.source!r}")
-    if not _is_int(self.length) or self.length < 0:
+    if not is_int(self.length) or self.length < 0:
       raise ValueError(f"CostModel.length must be an integer >= 0 (cache positions), got"
                        f" {self.length!r}")
 

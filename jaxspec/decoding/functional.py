@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling as sampling_lib
+from jaxspec.checks import is_int
 from jaxspec.decoding import limits, loop, plain, protocol
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
@@ -108,7 +109,7 @@ def as_key(key, batch_size: int | None = None) -> jax.Array:
   count is not `batch_size` (when given)."""
   if key is None:
     return jax.random.key(0)
-  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+  if is_int(key):
     if not -2**63 <= int(key) < 2**64:
       raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
     # jax.random.key takes an int64: a seed in [2**63, 2**64) as its two's complement.
@@ -133,8 +134,7 @@ def as_key(key, batch_size: int | None = None) -> jax.Array:
 
 def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
   """(max_new_tokens as an int32 value, static capacity)."""
-  concrete = isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens,
-                                                                              bool)
+  concrete = is_int(max_new_tokens)
   if not concrete:
     if not hasattr(max_new_tokens, "dtype") or getattr(max_new_tokens, "ndim", 1) != 0 \
         or not jnp.issubdtype(max_new_tokens.dtype, jnp.integer):
@@ -148,8 +148,7 @@ def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
       raise ValueError("max_new_tokens is traced: pass capacity=N (static, the output width and"
                        " cache size) as its upper bound")
     capacity = max_new_tokens
-  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) \
-      or not 1 <= capacity <= limits.MAX_POSITIONS:
+  if not is_int(capacity) or not 1 <= capacity <= limits.MAX_POSITIONS:
     raise ValueError(f"capacity must be an int in [1, {limits.MAX_POSITIONS}], got {capacity!r}")
   if concrete and not 1 <= max_new_tokens <= capacity:
     raise ValueError(f"max_new_tokens must be in [1, capacity={capacity}], got {max_new_tokens}:"
@@ -159,8 +158,7 @@ def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
 
 def _check_pad_id(pad_id) -> int:
   """pad_id as an int in the int32 range of the output tokens."""
-  if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) \
-      or not -2**31 <= pad_id < 2**31:
+  if not is_int(pad_id) or not -2**31 <= pad_id < 2**31:
     raise ValueError(f"pad_id must be an integer in [-2**31, 2**31) (the token written past each"
                      f" row's length in the int32 output), got {pad_id!r}")
   return int(pad_id)
@@ -198,7 +196,7 @@ def check_stop_ids(stop_ids) -> tuple[int, ...]:
     raise ValueError(f"stop_ids must be a list of token ids, got {type(stop_ids).__name__}")
   out = []
   for t in stop_ids:
-    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
+    if not is_int(t) or not 0 <= t < 2**31:
       raise ValueError(f"stop_ids must be token ids in [0, 2**31), got {t!r}")
     out.append(int(t))
   return tuple(out)
@@ -340,8 +338,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   pad = _check_pad_id(pad_id)
   if max_len is None:
     max_len = p + capacity + policy.k_max + 1
-  elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
-      or max_len < p + capacity + policy.k_max + 1:
+  elif not is_int(max_len) or max_len < p + capacity + policy.k_max + 1:
     raise ValueError(f"max_len must be an int >= P + capacity + k_max + 1 ="
                      f" {p + capacity + policy.k_max + 1}, got {max_len!r}")
   if drafter_params is None:
@@ -391,8 +388,7 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   pad = _check_pad_id(pad_id)
   if max_len is None:
     max_len = p + capacity
-  elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) \
-      or max_len < p + capacity:
+  elif not is_int(max_len) or max_len < p + capacity:
     raise ValueError(f"max_len must be an int >= P + capacity = {p + capacity}, got"
                      f" {max_len!r}")
   limits.check_positions(int(max_len))

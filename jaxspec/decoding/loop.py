@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxspec import sampling as sampling_lib
+from jaxspec.checks import is_int
 from jaxspec.decoding import adaptive, protocol
 from jaxspec.decoding import tree as tree_lib
 from jaxspec.decoding.adaptive import AutoK, CostModel
@@ -97,8 +98,7 @@ def resolve_policy(num_draft_tokens, auto: AutoK | None = None, drafter=None) ->
       raise ValueError(f"{what} a step, but AutoK(k_max={auto.k_max}): use"
                        f" AutoK(k_max={limit}) or less")
     return Policy.from_auto(auto)
-  if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
-      or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+  if not is_int(num_draft_tokens) or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
     raise ValueError(f"num_draft_tokens must be \"auto\" or an integer in [1,"
                      f" {MAX_DRAFT_TOKENS}], got {num_draft_tokens!r}")
   if auto is not None:

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec.checks import is_int
 from jaxspec.lm import LM_OF_CONFIG, CausalLM, Hidden  # noqa: F401 - the protocol's types
 
 
@@ -58,7 +59,7 @@ def check_lm(lm, who: str = "target") -> None:
     if not callable(getattr(lm, m)):
       raise ValueError(f"the {who} model's {m} must be a method, got {type(getattr(lm, m))}")
   v = lm.vocab_size
-  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+  if not is_int(v, numpy=False) or v < 1:
     raise ValueError(f"the {who} model's vocab_size must be a positive int, got {v!r}")
   try:
     hash(lm)

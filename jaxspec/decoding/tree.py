@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling as sampling_lib
+from jaxspec.checks import is_int
 from jaxspec.decoding import protocol
 from jaxspec.lm import Hidden
 from jaxspec.pytree import pytree_dataclass as _pytree
@@ -63,8 +64,7 @@ class Tree:
       paths = paths.paths
     out = []
     for p in paths:
-      if isinstance(p, (int, np.integer)) or not all(
-          isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in p):
+      if isinstance(p, (int, np.integer)) or not all(is_int(r) for r in p):
         raise ValueError(f"a tree is a list of paths of ranks, e.g. [[0], [1], [0, 0]]; got the"
                          f" entry {p!r}")
       t = tuple(int(r) for r in p)
@@ -164,7 +164,7 @@ class DynamicTree:
   def __post_init__(self):
     for name in ("depth", "topk", "total_tokens"):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      if not is_int(v) or v < 1:
         raise ValueError(f"DynamicTree.{name} must be an integer >= 1, got {v!r}")
     most = self.topk + (self.depth - 1) * self.topk * self.topk
     if self.total_tokens > most:
@@ -376,7 +376,7 @@ def default_tree(drafter, size: int):
   """A tree of `size` candidate nodes for `drafter`: EAGLE-2's dynamic tree for an EAGLE head;
   for a Medusa head, the static tree of highest expected acceptance from the head's measured
   top-k accuracies (`medusa_accuracies`, stored with the bundled head)."""
-  if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+  if not is_int(size) or size < 1:
     raise ValueError(f"a tree size is a number of nodes >= 1, got {size!r}")
   kinds = getattr(drafter, "tree_kinds", ())
   if DynamicTree in kinds:

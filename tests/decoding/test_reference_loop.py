@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import ROOT
 from jaxspec.decoding import (DraftContext, Target, as_target, draft, rejection_sample,
                               speculative_decode, verify)
 from jaxspec.decoding.plain import prefill
@@ -119,6 +120,5 @@ def test_reference_loop_equals_fused_loop(tiny_target, draft_model, drafter_name
 def test_the_docs_show_this_loop():
   """docs/concepts/design.md prints `reference_loop` as it is here, so the page's code is tested."""
   import inspect
-  import pathlib
-  page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "concepts" / "design.md"
+  page = ROOT / "docs" / "concepts" / "design.md"
   assert inspect.getsource(reference_loop) in page.read_text()

@@ -3,11 +3,11 @@ and family switches that cannot leak into an EAGLE head's layer or a saved check
 
 import ast
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers import ROOT
 from jaxspec.heads.eagle import TAKEN_FROM_TARGET, EagleConfig, eagle_layer_config
 from jaxspec.models import families
 from jaxspec.models.config import LlamaConfig, RopeScaling, tiny_config
@@ -15,7 +15,7 @@ from jaxspec.models.families.base import Family
 from jaxspec.models.hf_loader import ARCHITECTURES, check_savable, config_from_hf
 from jaxspec.models.gguf_loader import SUPPORTED_ARCHITECTURES
 
-MODELS = Path(__file__).resolve().parents[1] / "jaxspec" / "models"
+MODELS = ROOT / "jaxspec" / "models"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +46,7 @@ def test_registry_lists_the_families_in_order():
   assert families.family("custom") == Family(architecture="custom")
 
 
-def _literals(path: Path) -> set[str]:
+def _literals(path) -> set[str]:
   """The string constants of a module's code, docstrings excluded."""
   tree = ast.parse(path.read_text(encoding="utf-8"))
   docstrings = {id(node.body[0].value) for node in ast.walk(tree)
