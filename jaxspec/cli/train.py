@@ -11,12 +11,9 @@ from jaxspec.cli_options import count, count0
 
 
 TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model")
-# Defaults sized for the bundled SmolLM2-135M on a 2-core CPU, the recipe of the bundled heads:
-# writing the data (320 prompts, greedy and T=0.7 responses of up to 128 tokens, hidden states)
-# takes about 18 minutes, then a step of a batch of 8 rows cropped to 128-token windows about 2 s
-# (draft-model; eagle 1.25 s on the Intel Xeon VM, its soft labels computed over the 4096-token
-# draft vocabulary only) or 6-8 s (medusa, mlp: their losses run the 49k-token LM head for every
-# head at every position).
+# Defaults sized for the bundled SmolLM2-135M on a 2-core CPU, the recipe of the bundled heads
+# (what the data and a step take there: docs/lab-notes/code-notes-moved.md). Medusa and MLP steps
+# cost most: their losses run the full LM head for every head at every position.
 TRAIN_DEFAULTS = {
     "draft-model": dict(steps=200, lr=5e-4, batch_size=8),
     "eagle": dict(steps=600, lr=8e-4, batch_size=8),
