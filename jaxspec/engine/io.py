@@ -241,7 +241,7 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
   """Everything a speculative call checks before compiling (the arguments of
   `speculative_generate`), the drafter resolved by name."""
   check_model(target)
-  drafter = drafter if isinstance(drafter, Drafter) else resolve_drafter(target, drafter)
+  drafter = resolve_drafter(target, drafter)
   if temperature is not None:
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
   sp_user = resolve_sampling(sampling)
