@@ -13,17 +13,26 @@ import jax
 MAX_POSITIONS = 2**24
 
 
-def memory_budget() -> int | None:
-  """Bytes the default device may hold: its allocator's limit where it reports one (GPUs,
-  TPUs), the host's physical memory for the CPU; None where unknown."""
+def memory_budget(device=None, meminfo: str = "/proc/meminfo") -> int | None:
+  """Bytes a new call may still allocate on `device` (default: the first device): its
+  allocator's limit less what it holds now where it reports both (GPUs, TPUs: the weights and
+  any live buffers are in use already), the host's available memory on the CPU (`MemAvailable`,
+  which counts reclaimable page cache, else the free pages); None where unknown."""
   try:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     if stats.get("bytes_limit"):
-      return int(stats["bytes_limit"])
+      return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
   except Exception:  # noqa: BLE001 - backends without memory stats
     pass
   try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with open(meminfo, encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024  # the kernel reports kB
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
   except (ValueError, OSError, AttributeError):
     return None
 
@@ -105,10 +114,15 @@ def working_set(*, batch: int, prompt_len: int, max_len: int, vocab: int, cache_
                     prefill=int(max(attention, first)), step=int(step))
 
 
-def check_working_set(ws: WorkingSet, batch: int, max_len: int, what: str = "decoding") -> None:
-  """Raises ValueError when a run's estimated allocations exceed the device's memory."""
+def check_working_set(ws: WorkingSet, batch: int, max_len: int, what: str = "decoding", *,
+                      held: int = 0) -> None:
+  """Raises ValueError when a run's estimated allocations exceed the device's free memory plus
+  `held`, the bytes of buffers the caller frees or reuses for this run (the host engine's kept
+  cache)."""
   budget = memory_budget()
+  if budget is not None:
+    budget += held
   if budget is not None and ws.total > budget:
     raise ValueError(f"{what} {batch} rows with a cache of {max_len} positions needs about"
-                     f" {ws.describe()}, more than the device's {budget / 2**30:.1f} GiB: lower"
+                     f" {ws.describe()}, more than the {budget / 2**30:.1f} GiB the device has free: lower"
                      " the batch, max_new_tokens (capacity) or max_len")

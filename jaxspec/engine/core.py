@@ -223,6 +223,11 @@ class Engine:
     self.buffers.clear()
     self.buffers[(cfg, k.shape[1], k.shape[3], str(k.dtype))] = (k, v)
 
+  def held_bytes(self) -> int:
+    """Bytes of the kept cache buffers: the next call reuses or frees them, so its memory check
+    counts them as free."""
+    return sum(a.nbytes for bufs in self.buffers.values() for a in bufs if not a.is_deleted())
+
   def release_cache_buffers(self) -> int:
     """Frees the kept cache buffers; returns the bytes released."""
     n = sum(a.nbytes for bufs in self.buffers.values() for a in bufs)
@@ -271,7 +276,8 @@ class Engine:
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
     sp_user = resolve_sampling(sampling)
-    prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len)
+    prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
+                              held=self.held_bytes())
     stops = io.stop_ids_for(model, stop_ids)
     b = prep.tokens.shape[0]
     args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
@@ -312,7 +318,7 @@ class Engine:
     steps."""
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
-    prep = io.prepare_prompts(model, prompt, max_new_tokens)
+    prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes())
     stops = io.stop_ids_for(model, stop_ids)
     b = prep.tokens.shape[0]
     sp = sp_user.arrays(b)
@@ -334,7 +340,7 @@ class Engine:
     """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`.
     `options` are `io.prepare_spec`'s."""
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                          num_draft_tokens=num_draft_tokens, **options)
+                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(), **options)
     run = SpecRun(self, req) if placement is None else placed_run(self, req, placement)
     t0 = time.perf_counter()
     state = run.start()
@@ -357,7 +363,8 @@ class Engine:
     `options` are `io.prepare_spec`'s."""
     chunk = io.check_chunk(chunk)
     run = SpecRun(self, io.prepare_spec(target, drafter, prompt, max_new_tokens=max_new_tokens,
-                                        num_draft_tokens=num_draft_tokens, **options))
+                                        num_draft_tokens=num_draft_tokens,
+                                        held=self.held_bytes(), **options))
     t0 = time.perf_counter()
     state = jax.block_until_ready(run.start())
     t0 += run.profile_seconds

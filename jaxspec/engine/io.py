@@ -39,7 +39,7 @@ class PreparedPrompts:
 
 
 def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 0,
-                    max_len: int | None = None) -> PreparedPrompts:
+                    max_len: int | None = None, held: int = 0) -> PreparedPrompts:
   """Validates and pads prompts; sizes the cache. Raises ValueError before anything compiles.
 
   Args:
@@ -50,6 +50,7 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
       up to k + 1 positions ahead).
     max_len: cache size; by default the padded prompt length plus what decoding needs, rounded
       up to a multiple of 64.
+    held: bytes of buffers the run reuses or frees (`check_cache_fits`).
   """
   check_model(model)
   check_int("max_new_tokens", max_new_tokens, 1, MAX_POSITIONS)
@@ -107,7 +108,7 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
   if max_len > model.cfg.max_position_embeddings:
     pass  # rotary extrapolates; Hugging Face does not refuse either
   check_cache_fits(model, len(rows), int(max_len), prompt_len=padded_len,
-                   verify_tokens=max(extra, 1))
+                   verify_tokens=max(extra, 1), held=held)
   toks = np.zeros((len(rows), padded_len), np.int32)
   for i, p in enumerate(rows):
     toks[i, : len(p)] = p
@@ -126,17 +127,18 @@ def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...
 
 
 def check_cache_fits(model: Model, batch: int, max_len: int, *, prompt_len: int = 1,
-                     verify_tokens: int = 1) -> None:
+                     verify_tokens: int = 1, held: int = 0) -> None:
   """Raises ValueError (before anything compiles) when a run of `batch` rows with a [batch,
   max_len] KV cache cannot be held: past `MAX_POSITIONS` positions, or its estimated working
   set (`decoding.functional.working_set`: the cache, the loop's buffers, and the larger of the
   prefill's activations over `prompt_len` padded tokens and a step's logits over
-  `verify_tokens`) larger than the device's memory."""
+  `verify_tokens`) larger than the device's free memory plus `held` (the bytes of the engine's
+  kept cache buffers, which the run reuses or frees)."""
   limits.check_positions(max_len)
   ws = working_set(LlamaLM(model.cfg), model.params, batch, prompt_len, max_len,
                    verify_tokens=verify_tokens,
                    state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len))
-  limits.check_working_set(ws, batch, max_len, "generating")
+  limits.check_working_set(ws, batch, max_len, "generating", held=held)
 
 
 def check_chunk(chunk) -> int:
@@ -237,7 +239,7 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
                  sampling: Sampling | None = None, temperature: float | None = None,
                  auto=None, cost: CostModel | None = None, max_len: int | None = None,
                  stop_ids: Sequence[int] | None = None, key=None,
-                 logprobs: bool = False) -> SpecRequest:
+                 logprobs: bool = False, held: int = 0) -> SpecRequest:
   """Everything a speculative call checks before compiling (the arguments of
   `speculative_generate`), the drafter resolved by name."""
   check_model(target)
@@ -255,7 +257,7 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
   try:
     prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
-                           max_len=max_len)
+                           max_len=max_len, held=held)
   except ValueError as e:
     if policy.auto and "does not fit" in str(e):
       raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="

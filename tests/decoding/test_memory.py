@@ -3,6 +3,7 @@ programs allocate, and refusals before anything compiles (the functional core as
 wrappers)."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +99,49 @@ def test_host_wrappers_count_the_working_set(tiny_target, monkeypatch):
   monkeypatch.setattr(limits, "memory_budget", lambda: 100 * cache)
   out = generate(tiny_target, [[1, 2, 3]] * 2, max_new_tokens=2, max_len=ml)
   assert np.asarray(out.lengths).tolist() == [2, 2]
+
+
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_memory_budget_is_what_is_free(tmp_path):
+  """The budget is the memory still free, not the device's size: an accelerator's limit less
+  its bytes in use (the weights are resident), the host's `MemAvailable` on the CPU."""
+  gib = 2**30
+  assert limits.memory_budget(_Device({"bytes_limit": 80 * gib, "bytes_in_use": 60 * gib})) \
+      == 20 * gib
+  assert limits.memory_budget(_Device({"bytes_limit": 8 * gib, "bytes_in_use": 9 * gib})) == 0
+  meminfo = tmp_path / "meminfo"
+  meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\n"
+                     "MemAvailable:    3000000 kB\n")
+  assert limits.memory_budget(_Device(None), str(meminfo)) == 3000000 * 1024
+  # No MemAvailable line (old kernels): the free pages, never the total.
+  meminfo.write_text("MemTotal:       24000000 kB\n")
+  free = limits.memory_budget(_Device(None), str(meminfo))
+  assert free is not None and free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_host_check_counts_the_kept_cache_as_free(tiny_target, monkeypatch):
+  """The engine keeps a call's cache for the next one of its shapes, so that memory is not
+  counted as taken: a budget that holds the run only with the kept buffers freed admits the
+  second call, and refuses it once the buffers are released."""
+  from jaxspec.engine import DEFAULT
+  seen = []
+  check = limits.check_working_set
+  monkeypatch.setattr(limits, "check_working_set",
+                      lambda ws, *a, **kw: (seen.append(ws), check(ws, *a, **kw))[1])
+  prompts = [[1, 2, 3]] * 4
+  generate(tiny_target, prompts, max_new_tokens=8)
+  held = DEFAULT.held_bytes()
+  assert 0 < held <= seen[-1].cache  # the k and v buffers; the estimate adds the lengths
+  monkeypatch.setattr(limits, "memory_budget", lambda: seen[-1].total - held // 2)
+  out = generate(tiny_target, prompts, max_new_tokens=8)
+  assert np.asarray(out.lengths).tolist() == [8] * 4
+  DEFAULT.release_cache_buffers()
+  with pytest.raises(ValueError, match="generating 4 rows.*GiB the device has free"):
+    generate(tiny_target, prompts, max_new_tokens=8)
