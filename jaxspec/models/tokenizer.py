@@ -98,6 +98,9 @@ MAX_TEMPLATE_SECONDS = 10.0  # wall-clock time of one rendering
 # The most tokens a tokenizer may hold, checked before a GGUF's tokens are read: real
 # vocabularies have at most 262,144, so four times that refuses only a corrupt or hostile file.
 MAX_VOCAB = 1 << 20
+# The largest tokenizer.json read, checked before it is parsed (a parse holds several times the
+# file): real ones are at most a few tens of MB (Gemma 3's 262,144 tokens: 33 MB).
+MAX_TOKENIZER_JSON_BYTES = 128 << 20
 
 
 class _Budget:
@@ -560,10 +563,21 @@ class Tokenizer:
     if not tok_file.is_file():
       raise CheckpointError(f"{path} has no tokenizer.json: save the tokenizer with"
                             " `tokenizer.save_pretrained` (a fast tokenizer) into that directory")
+    size = tok_file.stat().st_size
+    if size > MAX_TOKENIZER_JSON_BYTES:
+      raise CheckpointError(
+          f"{tok_file} is {size / 2**20:.0f} MiB, past jaxspec's limit of"
+          f" {MAX_TOKENIZER_JSON_BYTES >> 20} MiB for a tokenizer.json (real ones are at most a"
+          " few tens of MB): the file is corrupt or not a tokenizer; save it again with"
+          " `tokenizer.save_pretrained`")
     try:
       backend = tokenizers.Tokenizer.from_file(str(tok_file))
     except Exception as e:  # tokenizers raises plain Exception subclasses for bad JSON.
       raise CheckpointError(f"{tok_file} is not a valid tokenizers file: {e}") from e
+    if backend.get_vocab_size(with_added_tokens=True) > MAX_VOCAB:
+      raise CheckpointError(
+          f"{tok_file} holds {backend.get_vocab_size(with_added_tokens=True)} tokens, past"
+          f" jaxspec's vocabulary limit of {MAX_VOCAB}; the file is corrupt")
     config = {}
     config_file = path / "tokenizer_config.json"
     if config_file.is_file():

@@ -489,3 +489,26 @@ def test_gguf_huge_unneeded_metadata_array_is_refused_fast(tmp_path):
   with pytest.raises(CheckpointError, match="general.junk"):
     load(path)
   assert time.perf_counter() - t0 < 5
+
+
+def test_tokenizer_json_size_and_vocabulary_bounded(tmp_path, monkeypatch):
+  """A tokenizer.json past MAX_TOKENIZER_JSON_BYTES is refused from its size, before it is
+  parsed (a sparse file: nothing is read); one holding more than MAX_VOCAB tokens is refused
+  after parsing. Both CheckpointErrors name the file and the limit."""
+  import tokenizers
+  from tokenizers import models
+  big = tmp_path / "big"
+  big.mkdir()
+  with open(big / "tokenizer.json", "wb") as f:
+    f.truncate(tokenizer_module.MAX_TOKENIZER_JSON_BYTES + 1)
+  t0 = time.perf_counter()
+  with pytest.raises(CheckpointError, match=r"tokenizer.json is 128 MiB, past .* limit of 128"):
+    Tokenizer.from_hf_dir(big)
+  assert time.perf_counter() - t0 < 1.0
+  backend = tokenizers.Tokenizer(models.WordLevel({f"t{i}": i for i in range(40)} | {"<unk>": 40},
+                                                  unk_token="<unk>"))
+  backend.save(str(tmp_path / "tokenizer.json"))
+  assert Tokenizer.from_hf_dir(tmp_path).backend.get_vocab_size() == 41
+  monkeypatch.setattr(tokenizer_module, "MAX_VOCAB", 40)
+  with pytest.raises(CheckpointError, match=r"tokenizer.json holds 41 tokens, past .* 40"):
+    Tokenizer.from_hf_dir(tmp_path)
