@@ -143,7 +143,7 @@ class Spec:
     st = jax.block_until_ready(self.run_.loop(st, self.run_.max_steps))
     dt = time.perf_counter() - t
     toks, _ = loop.outputs_jit(st, self.n)
-    return dt, runs.summarize_stats(st.stats, self.k), np.asarray(toks)
+    return dt, st.stats.summary(), np.asarray(toks)
 
 
 def _layout(model) -> str:

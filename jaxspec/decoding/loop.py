@@ -134,6 +134,37 @@ class SpecStats:
   reached_at: jax.Array  # [K] live row-steps that verified a real draft i after i-1 accepts
   k_history: jax.Array  # [max_steps] k verified at each step (0: a plain step, nothing drafted)
 
+  def summary(self) -> dict[str, Any]:
+    """The statistics a host call reports, as Python numbers and lists: tau (tokens emitted
+    per target pass of a live row), acceptance rate, acceptance per draft position
+    (unconditional, as vLLM reports, and conditional), drafted/accepted per row, plain steps
+    and the k of every step. Reads the counters to the host (a multi-host mesh's arrays must
+    be gathered first, e.g. with `multihost_utils.process_allgather`)."""
+    st = jax.tree.map(np.asarray, self)
+    passes = int(st.target_passes)
+    total_row_steps = max(float(st.row_steps.sum()), 1.0)
+    spec_steps = max(float(st.spec_row_steps.sum()), 1.0)
+    acc_at = st.accepted_at.astype(np.float64)
+    hist = st.k_history[:passes]
+    return dict(
+        target_passes=passes,
+        drafted_per_row=st.drafted.tolist(),
+        accepted_per_row=st.accepted.tolist(),
+        acceptance_rate=float(st.accepted.sum() / max(st.drafted.sum(), 1)),
+        # Unconditional (as vLLM reports): fraction of the live row-steps that verified drafts
+        # in which draft i was accepted (a step verifying fewer than i drafts counts as a miss).
+        acceptance_per_position=(acc_at / spec_steps).tolist(),
+        # Conditional: accepted at i given a real draft i was verified after i-1 accepts.
+        conditional_acceptance_per_position=np.divide(
+            acc_at, np.maximum(st.reached_at, 1)).tolist(),
+        # tau: tokens emitted per target pass of a live row, counting the bonus/correction
+        # token (plain steps, where nothing was drafted, count as passes emitting one token).
+        tau=float(st.emitted.sum() / total_row_steps),
+        plain_steps=int((hist == 0).sum()),
+        k_per_step=hist.tolist(),
+        mean_k=float(hist.mean()) if passes else 0.0,
+    )
+
 
 @_pytree
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 the target's devices or mesh), `HostRun` the two-mesh loop of a `Placement` (the drafter's
 programs on one mesh, the target's on another, the host handing small arrays across, and a
 drafter that fails handing the rest of the generation to plain target steps: `Failover`);
-`summarize_stats` turns the loop's counters into the statistics a call returns.
+`SpecStats.summary` turns the loop's counters into the statistics a call returns.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class SpecRun:
                          jnp.int32(until), jnp.int32(-1))
 
   def stats(self, st: SpecStats) -> dict[str, Any]:
-    out = summarize_stats(st, self.policy.k_max)
+    out = to_host(st).summary()
     out.update(compile_seconds=self.compile_seconds, profile_seconds=self.profile_seconds,
                batch_size=self.batch,
                num_draft_tokens="auto" if self.policy.auto else self.policy.k_max,
@@ -191,34 +191,6 @@ class SpecRun:
       out.update(placement=self.placement.describe(),
                  failover=None if self.failover is None else dataclasses.asdict(self.failover))
     return out
-
-
-def summarize_stats(st: SpecStats, k: int) -> dict[str, Any]:
-  """Host-side statistics from the device counters."""
-  st = to_host(st)
-  passes = int(st.target_passes)
-  total_row_steps = max(float(st.row_steps.sum()), 1.0)
-  spec_steps = max(float(st.spec_row_steps.sum()), 1.0)
-  acc_at = st.accepted_at.astype(np.float64)
-  hist = st.k_history[:passes]
-  return dict(
-      target_passes=passes,
-      drafted_per_row=st.drafted.tolist(),
-      accepted_per_row=st.accepted.tolist(),
-      acceptance_rate=float(st.accepted.sum() / max(st.drafted.sum(), 1)),
-      # Unconditional (as vLLM reports): fraction of the live row-steps that verified drafts in
-      # which draft i was accepted (a step verifying fewer than i drafts counts as a miss).
-      acceptance_per_position=(acc_at / spec_steps).tolist(),
-      # Conditional: accepted at i given a real draft i was verified after i-1 accepts.
-      conditional_acceptance_per_position=np.divide(
-          acc_at, np.maximum(st.reached_at, 1)).tolist(),
-      # tau: tokens emitted per target pass of a live row, counting the bonus/correction token
-      # (plain steps, where nothing was drafted, count as passes emitting one token).
-      tau=float(st.emitted.sum() / total_row_steps),
-      plain_steps=int((hist == 0).sum()),
-      k_per_step=hist.tolist(),
-      mean_k=float(hist.mean()) if passes else 0.0,
-  )
 
 
 @dataclasses.dataclass

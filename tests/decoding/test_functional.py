@@ -308,6 +308,13 @@ def test_nnx_model_as_target_and_as_draft_model(target):
   same = speculative_decode(nnx_target, DraftModel(nnx_target), prompts, lens, key,
                             max_new_tokens=12, num_draft_tokens=3)
   assert int(same.stats.accepted.sum()) == int(same.stats.drafted.sum()) > 0  # itself: all kept
+  # The public summary of the counters: what the host wrappers report.
+  summary = same.stats.summary()
+  assert summary["acceptance_rate"] == 1.0 and summary["accepted_per_row"] == \
+      np.asarray(same.stats.accepted).tolist()
+  assert summary["tau"] == pytest.approx(float(same.stats.emitted.sum())
+                                         / float(same.stats.row_steps.sum()))
+  assert summary["tau"] > 1 and summary["plain_steps"] == 0
   # The NNX model drafting for jaxspec's Llama (the same vocabulary) through the host wrapper.
   assert target.cfg.vocab_size == 128
   spec = jaxspec.speculative_generate(target, DraftModel(Target(small, small_state)), PROMPTS,
