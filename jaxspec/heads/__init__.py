@@ -51,12 +51,12 @@ from jaxspec.heads.io import (ASSETS, bundled_head_for, check_target, fill_modul
 from jaxspec.heads.medusa import MedusaConfig, MedusaHeads, create_medusa, medusa_predict
 from jaxspec.heads.mlp import MLP_NORMS, MLPConfig, MLPSpeculator, create_mlp, mlp_predict
 from jaxspec.heads.registry import HEADS, HeadSpec, head_kind
-from jaxspec.heads.training import (chain_lengths, draft_ids, head_loss, offline_chain_tau,
-                                    target_logits_over)
+from jaxspec.heads.training import (Objective, chain_lengths, draft_ids, head_loss,
+                                    offline_chain_tau, target_logits_over)
 
 __all__ = ["ASSETS", "Buffer", "EAGLE3_SWITCHES", "EagleConfig", "EagleHead", "F32", "HEADS",
            "HeadSpec", "MLPConfig", "MLP_NORMS", "MLPSpeculator", "MedusaConfig", "MedusaHeads",
-           "bundled_head_for",
+           "Objective", "bundled_head_for",
            "chain_lengths", "check_target", "create_eagle", "create_medusa", "create_mlp",
            "draft_ids", "draft_vocab_from_counts", "eagle3_default_layers", "eagle_block",
            "eagle_layer_config", "eagle_predict", "eagle_required_layers", "fill_module",
