@@ -102,7 +102,7 @@ def _with_vocab(kind: str, options: dict[str, Any], data, vocab_size: int) -> di
 
 
 def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
-               options: Mapping[str, Any] | None = None, model: nnx.Module | None = None,
+               options: Mapping[str, Any] | None = None, head: nnx.Module | None = None,
                config: TrainConfig | None = None,
                optimizer: optax.GradientTransformation | None = None,
                objective: Objective | None = None, hidden: str = "auto",
@@ -122,8 +122,8 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
     options: the head's options (its config fields, e.g. version=3, ttt_steps=5,
       draft_vocab_size=4096); EAGLE-3's draft vocabulary is counted from a `Dataset`'s training
       rows when not given.
-    model: a head module to continue training instead of creating one (options are then
-      ignored).
+    head: a head module (of `kind`) to train instead of creating one; options are then
+      ignored (the returned ones are its config's).
     config: optimisation and bookkeeping settings; or give its fields as keywords (steps=200,
       lr=1e-3, ...; warmup defaults to steps // 10, at most 50).
     optimizer: your own optax optimizer (default: clipping + AdamW + warmup-cosine from config).
@@ -153,9 +153,14 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
   cfg = _config(config, dict(settings))
   seed = cfg.seed if seed is None else seed
   opts = dict(options or {})
-  if model is None:
+  if head is None:
     opts = _with_vocab(kind, opts, data, target.cfg.vocab_size)
     model = spec.create(target.cfg, rngs=nnx.Rngs(seed), **opts)
+  else:
+    from jaxspec.heads import head_kind
+    if head_kind(head) != kind:
+      raise ValueError(f"head= is a {head_kind(head)} head, not {kind!r}")
+    model, opts = head, dataclasses.asdict(head.cfg)
   layers = tuple(model.cfg.layers or ()) if kind == "eagle" else ()
   base = functools.partial(head_loss, spec, objective=objective)
   loss = with_hidden_states(base, target.cfg, layers, mode=hidden)

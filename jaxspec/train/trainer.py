@@ -2,23 +2,24 @@
 
 `train(model, loss_fn, data, cfg, out_dir)` fits any NNX module (a draft head, a small draft
 model) by AdamW with linear warmup, cosine decay and global-norm clipping, or by the optax
-optimizer passed as `optimizer=`. `data` is a `TrainData` (batch s a pure function of s) or any
-iterable of batches; callbacks see every logged step, evaluation and checkpoint. The module is split
-once into its graph definition, its `nnx.Param` state and the rest (RNG counters, statistics);
-the jitted step is a pure function of (params, rest, optimizer state, batch, frozen) that
+optimizer passed as `optimizer=`. `data` is a `TrainData` (batch s a pure function of s) or
+any iterable of batches; callbacks see every logged step, evaluation and checkpoint. The module
+is split once into its graph definition, its `nnx.Param` state and the rest (RNG counters,
+statistics); the jitted step is a pure function of (params, rest, optimizer state, batch, frozen) that
 donates the first three, so parameters are updated in place. `frozen` is whatever the loss
 reads but never trains, typically the target's `Params`.
 
-Reproducible resume: with a `TrainData`, training batch `s` is a pure function of (data, seed, s)
-(see `Dataset.batch_indices`), and a checkpoint holds params, rest and optimizer state at a step, so a
-run restored from the checkpoint at step s performs the same updates, on the same batches, as
+Reproducible resume: with a `TrainData`, training batch `s` is a pure function of (data, seed,
+s) (see `Dataset.batch_indices`), and a checkpoint holds params, rest and optimizer state at a
+step, so a run restored from the checkpoint at step s performs the same updates, on the same batches, as
 one that was never interrupted. Checkpoints are written by orbax's `CheckpointManager`, which
 writes each step into a temporary directory and renames it only once complete: a run killed
 mid-save leaves a temporary directory that `latest_step` never returns (the tests kill a run
 inside a save and check exactly that).
 
 Output directory:
-  train_config.json   the `TrainConfig` of the run (resume refuses a different one)
+  train_config.json   the `TrainConfig` of the run and whether the optimizer was built in or
+                      given (resume refuses a different one)
   checkpoints/<step>/ orbax checkpoints, the last `keep_last_n` kept
   history.jsonl       one line per logged step: step, loss, lr, grad_norm, the loss's
                       metrics, and eval_* metrics on the held-out batches when evaluated
