@@ -184,8 +184,8 @@ def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | 
   from jaxspec.train.fit import _config
   from jaxspec.train.online import with_hidden_states
   cfg = _config(cfg, dict(settings))
-  if hasattr(data, "check_target") and hidden != "online":
-    data.check_target(target, hidden=True)
+  if hasattr(data, "check_target") and hidden != "online":  # stored states: this target's
+    data.check_target(target, hidden=hidden == "offline")
   draft = draft_from_target(target, num_layers)
   from jaxspec.models.hf_loader import check_savable
   check_savable(draft.cfg)  # the draft is saved as a Hugging Face checkpoint after training

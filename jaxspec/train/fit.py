@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxspec.heads import HEADS, Objective, head_loss, save_head, token_counts
 from jaxspec.train.online import HIDDEN_MODES, with_hidden_states
-from jaxspec.train.trainer import Callback, TrainConfig, TrainData, is_train_data, train
+from jaxspec.train.trainer import Callback, TrainConfig, TrainData, train
 
 _STORED = ("hidden_final", "hidden_layers")
 
@@ -172,8 +172,9 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
     put, frozen = mesh_placement(mesh, target, rules, drop=drop)
   elif drop:
     put = lambda batch: {k: jnp.asarray(v) for k, v in batch.items() if k not in drop}
-  if hasattr(data, "check_target") and is_train_data(data) and hidden != "online":
-    data.check_target(target, layers=layers)
+  if hasattr(data, "check_target") and hidden != "online":  # stored states: this target's
+    offline = hidden == "offline"
+    data.check_target(target, layers=layers if offline else (), hidden=offline)
   model, history = train(model, loss, data, cfg, out_dir, frozen=frozen, resume=resume,
                          progress=progress, optimizer=optimizer, callbacks=callbacks,
                          eval_data=eval_data, put_batch=put, mesh=mesh)

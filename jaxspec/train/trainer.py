@@ -343,6 +343,8 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
     ValueError: out_dir already holds a run and resume is False, or holds one trained with
       different settings; a batch size the data cannot fill. All before anything compiles.
     TypeError: data that is neither a TrainData nor an iterable of batches.
+    FloatingPointError: the loss of a logged step is not finite (the host reads the loss on
+      logged steps only).
   """
   import orbax.checkpoint as ocp
 
