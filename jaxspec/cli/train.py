@@ -234,22 +234,20 @@ def cmd_train(args) -> int:
 
 
 def _train_head(args, spec, options, target, ds, cfg, out, progress):
-  """Creates, trains and saves a head; returns (history, offline tau on held-out batches)."""
+  """Trains (`jaxspec.train.train_head`) and saves a head; returns (history, offline tau on
+  held-out batches)."""
   import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
 
   from jaxspec.heads import save_head
-  from jaxspec.train.trainer import train
-  if args.kind == "eagle" and options.get("draft_vocab_size") and "token_counts" not in options:
-    from jaxspec.heads import token_counts
-    rows = ds.train_indices
-    options = dict(options, token_counts=token_counts(ds.tokens[rows], ds.loss_mask[rows],
-                                                      target.cfg.vocab_size))
-  model = spec.create(target.cfg, rngs=nnx.Rngs(args.seed), **options)
+  from jaxspec.train import train_head
   t0 = time.perf_counter()
-  model, history = train(model, spec.loss, ds, cfg, out / "training", frozen=target.params,
-                         resume=args.resume, progress=progress)
+  # The stored hidden states (the rows are cropped to --window on the host, after the target
+  # read them whole); EAGLE-3's draft vocabulary is counted from the training rows.
+  run = train_head(target, args.kind, ds, options=options, config=cfg, hidden="offline",
+                   out_dir=out / "training", resume=args.resume, progress=progress,
+                   seed=args.seed)
+  model, history = run.model, run.history
   train_s = time.perf_counter() - t0
   k = spec.num_steps(model)
   taus = [spec.offline_chain_tau(model, {n: jnp.asarray(v) for n, v in b.items()},
@@ -261,7 +259,7 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
   meta = {"data": str(ds.path), "steps": cfg.steps, "batch_size": cfg.batch_size,
           "window": args.window, "final": history[-1] if history else None,
           "offline_tau": tau, "offline_tau_k": k,
-          "options": {key: v for key, v in options.items() if key != "token_counts"},
+          "options": dict(run.options),
           # What it cost: the training run (this process; a resumed run counts its last part)
           # and writing the data (target-written instructions, responses and hidden states).
           "train_seconds": round(train_s, 1),

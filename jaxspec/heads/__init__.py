@@ -41,20 +41,22 @@ the bundled heads). Import from `jaxspec.heads`, which holds them all.
 """
 
 from jaxspec.heads.common import F32, Buffer, make_config, normal_init, shift, target_dims
-from jaxspec.heads.eagle import (EagleConfig, EagleHead, create_eagle, draft_vocab_from_counts,
-                                 eagle3_default_layers, eagle_block, eagle_layer_config,
-                                 eagle_predict, eagle_required_layers, token_counts)
+from jaxspec.heads.eagle import (EAGLE3_SWITCHES, EagleConfig, EagleHead, create_eagle,
+                                 draft_vocab_from_counts, eagle3_default_layers, eagle_block,
+                                 eagle_layer_config, eagle_predict, eagle_required_layers,
+                                 token_counts)
 from jaxspec.heads.io import (ASSETS, bundled_head_for, check_target, fill_module, head_tensors,
                               is_head_dir, load_head, load_head_model, resolve_head_path,
                               save_head, target_fingerprint)
 from jaxspec.heads.medusa import MedusaConfig, MedusaHeads, create_medusa, medusa_predict
-from jaxspec.heads.mlp import MLPConfig, MLPSpeculator, create_mlp, mlp_predict
+from jaxspec.heads.mlp import MLP_NORMS, MLPConfig, MLPSpeculator, create_mlp, mlp_predict
 from jaxspec.heads.registry import HEADS, HeadSpec, head_kind
-from jaxspec.heads.training import (chain_lengths, draft_ids, head_loss, offline_chain_tau,
-                                    target_logits_over)
+from jaxspec.heads.training import (Objective, chain_lengths, draft_ids, head_loss,
+                                    offline_chain_tau, target_logits_over)
 
-__all__ = ["ASSETS", "Buffer", "EagleConfig", "EagleHead", "F32", "HEADS", "HeadSpec",
-           "MLPConfig", "MLPSpeculator", "MedusaConfig", "MedusaHeads", "bundled_head_for",
+__all__ = ["ASSETS", "Buffer", "EAGLE3_SWITCHES", "EagleConfig", "EagleHead", "F32", "HEADS",
+           "HeadSpec", "MLPConfig", "MLP_NORMS", "MLPSpeculator", "MedusaConfig", "MedusaHeads",
+           "Objective", "bundled_head_for",
            "chain_lengths", "check_target", "create_eagle", "create_medusa", "create_mlp",
            "draft_ids", "draft_vocab_from_counts", "eagle3_default_layers", "eagle_block",
            "eagle_layer_config", "eagle_predict", "eagle_required_layers", "fill_module",

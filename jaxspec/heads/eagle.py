@@ -49,6 +49,17 @@ class EagleConfig:
   soft: train against the target's distribution (KL) instead of the hard next tokens.
   token_weight, feature_weight: loss = token_weight * token loss + feature_weight * smooth-L1
     of h_j against f_{t+1+j} (version 1 only; EAGLE uses 0.1 and 1.0).
+
+  EAGLE-3 variants of vLLM's `speculators` format (each off by default, as in a plain EAGLE-3
+  checkpoint; every norm is an RMSNorm with the target's epsilon):
+  norm_before_fc: one RMSNorm over the concatenated layers [n D] before fc (gpt-oss style,
+    EAGLE 3.1; weight `fc_in_norm` [nD], `input_norm.weight` in the format).
+  fc_norm: an RMSNorm per fused layer before the concatenation (weights `fc_norms` [n, D],
+    `fc_norm.{i}.weight`); exclusive with norm_before_fc.
+  norm_output: the feature carried to the next step is the output after the head's final norm
+    (EAGLE 3.1), norm(h_j), instead of h_j; the logits are unchanged (lm_head(norm(h_j))).
+  norm_before_residual: the residual of the attention block is the normed feature
+    hidden_norm(feature) instead of the feature.
   """
 
   version: int = 1
@@ -63,6 +74,14 @@ class EagleConfig:
   soft: bool = True
   token_weight: float = 0.1
   feature_weight: float = 1.0
+  norm_before_fc: bool = False
+  fc_norm: bool = False
+  norm_output: bool = False
+  norm_before_residual: bool = False
+
+
+# EAGLE-3 switches of the `speculators` format (`EagleConfig`): EAGLE version 1 has none.
+EAGLE3_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
 
 
 def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
@@ -87,6 +106,9 @@ def _eagle_config(target_cfg: LlamaConfig, options: Mapping[str, Any]) -> EagleC
       raise ValueError(f"EAGLE-3 layers {layers} must be target layer indices in [0,"
                        f" {target_cfg.num_layers})")
     opts["layers"] = layers
+    if opts.get("norm_before_fc") and opts.get("fc_norm"):
+      raise ValueError("norm_before_fc (one norm over the concatenated layers) and fc_norm (a"
+                       " norm per layer) are exclusive: set one of them")
     if options.get("draft_vocab") is not None:
       n = len(options["draft_vocab"])
       if opts.get("draft_vocab_size", n) != n:
@@ -99,6 +121,10 @@ def _eagle_config(target_cfg: LlamaConfig, options: Mapping[str, Any]) -> EagleC
                        " `layers` or use version=3")
     if opts.get("draft_vocab_size") or options.get("draft_vocab") is not None:
       raise ValueError("a reduced draft vocabulary needs EAGLE-3's own LM head: use version=3")
+    on = [name for name in EAGLE3_SWITCHES if opts.get(name)]
+    if on:
+      raise ValueError(f"{on} are EAGLE-3 switches (they act on its fc and its own norm): use"
+                       " version=3 or drop them")
     opts["layers"] = None
   cfg = make_config(EagleConfig, opts)
   # The layer's geometry is written out, so a config read back from a checkpoint is equal.
@@ -167,6 +193,10 @@ class EagleHead(nnx.Module):
       self.draft_ids = Buffer(jnp.asarray(ids, jnp.int32))  # [N] target id of every draft id
     else:
       self.input_norm = self.hidden_norm = self.norm = self.lm_head = self.draft_ids = None
+    nl = len(cfg.layers) if v3 else 0
+    # EAGLE 3.1's norms of the fused layers (`EagleConfig.norm_before_fc`, `fc_norm`).
+    self.fc_in_norm = nnx.Param(jnp.ones((nl * d,), F32)) if cfg.norm_before_fc else None  # [nD]
+    self.fc_norms = nnx.Param(jnp.ones((nl, d), F32)) if cfg.fc_norm else None  # [n, D]
 
   # -- the pieces shared by training and decoding --
 
@@ -176,8 +206,13 @@ class EagleHead(nnx.Module):
       return hidden_final.astype(F32)
     if hidden_layers is None:
       raise ValueError(f"EAGLE-3 reads target layers {self.cfg.layers}: pass hidden_layers")
-    x = hidden_layers.astype(F32)
-    return x.reshape(x.shape[:-2] + (-1,)) @ self.fc[...]
+    x = hidden_layers.astype(F32)  # [..., n, D]
+    if self.fc_norms is not None:  # one norm per fused layer
+      x = rms_norm(x, self.fc_norms[...], self.eps)
+    x = x.reshape(x.shape[:-2] + (-1,))  # [..., nD]
+    if self.fc_in_norm is not None:  # one norm over their concatenation
+      x = rms_norm(x, self.fc_in_norm[...], self.eps)
+    return x @ self.fc[...]
 
   def layer_input(self, frozen: Params, feat: jax.Array, tok: jax.Array):
     """(attention input [..., D or 2D], residual [..., D]) of the pair (feature, token)."""
@@ -185,9 +220,9 @@ class EagleHead(nnx.Module):
     if self.cfg.version == 1:
       x = jnp.concatenate([e, feat], axis=-1) @ self.fc[...] + self.fc_bias[...]
       return x, x
-    x = jnp.concatenate([rms_norm(e, self.input_norm[...], self.eps),
-                         rms_norm(feat, self.hidden_norm[...], self.eps)], axis=-1)
-    return x, feat
+    normed = rms_norm(feat, self.hidden_norm[...], self.eps)
+    x = jnp.concatenate([rms_norm(e, self.input_norm[...], self.eps), normed], axis=-1)
+    return x, normed if self.cfg.norm_before_residual else feat
 
   def qkv(self, x: jax.Array, positions: jax.Array):
     """x [B, T, Din], positions [B, T] -> rotated q [B, T, H, K], k and v [B, T, G, K]."""
@@ -198,16 +233,22 @@ class EagleHead(nnx.Module):
     return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
   def finish(self, resid: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection, residual and SwiGLU MLP: the layer's output h [B, T, D]."""
+    """Output projection, residual and SwiGLU MLP: the step's output feature [B, T, D], the
+    layer's output h, or norm(h) with `norm_output` (EAGLE 3.1 carries the normed state to
+    the next step; `logits` then applies no norm again)."""
     h = resid + jnp.einsum("bthk,hkd->btd", attn, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], self.eps)
-    return h + (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+    h = h + (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+    return rms_norm(h, self.norm[...], self.eps) if self.cfg.norm_output else h
 
   def logits(self, frozen: Params, h: jax.Array) -> jax.Array:
-    """h [..., D] -> float32 logits over the draft vocabulary [..., N] (N = V for version 1)."""
+    """A step's output feature [..., D] (`finish`) -> float32 logits over the draft
+    vocabulary [..., N] (N = V for version 1): lm_head(norm(h)) either way."""
     if self.cfg.version == 1:
       return logits_from_hidden(frozen, h)
-    return rms_norm(h, self.norm[...], self.eps) @ self.lm_head[...]
+    if not self.cfg.norm_output:
+      h = rms_norm(h, self.norm[...], self.eps)
+    return h @ self.lm_head[...]
 
   def target_logits(self, frozen: Params, h: jax.Array) -> jax.Array:
     """Logits over the target's vocabulary [..., V]; tokens outside the draft vocab get -inf."""

@@ -31,10 +31,19 @@ _WEIGHTS = "head.safetensors"
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "heads"  # jaxspec/assets/heads
 
 
-def target_fingerprint(params: Params, cfg: LlamaConfig) -> str:
-  """A short hash of the target's shapes and a few of its weights (rounded to bfloat16, so a
-  float32 and a bfloat16 load of one checkpoint agree)."""
+def target_fingerprint(target, cfg: LlamaConfig | None = None) -> str:
+  """The one fingerprint of a target's weights, recorded by saved heads and stored datasets.
+
+  A short hash of the target's shapes and a few of its weights, rounded to bfloat16 so that a
+  float32 and a bfloat16 load of one checkpoint agree (a head or data made with one serves the
+  other).
+
+  Args:
+    target: a `Model`, or its `Params` when `cfg` is given.
+    cfg: the target's `LlamaConfig` (with `Params` as `target`).
+  """
   import ml_dtypes
+  params, cfg = (target.params, target.cfg) if cfg is None else (target, cfg)
   h = hashlib.sha256(json.dumps([cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
                                  cfg.num_kv_heads, cfg.head_dim]).encode())
   d = min(cfg.hidden_size, 64)

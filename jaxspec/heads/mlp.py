@@ -28,6 +28,9 @@ class MLPConfig:
     across stages (fms `tie_weights`).
   scale_input: normalise f_t (a LayerNorm without weights) and divide by sqrt(2) first.
   soft, loss_decay: as in `MedusaConfig` (fms weighs all stages equally).
+  norm: "layer" (subtract the mean, then divide by the standard deviation: jaxspec's heads
+    before this option) or "rms" (divide by the root mean square only: fms-extras' and vLLM's
+    `MLPSpeculatorLayerNorm`, which `jaxspec.train.export.export_mlp_speculator` needs).
   """
 
   n_predict: int = 3
@@ -37,13 +40,19 @@ class MLPConfig:
   scale_input: bool = True
   soft: bool = False
   loss_decay: float = 1.0
+  norm: str = "layer"
 
 
-def _layer_norm(x, scale=None, bias=None, eps=1e-6):
+MLP_NORMS = ("layer", "rms")
+
+
+def _layer_norm(x, scale=None, bias=None, eps=1e-6, *, mean: bool = True):
+  """LayerNorm over the last axis (mean=False: RMS scaling only, fms-extras' norm), then an
+  optional elementwise scale and shift."""
   x = x.astype(F32)
-  mu = x.mean(-1, keepdims=True)
-  var = jnp.square(x - mu).mean(-1, keepdims=True)
-  y = (x - mu) * jax.lax.rsqrt(var + eps)
+  if mean:
+    x = x - x.mean(-1, keepdims=True)
+  y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)
   if scale is not None:
     y = y * scale + bias
   return y
@@ -64,6 +73,8 @@ class MLPSpeculator(nnx.Module):
     i = cfg.inner_dim or d
     if n < 1:
       raise ValueError(f"the MLP speculator needs n_predict >= 1, got {n}")
+    if cfg.norm not in MLP_NORMS:
+      raise ValueError(f"MLPConfig.norm must be one of {MLP_NORMS}, got {cfg.norm!r}")
     if cfg.tie_to_target and i != d:
       raise ValueError(f"tie_to_target reads the target's embedding and LM head, so inner_dim"
                        f" must equal the target's hidden size {d}, got {i}: set inner_dim=0")
@@ -98,7 +109,8 @@ class MLPSpeculator(nnx.Module):
   def start(self, f: jax.Array) -> jax.Array:
     """f_t [..., D] -> the initial state s_{-1} [..., D] (float32)."""
     f = f.astype(F32)
-    return _layer_norm(f) / math.sqrt(2) if self.cfg.scale_input else f
+    mean = self.cfg.norm == "layer"
+    return _layer_norm(f, mean=mean) / math.sqrt(2) if self.cfg.scale_input else f
 
   def stage(self, frozen: Params, j: int, s: jax.Array, tok: jax.Array):
     """Stage j: state [..., D or I], token ids [...] -> (new state [..., I], logits [..., V])."""
@@ -110,7 +122,7 @@ class MLPSpeculator(nnx.Module):
     else:
       e = jnp.take(self.emb[c], tok, axis=0)
     z = _layer_norm(s @ w + e * (self.emb_weight / self.state_weight), self.ln_scale[c],
-                    self.ln_bias[c])
+                    self.ln_bias[c], mean=self.cfg.norm == "layer")
     s = jax.nn.gelu(z, approximate=False)
     # Tied to the target, the logits read the normalised pre-activation: the target's LM head
     # expects a hidden state of either sign, which a GELU output (>= -0.17) cannot express.

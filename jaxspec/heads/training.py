@@ -4,6 +4,7 @@ verification would give (`chain_lengths`, `offline_chain_tau`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,16 +32,62 @@ def target_logits_over(frozen: Params, hidden: jax.Array, ids: jax.Array | None)
   return jnp.einsum("...d,dn->...n", hidden, w, preferred_element_type=F32)
 
 
-def _token_loss(model, logits, batch, frozen, soft: bool, decay: float):
-  """Cross-entropy (or KL to the target) of every step's predictions, weighted decay**j.
+LOSSES = ("ce", "kl", "tv")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Objective:
+  """What a head's token loss is; None fields keep the head config's choice.
+
+  loss: "ce" (cross-entropy to the data's next tokens), "kl" (forward KL(p_target || q_draft),
+    the target's distribution from its final hidden state) or "tv" (total variation
+    0.5 * sum |p - q|, which 1 - acceptance probability equals for one sampled draft);
+    None: "kl" when the head's config says soft, else "ce".
+  step_weights: the weight of draft step (depth) j's loss, one per step trained; None:
+    loss_decay**j from the head's config.
+  depth: draft steps trained (EAGLE: training-time-test steps; Medusa and MLP: at most their
+    heads or stages); None: the head's own (`HeadSpec.num_steps`).
+  Batches may also hold "loss_weights" [B, T]: a per-position weight multiplying the loss mask
+  (position s weights the prediction of x_s).
+  """
+
+  loss: str | None = None
+  step_weights: tuple[float, ...] | None = None
+  depth: int | None = None
+
+  def __post_init__(self):
+    if self.loss is not None and self.loss not in LOSSES:
+      raise ValueError(f"Objective.loss must be one of {LOSSES} (or None), got {self.loss!r}")
+    if self.depth is not None and (not isinstance(self.depth, int) or self.depth < 1):
+      raise ValueError(f"Objective.depth must be an int >= 1, got {self.depth!r}")
+    if self.step_weights is not None:
+      if self.depth is not None and len(self.step_weights) != self.depth:
+        raise ValueError(f"{len(self.step_weights)} step_weights for depth {self.depth}: give"
+                         " one weight per step")
+      if any(not w >= 0 for w in self.step_weights):
+        raise ValueError(f"step_weights must be >= 0, got {self.step_weights}")
+
+
+def _token_loss(model, logits, batch, frozen, soft: bool, decay: float, loss: str | None = None,
+                step_weights: tuple[float, ...] | None = None):
+  """Cross-entropy, forward KL or total variation of every step's predictions, step j weighted
+  step_weights[j] (default decay**j).
 
   Args:
     logits: [B, T, S, N] float32; step j at t predicts x_{t+2+j}.
+    loss: "ce", "kl" or "tv" (`Objective`); None: "kl" if soft else "ce".
   Returns:
     (loss, metrics with loss_j and acc_j, top-1 accuracy against the data's next tokens).
   """
+  loss = loss or ("kl" if soft else "ce")
+  soft = loss != "ce"
+  if step_weights is not None and len(step_weights) != logits.shape[2]:
+    raise ValueError(f"{len(step_weights)} step_weights for {logits.shape[2]} draft steps: give"
+                     " one weight per step")
   tokens = batch["tokens"]
   mask = batch["loss_mask"].astype(F32)
+  if "loss_weights" in batch:  # per-position weights [B, T]
+    mask = mask * batch["loss_weights"].astype(F32)
   ids = draft_ids(model)
   v = model.target_dims[1]
   if soft:  # [B, T, V], or [B, T, N] over a draft vocabulary: the target's distribution
@@ -57,7 +104,10 @@ def _token_loss(model, logits, batch, frozen, soft: bool, decay: float):
     logq = jax.nn.log_softmax(logits[:, :, j], axis=-1)
     if soft:
       logp = jax.nn.log_softmax(shift(t_logits, 1 + j), axis=-1)
-      per = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+      if loss == "kl":
+        per = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+      else:  # total variation
+        per = 0.5 * jnp.sum(jnp.abs(jnp.exp(logp) - jnp.exp(logq)), axis=-1)
       w_loss = w
     else:
       yd = y if ids is None else t2d[y]
@@ -68,7 +118,7 @@ def _token_loss(model, logits, batch, frozen, soft: bool, decay: float):
     if ids is not None:
       pred = ids[pred]
     acc_j = jnp.sum((pred == y) * w) / jnp.maximum(jnp.sum(w), 1.0)
-    total = total + (decay ** j) * loss_j
+    total = total + (decay ** j if step_weights is None else step_weights[j]) * loss_j
     metrics[f"loss_{j}"] = loss_j
     metrics[f"acc_{j}"] = acc_j
   return total, metrics
@@ -79,17 +129,20 @@ def _smooth_l1(x, y):
   return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5).mean(-1)
 
 
-def head_loss(spec, model, batch, frozen):
-  """A head's training loss: `spec` is its `HeadSpec`, `frozen` the target's `Params`.
+def head_loss(spec, model, batch, frozen, objective: Objective | None = None):
+  """A head's training loss: `spec` is its `HeadSpec`, `frozen` the target's `Params`,
+  `objective` the choice of loss, step weights and depth (default: the head config's).
 
   Returns:
     (scalar float32 loss, metrics: loss, loss_j and acc_j per step, and feature_loss for
     EAGLE version 1).
   """
-  steps = spec.num_steps(model)
+  objective = objective or Objective()
+  steps = objective.depth or spec.num_steps(model)
   logits, feats = spec.predict(model, batch, frozen, steps)
   cfg = model.cfg
-  loss, metrics = _token_loss(model, logits, batch, frozen, cfg.soft, cfg.loss_decay)
+  loss, metrics = _token_loss(model, logits, batch, frozen, cfg.soft, cfg.loss_decay,
+                              objective.loss, objective.step_weights)
   if spec.name == "eagle":
     loss = cfg.token_weight * loss
     if cfg.version == 1 and cfg.feature_weight:

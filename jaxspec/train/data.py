@@ -409,8 +409,15 @@ def _wq_corner(p) -> jax.Array:
 
 
 def target_fingerprint(target: Model) -> str:
-  """A short hash of the target's configuration and a few weights: data written by one target
-  must not train a head for another."""
+  """The target's fingerprint (`jaxspec.heads.io.target_fingerprint`, the one rule for heads and
+  data): data written by one target must not train a head for another."""
+  from jaxspec.heads.io import target_fingerprint as fingerprint
+  return fingerprint(target)
+
+
+def _fingerprint_v1(target: Model) -> str:
+  """The rule datasets were stamped with before the fingerprint was unified (the whole config,
+  dtype included, and float32 weights): still accepted, so those datasets stay usable."""
   h = hashlib.sha256(json.dumps(dataclasses.asdict(target.cfg), sort_keys=True,
                                 default=str).encode())
   p = target.params
@@ -795,7 +802,7 @@ class Dataset:
     """
     want = target_fingerprint(target)
     got = self.meta["target"]["fingerprint"]
-    if got != want:
+    if got != want and got != _fingerprint_v1(target):  # datasets stamped before unification
       raise DataError(f"{self.path} was written by target {self.meta['target']['name']!r}"
                       f" (fingerprint {got}), not by {target.name!r} ({want}): write new data"
                       " for this target (drop --data-dir)")

@@ -3,8 +3,9 @@
 The draft starts as the target's embedding, first `num_layers` decoder layers, final norm and LM
 head: it already shares the tokenizer and speaks the same hidden-state language, so a short
 fine-tune closes much of the gap. Training minimises KL(p_target || q_draft) at every position
-that predicts a response token, with the target's distribution recomputed from the stored
-`hidden_final` (`logits_from_hidden(target_params, hidden_final)`; no target forward pass).
+that predicts a response token, with the target's distribution recomputed from `hidden_final`
+(`logits_from_hidden(target_params, hidden_final)`), stored in the data or computed in the step
+by the target's forward (`jaxspec.train.online`).
 
 The result is saved with `save_hf` in Hugging Face layout, so `jaxspec.load(path)` gives a
 `Model` for `DraftModel`, and `transformers` can load it as an assistant model for assisted
@@ -17,11 +18,13 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxspec.checks import check_int
@@ -30,7 +33,7 @@ from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_s
                                   logits_from_hidden, softcap, stacked_layers)
 from jaxspec.models.model import Model
 from jaxspec.train.data import Dataset
-from jaxspec.train.trainer import TrainConfig, train
+from jaxspec.train.trainer import Callback, TrainConfig, train
 
 _LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerParams)]
 
@@ -149,35 +152,65 @@ def distill_loss(model: DraftLM, batch: dict[str, jax.Array], frozen: Params, *,
                 "token_accuracy": jnp.sum(acc * valid) / n}
 
 
-def distill(target: Model, data: Dataset, out_dir: str | os.PathLike, cfg: TrainConfig, *,
+def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | None = None, *,
             num_layers: int = 4, resume: bool = False, save_dtype: str | None = None,
-            progress: bool = True) -> tuple[Model, list[dict[str, Any]]]:
+            progress: bool = True, optimizer: optax.GradientTransformation | None = None,
+            callbacks: Sequence[Callback | Callable] = (), eval_data=None,
+            hidden: str = "auto", positions: int | None = None, mesh=None, rules=None,
+            **settings) -> tuple[Model, list[dict[str, Any]]]:
   """Cuts a draft from `target`, distills it on `data`, saves it in Hugging Face layout.
 
   Args:
-    target: the target model (it wrote `data`).
-    data: a dataset with hidden_final stored.
+    target: the target model.
+    data: a `Dataset` written by the target, another `TrainData`, or any iterable of batches
+      (`tokens`, `loss_mask`; `hidden_final` is computed in the step when a batch lacks it).
     out_dir: the Hugging Face model directory to write (config.json, model.safetensors and the
       tokenizer); training state goes to out_dir/training.
-    cfg: training settings.
+    cfg: training settings; or give its fields as keywords (steps=, lr=, ...).
     num_layers: target layers the draft keeps.
     resume: continue an interrupted run from out_dir/training.
     save_dtype: storage dtype of the saved weights (default the target's).
     progress: rich progress bars.
+    optimizer: your own optax optimizer (default: `make_optimizer(cfg)`).
+    callbacks: as `jaxspec.train.train`'s.
+    eval_data: held-out batches (default a `TrainData`'s own).
+    hidden: "online", "offline" or "auto" (`jaxspec.train.online.with_hidden_states`).
+    positions: response positions per row the loss reads (default the dataset's
+      max_new_tokens, else every position of a row).
+    mesh, rules: train on a mesh (`jaxspec.train.mesh`); the draft is replicated.
   Returns:
     (the distilled draft `Model`, training history).
   """
-  data.check_target(target, hidden=True)
+  from jaxspec.train.fit import _config
+  from jaxspec.train.online import with_hidden_states
+  cfg = _config(cfg, dict(settings))
+  if hasattr(data, "check_target") and hidden != "online":  # stored states: this target's
+    data.check_target(target, hidden=hidden == "offline")
   draft = draft_from_target(target, num_layers)
   from jaxspec.models.hf_loader import check_savable
   check_savable(draft.cfg)  # the draft is saved as a Hugging Face checkpoint after training
   out = Path(out_dir)
   module = DraftLM(draft.cfg, draft.params)
-  loss = functools.partial(distill_loss, positions=data.max_new_tokens)
-  module, history = train(module, loss, data, cfg, out / "training", frozen=target.params,
-                          resume=resume, progress=progress)
-  draft = dataclasses.replace(draft, params=module.params()).with_scan_layers(target.scan_layers)
-  save_draft(draft, out, dtype=save_dtype, history=history, data=data)
+  if positions is None:
+    positions = getattr(data, "max_new_tokens", None) or 1 << 30
+  loss = with_hidden_states(functools.partial(distill_loss, positions=positions), target.cfg,
+                            mode=hidden)
+  put, frozen = None, target.params
+  drop = ("hidden_final", "hidden_layers") if hidden == "online" else ()
+  if mesh is not None:
+    from jaxspec.train.mesh import mesh_placement
+    put, frozen = mesh_placement(mesh, target, rules, drop=drop)
+  elif drop:
+    put = lambda batch: {k: jnp.asarray(v) for k, v in batch.items() if k not in drop}
+  module, history = train(module, loss, data, cfg, out / "training", frozen=frozen,
+                          resume=resume, progress=progress, optimizer=optimizer,
+                          callbacks=callbacks, eval_data=eval_data, put_batch=put, mesh=mesh)
+  params = module.params()
+  if mesh is not None:  # back from the mesh to the default device
+    params = jax.tree.map(jnp.asarray, jax.device_get(params))
+  draft = dataclasses.replace(draft, params=params).with_scan_layers(target.scan_layers)
+  save_draft(draft, out, dtype=save_dtype, history=history,
+             data=data if isinstance(data, Dataset) else None)
   return draft, history
 
 

@@ -15,6 +15,22 @@ EAGLE-3 <-> `speculators` (vLLM's format for draft models: vllm serve --speculat
                    d2t[draft id]); t2d [V] bool (target token is in the draft vocabulary).
                    Linear weights are [out, in] as in PyTorch; q/k use the rotate-half layout
                    both here and in Hugging Face, so nothing is permuted.
+  EAGLE 3.1 switches (config flags, each false by default): norm_before_fc (tensor
+                   input_norm.weight [nD]), fc_norm (fc_norm.{i}.weight [D]), norm_output,
+                   norm_before_residual; `EagleConfig` implements all four. The importer
+                   refuses, naming it, any other setting that is on and any tensor it does not
+                   read, rather than load a head that would draft another function.
+
+MLP speculator <-> vLLM's `mlp_speculator` (IBM fms-extras; vllm serve --speculative-config
+'{"model": <dir>, "method": "mlp_speculator"}'):
+  config.json      architectures ["MLPSpeculatorPreTrainedModel"], model_type "mlp_speculator",
+                   vocab_size, emb_dim (the target's width), inner_dim, n_predict,
+                   top_k_tokens_per_head, n_candidates, tie_weights, scale_input.
+  model.safetensors  emb.{j}.weight [V, I], proj.{j}.weight [I, D or I] ([out, in]),
+                   head.{j}.weight [V, I], ln.{j}.weight and ln.{j}.bias [I] per stage j (with
+                   tie_weights stage 0 only, plus proj.1); stage j: s = GELU(LN_j(proj_j(s) +
+                   c * emb_j[x])), logits head_j(s), LN_j the RMS-scaling norm of fms-extras.
+  Only heads with norm="rms" and their own tables (tie_to_target=False) compute that function.
 
 Medusa <-> FasterDecoding/Medusa:
   config.json      medusa_num_heads, medusa_num_layers, base_model_name_or_path (+ sizes).
@@ -38,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import heads as heads_lib
-from jaxspec.heads import EagleHead, MedusaHeads
+from jaxspec.heads import EagleHead, MedusaHeads, MLPSpeculator
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.hf_loader import (SAVE_DTYPES, config_to_hf, hf_class_name, read_json,
                                       read_safetensors, write_safetensors)
@@ -46,6 +62,7 @@ from jaxspec.models.llama import lm_head_weight
 
 SPECULATORS_VERSION = "0.1.0"
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+MLP_WEIGHTS = "model.safetensors"
 
 
 def _np32(x) -> np.ndarray:
@@ -115,6 +132,11 @@ def export_eagle3(directory: str | os.PathLike, model: EagleHead, target, *,
       "d2t": ids - np.arange(n, dtype=np.int64),
       "t2d": t2d,
   }
+  if model.fc_in_norm is not None:
+    tensors["input_norm.weight"] = _np32(model.fc_in_norm[...])
+  if model.fc_norms is not None:
+    for i, w in enumerate(_np32(model.fc_norms[...])):
+      tensors[f"fc_norm.{i}.weight"] = w
   if include_embeddings:
     tensors["embed_tokens.weight"] = _np32(target.params.embed)
   layer = config_to_hf(dataclasses.replace(lc, architecture="llama"), dtype)
@@ -128,7 +150,7 @@ def export_eagle3(directory: str | os.PathLike, model: EagleHead, target, *,
       "speculators_version": SPECULATORS_VERSION,
       "transformer_layer_config": layer,
       "draft_vocab_size": int(n),
-      "norm_before_residual": False,
+      **{name: bool(getattr(model.cfg, name)) for name in heads_lib.EAGLE3_SWITCHES},
       "target_hidden_size": None,
       "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in model.cfg.layers],
       "torch_dtype": dtype,
@@ -171,12 +193,70 @@ def _speculators_tensors(path: Path) -> dict[str, np.ndarray]:
   return {k.replace("midlayer.", "layers.0."): v for k, v in out.items()}
 
 
+# Top-level settings of a speculators EAGLE-3 config.json that import_eagle3 reads or that do not
+# change the drafted function (names, versions, storage dtype, training-only switches). Any other
+# key that is on (not false, null, empty) is refused by name.
+_EAGLE3_CONFIG_KEYS = frozenset({
+    "architectures", "speculators_model_type", "speculators_version", "speculators_config",
+    "transformer_layer_config", "draft_vocab_size", "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids", "torch_dtype", "dtype", "transformers_version",
+    "model_type", "_name_or_path", "embed_requires_grad", "enable_sp_ulysses",
+    *heads_lib.EAGLE3_SWITCHES})
+# transformer_layer_config settings and the values jaxspec's draft layer has (a plain Llama
+# layer: SiLU, no biases, no window); the geometry is read separately.
+_EAGLE3_LAYER_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                       "sliding_window": None, "use_sliding_window": False,
+                       "pretraining_tp": 1, "num_hidden_layers": 1}
+# Tensors that belong to the target, not the head (the verifier's norm and LM head, written by
+# some speculators versions): never read.
+_EAGLE3_TARGET_TENSORS = frozenset({"verifier_norm.weight", "verifier_lm_head.weight"})
+
+
+def _is_off(value) -> bool:
+  return value is None or value is False or value == [] or value == {}
+
+
+def _check_eagle3_config(config: dict, layer: dict, target, where: str) -> None:
+  """Refuses every setting that is on but not implemented (by name), before any tensor is read."""
+  unknown = sorted(k for k, v in config.items() if k not in _EAGLE3_CONFIG_KEYS and not _is_off(v))
+  if unknown:
+    raise CheckpointError(f"{where} sets {unknown}, which jaxspec's EAGLE-3 head does not"
+                          " implement: it would draft another function than the one trained;"
+                          " import only checkpoints without them")
+  if config.get("norm_before_fc") and config.get("fc_norm"):
+    raise CheckpointError(f"{where} sets both norm_before_fc and fc_norm, which exclude each"
+                          " other: the checkpoint is inconsistent")
+  for key, want in _EAGLE3_LAYER_FIXED.items():
+    if key in layer and layer[key] != want and not (want is None and _is_off(layer[key])):
+      raise CheckpointError(f"{where}: transformer_layer_config has {key}={layer[key]!r};"
+                            f" jaxspec's draft layer implements {key}={want!r} only")
+  model_type = layer.get("model_type", "llama")
+  if model_type != "llama":
+    raise CheckpointError(f"{where}: its draft layer is a {model_type!r} layer; jaxspec's EAGLE-3"
+                          " head implements the Llama layer (no q/k norms)")
+  for key in ("rope_theta", "rms_norm_eps"):  # the head uses the target's
+    mine = getattr(target.cfg, key)
+    if key in layer and layer[key] is not None and not np.isclose(float(layer[key]), mine):
+      raise CheckpointError(f"{where}: transformer_layer_config has {key}={layer[key]} but the"
+                            f" target has {key}={mine}; jaxspec's head uses the target's")
+  if not _is_off(layer.get("rope_scaling")) and target.cfg.rope_scaling is None:
+    raise CheckpointError(f"{where}: transformer_layer_config has rope_scaling="
+                          f"{layer['rope_scaling']!r} but the target has none; jaxspec's head"
+                          " uses the target's rotary embedding")
+
+
 def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
   """Reads a `speculators` EAGLE-3 checkpoint into an `EagleHead` (float32) for `target`.
 
+  EAGLE 3.1's norm_before_fc, fc_norm, norm_output and norm_before_residual are implemented
+  (`EagleConfig`); every other setting that is on, and every tensor that is not read, is refused
+  by name: a head that drafts another function than the one trained would only lose acceptance,
+  silently.
+
   Raises:
     CheckpointError: missing/corrupted files, a head for another target, or a variant jaxspec
-      does not implement (several draft layers, norm_before_residual, another draft width).
+      does not implement (several draft layers, another draft width, an unknown setting or
+      tensor).
   """
   path = Path(directory)
   cfg_path = path / "config.json"
@@ -199,10 +279,7 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
   if layer.get("num_hidden_layers", 1) != 1:
     raise CheckpointError(f"{where} has {layer.get('num_hidden_layers')} draft layers; jaxspec"
                           " implements the one-layer EAGLE-3 head")
-  if config.get("norm_before_residual"):
-    raise CheckpointError(f"{where} uses norm_before_residual, which jaxspec does not implement")
-  if layer.get("attention_bias"):
-    raise CheckpointError(f"{where} has attention biases, which jaxspec's head does not have")
+  _check_eagle3_config(config, layer, target, where)
   nl = target.cfg.num_layers
   hf_ids = config.get("eagle_aux_hidden_state_layer_ids")
   layers = (heads_lib.eagle3_default_layers(nl) if hf_ids is None
@@ -218,13 +295,12 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
     ids = np.arange(n, dtype=np.int64)
   if ids.shape != (n,) or ids.min() < 0 or ids.max() >= target.cfg.vocab_size:
     raise CheckpointError(f"{where}: d2t does not map {n} draft ids into the target vocabulary")
-  if "fc.bias" in t:
-    raise CheckpointError(f"{where} has fc.bias; jaxspec's EAGLE-3 fc has none")
+  switches = {name: bool(config.get(name)) for name in heads_lib.EAGLE3_SWITCHES}
   options = dict(version=3, layers=layers, num_heads=layer["num_attention_heads"],
                  num_kv_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
                  head_dim=layer.get("head_dim") or layer["hidden_size"] // layer[
                      "num_attention_heads"],
-                 intermediate_size=layer["intermediate_size"])
+                 intermediate_size=layer["intermediate_size"], **switches)
   if n != target.cfg.vocab_size or not np.array_equal(ids, np.arange(n)):
     options["draft_vocab"] = ids
   abstract = nnx.eval_shape(lambda: heads_lib.HEADS["eagle"].create(
@@ -232,10 +308,12 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
   lc = abstract.layer_cfg
   d, h, g, k = target.cfg.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim
   p = "layers.0."
+  read = set()
 
   def get(name):
     if name not in t:
       raise CheckpointError(f"{where} has no tensor {name!r}")
+    read.add(name)
     return _np32(t[name])
 
   mine = {
@@ -254,6 +332,25 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
       "lm_head": get("lm_head.weight").T,
       "draft_ids": ids.astype(np.int32),
   }
+  if switches["norm_before_fc"]:
+    mine["fc_in_norm"] = get("input_norm.weight")
+  if switches["fc_norm"]:
+    mine["fc_norms"] = np.stack([get(f"fc_norm.{i}.weight") for i in range(len(layers))])
+  read |= {"d2t", "t2d"} | _EAGLE3_TARGET_TENSORS
+  if "embed_tokens.weight" in t:  # the target's embedding, unless the checkpoint trained its own
+    read.add("embed_tokens.weight")
+    emb = _np32(t["embed_tokens.weight"])
+    if target.params is not None and (emb.shape != tuple(target.params.embed.shape) or not
+                                      np.allclose(emb, _np32(target.params.embed), rtol=1e-2,
+                                                  atol=1e-2 * float(np.abs(emb).max()))):
+      raise CheckpointError(f"{where} holds an embed_tokens.weight that differs from the"
+                            " target's embedding; jaxspec's head reads the target's, so it"
+                            " would draft another function")
+  extra = sorted(set(t) - read)
+  if extra:
+    raise CheckpointError(f"{where} holds tensors {extra} that jaxspec's EAGLE-3 head does not"
+                          " read (a variant it does not implement): it would draft another"
+                          " function than the one trained")
   return heads_lib.fill_module(abstract, mine, where)
 
 
@@ -339,4 +436,137 @@ def import_medusa(directory: str | os.PathLike, target, *, rtol: float = 1e-2) -
   mine = {"w": w, "b": b}
   if own:
     mine["lm_head"] = heads_lm
+  return heads_lib.fill_module(abstract, mine, where)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLP speculator <-> vLLM's mlp_speculator (IBM fms-extras).
+
+
+def export_mlp_speculator(directory: str | os.PathLike, model: MLPSpeculator, target, *,
+                          dtype: str = "bfloat16", n_candidates: int = 5) -> Path:
+  """Writes an MLP speculator in the format vLLM serves (`method: mlp_speculator`).
+
+  Args:
+    model: an `MLPSpeculator` with norm="rms" and its own tables (tie_to_target=False): the
+      function fms-extras and vLLM compute (see the module docstring).
+    target: the target `Model` it was trained for.
+    dtype: "bfloat16", "float16" or "float32".
+    n_candidates: recorded for fms-extras' tree search (vLLM does not read it).
+  Raises:
+    ValueError: another kind of head, or one whose function the format cannot express.
+  """
+  if not isinstance(model, MLPSpeculator):
+    raise ValueError(f"export_mlp_speculator needs an MLPSpeculator, got {type(model).__name__}")
+  if model.target_dims != heads_lib.target_dims(target.cfg):
+    raise ValueError(f"the head was built for a target with (hidden, vocab, layers) ="
+                     f" {model.target_dims}, not {heads_lib.target_dims(target.cfg)}")
+  cfg = model.cfg
+  if cfg.tie_to_target:
+    raise ValueError("this MLP speculator reads the target's embedding and LM head"
+                     " (tie_to_target=True), which vLLM's mlp_speculator cannot express: train"
+                     " one with tie_to_target=False (and norm='rms') to export it")
+  if cfg.norm != "rms":
+    raise ValueError(f"this MLP speculator normalises with norm={cfg.norm!r}; vLLM's"
+                     " mlp_speculator uses the RMS-scaling norm of fms-extras: train one with"
+                     " norm='rms' to export it")
+  n, d = cfg.n_predict, target.cfg.hidden_size
+  if cfg.tie_stages and n < 2:
+    raise ValueError("vLLM ties the stages of an MLP speculator only when it has 2 or more:"
+                     " use tie_stages=False with n_predict=1")
+  stages = 1 if cfg.tie_stages else n
+  tensors = {"proj.0.weight": _np32(model.proj0[...]).T}
+  proj = [] if model.proj is None else _np32(model.proj[...])
+  for j in range(1 if cfg.tie_stages else n - 1):
+    tensors[f"proj.{j + 1}.weight"] = proj[j].T  # [I, I] as [out, in]
+  for j in range(stages):
+    tensors[f"emb.{j}.weight"] = _np32(model.emb[...][j])  # [V, I]
+    tensors[f"head.{j}.weight"] = _np32(model.head[...][j]).T  # [V, I]
+    tensors[f"ln.{j}.weight"] = _np32(model.ln_scale[...][j])
+    tensors[f"ln.{j}.bias"] = _np32(model.ln_bias[...][j])
+  inner = int(model.proj0.shape[1])
+  config = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
+            "vocab_size": target.cfg.vocab_size, "emb_dim": d,
+            "inner_dim": 0 if inner == d else inner, "n_predict": n,
+            "top_k_tokens_per_head": [1] * n, "n_candidates": int(n_candidates),
+            "tie_weights": bool(cfg.tie_stages), "scale_input": bool(cfg.scale_input),
+            "torch_dtype": dtype}
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  write_safetensors(directory / MLP_WEIGHTS, _cast(tensors, dtype), metadata={"format": "pt"})
+  (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+  return directory
+
+
+# config.json settings of an mlp_speculator that do not change the drafted function.
+_MLP_CONFIG_KEYS = frozenset({
+    "architectures", "model_type", "vocab_size", "emb_dim", "hidden_size", "inner_dim",
+    "n_predict", "top_k_tokens_per_head", "n_candidates", "tie_weights", "scale_input",
+    "torch_dtype", "dtype", "transformers_version", "num_lookahead_tokens", "_name_or_path"})
+
+
+def import_mlp_speculator(directory: str | os.PathLike, target) -> MLPSpeculator:
+  """Reads an `mlp_speculator` checkpoint (vLLM / fms-extras) into an `MLPSpeculator` (float32,
+  norm="rms") for `target`; tensor names may carry fms's "speculator." prefix.
+
+  Raises:
+    CheckpointError: missing/corrupted files, a head for another target, an unknown setting
+      that is on, or a tensor it does not read (each named).
+  """
+  path = Path(directory)
+  cfg_path = path / "config.json"
+  if not cfg_path.is_file():
+    raise CheckpointError(f"{cfg_path} is missing: {path} is not an mlp_speculator checkpoint")
+  config = read_json(cfg_path)
+  where = f"the mlp_speculator checkpoint at {path}"
+  if config.get("model_type") != "mlp_speculator":
+    raise CheckpointError(f"{cfg_path}: model_type is {config.get('model_type')!r},"
+                          " import_mlp_speculator reads 'mlp_speculator' checkpoints")
+  unknown = sorted(k for k, v in config.items() if k not in _MLP_CONFIG_KEYS and not _is_off(v))
+  if unknown:
+    raise CheckpointError(f"{where} sets {unknown}, which jaxspec's MLP speculator does not"
+                          " implement")
+  _check_dims(where, {"hidden_size": config.get("emb_dim"),
+                      "vocab_size": config.get("vocab_size")}, target)
+  try:
+    n = int(config["n_predict"])
+    inner = int(config.get("inner_dim") or 0)
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(f"{cfg_path} has no valid n_predict / inner_dim ({e})") from e
+  tied = bool(config.get("tie_weights"))
+  weights = path / MLP_WEIGHTS
+  if not weights.is_file():
+    raise CheckpointError(f"{weights} is missing" + (
+        ": pytorch_model.bin is a pickle jaxspec never loads; convert it to safetensors"
+        if (path / "pytorch_model.bin").exists() else ""))
+  t = {k.removeprefix("speculator."): v for k, v in read_safetensors(weights).items()}
+  abstract = nnx.eval_shape(lambda: heads_lib.HEADS["mlp"].create(
+      target.cfg, rngs=nnx.Rngs(0), n_predict=n, inner_dim=inner, tie_stages=tied,
+      scale_input=bool(config.get("scale_input")), norm="rms"))
+  d, v = target.cfg.hidden_size, target.cfg.vocab_size
+  i = inner or d
+  read = set()
+
+  def get(name, shape):
+    if name not in t:
+      raise CheckpointError(f"{weights} has no tensor {name!r}")
+    a = _np32(t[name])
+    if a.shape != shape:
+      raise CheckpointError(f"{weights}: {name!r} has shape {a.shape}, expected {shape}")
+    read.add(name)
+    return a
+
+  stages = 1 if tied else n
+  mine = {"proj0": get("proj.0.weight", (i, d)).T,
+          "emb": np.stack([get(f"emb.{j}.weight", (v, i)) for j in range(stages)]),
+          "head": np.stack([get(f"head.{j}.weight", (v, i)).T for j in range(stages)]),
+          "ln_scale": np.stack([get(f"ln.{j}.weight", (i,)) for j in range(stages)]),
+          "ln_bias": np.stack([get(f"ln.{j}.bias", (i,)) for j in range(stages)])}
+  if n > 1:
+    mine["proj"] = np.stack([get(f"proj.{j + 1}.weight", (i, i)).T
+                             for j in range(1 if tied else n - 1)])
+  extra = sorted(set(t) - read)
+  if extra:
+    raise CheckpointError(f"{where} holds tensors {extra} that jaxspec's MLP speculator does not"
+                          " read: it would draft another function than the one trained")
   return heads_lib.fill_module(abstract, mine, where)

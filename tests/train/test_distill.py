@@ -98,13 +98,21 @@ def test_distilled_draft_saves_reloads_and_drafts_exactly(tiny_target, data, tmp
                                                             untrained.stats["tau"])
 
 
-def test_distill_needs_hidden_states(tiny_target, data, tmp_path):
+def test_distill_without_stored_hidden_states_runs_the_target(tiny_target, data, tmp_path):
+  """A dataset without hidden states trains with the target's forward in the step (online);
+  hidden="offline" asks for stored ones and names what is missing."""
   path = shutil.copytree(data.path, tmp_path / "ds", ignore=shutil.ignore_patterns("hidden_*"))
   meta = json.loads((path / "meta.json").read_text())
   (path / "meta.json").write_text(json.dumps(dict(meta, hidden_final=False)))
+  cfg = TrainConfig(steps=2, warmup_steps=0, batch_size=4)
   with pytest.raises(DataError, match="stores no hidden states"):
-    distill(tiny_target, Dataset(path), tmp_path / "out", TrainConfig(steps=2, warmup_steps=0),
-            num_layers=1, progress=False)
+    distill(tiny_target, Dataset(path), tmp_path / "out", cfg, num_layers=1, progress=False,
+            hidden="offline")
+  _, online = distill(tiny_target, Dataset(path, eval_fraction=0.15), tmp_path / "online", cfg,
+                      num_layers=1, progress=False)
+  _, stored = distill(tiny_target, data, tmp_path / "stored", cfg, num_layers=1, progress=False)
+  for a, b in zip(online, stored):  # the stored states are float16: equal up to that rounding
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=5e-3)
 
 
 @pytest.fixture(scope="module")
