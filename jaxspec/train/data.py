@@ -195,7 +195,7 @@ def read_prompt_file(path: str | os.PathLike, *, answers: bool = False) -> list:
 
 def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None = None,
                  seed: int = 0, allow_eval: bool = False, answers: bool = False,
-                 ) -> tuple[list, dict[str, int]]:
+                 with_files: bool = False) -> tuple:
   """Prompts of several files, interleaved so that `max_prompts` draws evenly from each.
 
   Each file's prompts are shuffled (deterministically from `seed`) and the files are taken
@@ -209,8 +209,9 @@ def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None 
     allow_eval: allow evaluation prompt sets (Spec-Bench); training on them makes every
       benchmark number on them meaningless.
     answers: return (prompt, given response) pairs (`read_prompt_file`).
+    with_files: also return, for each prompt, the index of its file in `paths`.
   Returns:
-    (prompts, {file: prompts taken from it}).
+    (prompts, {file: prompts taken from it}), and with `with_files` the file indices.
   """
   if not paths:
     raise DataError("no prompt files given: pass --prompts FILE... (e.g."
@@ -231,16 +232,18 @@ def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None 
     order = np.random.default_rng([seed, i]).permutation(len(prompts))
     per_file.append((str(p), [prompts[j] for j in order]))
   out: list[Prompt] = []
+  files: list[int] = []
   counts = {name: 0 for name, _ in per_file}
   limit = sum(len(ps) for _, ps in per_file) if max_prompts is None else max_prompts
   pos = 0
   while len(out) < limit and any(pos < len(ps) for _, ps in per_file):
-    for name, ps in per_file:
+    for f, (name, ps) in enumerate(per_file):
       if pos < len(ps) and len(out) < limit:
         out.append(ps[pos])
+        files.append(f)
         counts[name] += 1
     pos += 1
-  return out, counts
+  return (out, counts, files) if with_files else (out, counts)
 
 
 def encode_prompts(target: Model, prompts: Sequence[Prompt], *, chat: bool = True,
