@@ -65,6 +65,14 @@ def add_train_parser(sub) -> None:
   t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   t.add_argument("--data-dir", default=None,
                  help="reuse a dataset written earlier (skips running the target)")
+  t.add_argument("--corpus", default=None, metavar="DIR",
+                 help="train on a corpus written by `jaxspec train-data`: its conversations"
+                      " (one a row) and the target's hidden states are stored in --out/data"
+                      " first (the offline path)")
+  t.add_argument("--corpus-seq-len", type=count, default=1024,
+                 help="with --corpus: tokens per row (longer conversations are cut)")
+  t.add_argument("--corpus-conversations", type=count, default=None,
+                 help="with --corpus: use the first N conversations only")
   t.add_argument("--resume", action="store_true",
                  help="continue an interrupted run in --out from its latest checkpoint")
   t.add_argument("--steps", type=count, default=None, help="optimizer steps (default per kind)")
@@ -139,6 +147,12 @@ def _training_data(args, target, layers, progress):
     print(f"[jaxspec] reusing the {len(ds)} rows of {data_dir} (the data flags are ignored)",
           file=sys.stderr)
     return ds
+  if args.corpus:
+    from jaxspec.train.corpus import write_corpus_dataset
+    write_corpus_dataset(target, args.corpus, data_dir, seq_len=args.corpus_seq_len,
+                         hidden_layers=layers, max_conversations=args.corpus_conversations,
+                         progress=progress)
+    return Dataset(data_dir, layers=layers, window=args.window or None)
   cfg = DataConfig(max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                    temperatures=tuple(args.temperature), batch_size=args.gen_batch_size,
                    hidden_layers=tuple(layers), chat=not args.no_chat, seed=args.seed)
@@ -184,7 +198,10 @@ def cmd_train(args) -> int:
     if args.self_instructions and args.responses == "given":
       raise ValueError("--self-instructions has no given responses to go with --responses"
                        " given: the target answers its own instructions (--responses target)")
-    if not (args.prompts or args.self_instructions or args.data_dir
+    if args.corpus and (args.prompts or args.self_instructions or args.data_dir):
+      raise ValueError("--corpus is the training data: drop --prompts, --self-instructions"
+                       " and --data-dir")
+    if not (args.prompts or args.self_instructions or args.data_dir or args.corpus
             or (Path(args.out) / "data" / "meta.json").is_file()):
       raise ValueError("no training data: pass --prompts FILE... (the target answers them),"
                        " --self-instructions N (the target writes N instructions and answers"

@@ -65,7 +65,9 @@ import numpy as np
 
 from jaxspec.checks import check_int
 from jaxspec.models.model import Model
-from jaxspec.train.data import (SELF_INSTRUCTIONS, DataError, Prompt, encode_prompts,
+from jaxspec.train import data as _data
+from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, DataError, Prompt,
+                                encode_prompts, make_progress, store_hidden_states,
                                 target_fingerprint)
 
 FORMAT = "jaxspec-corpus"
@@ -319,10 +321,12 @@ def _answers(target: Model, convs: list[Conversation], turns: ChatTurns | None,
 
 
 def write_conversations(target: Model, plan: BatchPlan, prompt_ids: Sequence[Sequence[int]],
-                        cfg: CorpusConfig, turns: ChatTurns | None) -> list[Conversation]:
+                        cfg: CorpusConfig, turns: ChatTurns | None, *,
+                        on_phase=None) -> list[Conversation]:
   """The conversations of one batch: the first user turns (the plan's prompts, or written by the
   target), then up to cfg.turns answers, each but the last followed by a target-written user
-  turn. Phase p of batch i samples with fold_in(fold_in(key(seed), i), p).
+  turn. Phase p of batch i samples with fold_in(fold_in(key(seed), i), p). `on_phase(convs)`,
+  when given, is called after every phase (progress inside a long batch).
 
   Returns:
     The finished conversations that hold at least one answer, in the plan's order.
@@ -346,6 +350,8 @@ def write_conversations(target: Model, plan: BatchPlan, prompt_ids: Sequence[Seq
       _user_turns(target, convs, turns, cfg, jax.random.fold_in(base, next(phase)),
                   follow_up=True)
     _answers(target, convs, turns, cfg, temp, jax.random.fold_in(base, next(phase)))
+    if on_phase is not None:
+      on_phase(convs)
   return [c for c in convs if c.answers]
 
 
@@ -394,7 +400,6 @@ class _Progress:
     self.bar = self.task = None
     self.last = -math.inf
     if enabled and getattr(self.stream, "isatty", lambda: False)():
-      from jaxspec.train.data import make_progress
       self.bar = make_progress(True)
       self.bar.__enter__()
       self.task = self.bar.add_task("target writes the corpus", total=meter.total,
@@ -594,7 +599,12 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
       if plan is None:
         index["complete"] = True
         break
-      convs = write_conversations(target, plan, prompt_ids, cfg, turns)
+      def on_phase(convs, i=i):
+        meter.done = tot["loss_tokens"] + buffered_loss() + sum(sum(c.mask) for c in convs)
+        bar.update(f", batch {i} (answer {max(c.answers for c in convs)} of {cfg.turns}),"
+                   f" {len(index['shards'])} shards")
+
+      convs = write_conversations(target, plan, prompt_ids, cfg, turns, on_phase=on_phase)
       temp = cfg.temperatures[plan.temperature_index]
       for c in convs:
         pending.append(c)
@@ -892,3 +902,105 @@ class PackedCorpus:
     for b in range(n):
       idx = np.resize(np.roll(np.arange(len(pairs)), -b * batch_size), batch_size)
       yield self._rows(pairs[idx], self.eval_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The offline path: a hidden-state store (`jaxspec.train.data.Dataset`) from a corpus.
+
+
+def write_corpus_dataset(target: Model, corpus: Corpus | str | os.PathLike,
+                         out_dir: str | os.PathLike, *, seq_len: int = 1024,
+                         hidden_layers: Sequence[int] = (), max_conversations: int | None = None,
+                         hidden_batch_size: int = 8, progress: bool = True) -> Path:
+  """Stores a corpus's conversations with the target's hidden states, one conversation a row
+  (truncated to seq_len), in the layout `Dataset` reads: the offline path of head training
+  (`jaxspec train KIND --corpus DIR`). Conversations are read in stored order, one shard at a
+  time; the rows answering one prompt share a `prompt_index`, so the held-out split keeps them
+  together.
+
+  Args:
+    target: the target that wrote the corpus.
+    corpus: a `Corpus` or its directory.
+    out_dir: the dataset directory to create.
+    seq_len: tokens per row at most (longer conversations are cut).
+    hidden_layers: target layers whose outputs to store (those the head reads).
+    max_conversations: store at most this many (the first ones).
+    hidden_batch_size: rows per hidden-state forward.
+  Returns:
+    out_dir as a Path.
+  """
+  check_int("seq_len", seq_len, 2, numpy=False, error=DataError)
+  if max_conversations is not None:
+    check_int("max_conversations", max_conversations, 1, numpy=False, error=DataError)
+  corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus)
+  corpus.check_target(target)
+  out = Path(out_dir)
+  if (out / "meta.json").exists():
+    raise DataError(f"{out} already holds a dataset: reuse it (--data-dir {out}) or choose"
+                    " another directory")
+  nl = target.cfg.num_layers
+  layers = tuple(dict.fromkeys(int(i) for i in hidden_layers))
+  bad = [i for i in layers if not 0 <= i < nl]
+  if bad:
+    raise DataError(f"hidden layer {bad[0]} does not exist: the target has {nl} layers"
+                    f" (0..{nl - 1})")
+  rows, groups, group_of, temps = [], [], {}, set()
+  for s in range(corpus.num_shards):
+    z = corpus.load_shard(s)
+    o = z["offsets"]
+    for c in range(len(o) - 1):
+      if max_conversations is not None and len(rows) >= max_conversations:
+        break
+      toks = z["tokens"][o[c]:o[c + 1]][:seq_len]
+      mask = z["loss_mask"][o[c]:o[c + 1]][:seq_len]
+      if not mask.any():  # cut before its first answer: nothing to learn
+        continue
+      key = (int(z["source"][c]), int(z["prompt"][c]))
+      groups.append(group_of.setdefault(key, len(group_of)))
+      temps.add(float(z["temperature"][c]))
+      rows.append((toks, mask))
+  if not rows:
+    raise DataError(f"{corpus.path} holds no conversation with an answer within {seq_len}"
+                    " tokens: raise seq_len or write more corpus")
+  n = len(rows)
+  lengths = np.array([len(t) for t, _ in rows], np.int32)
+  width = int(lengths.max())
+  tokens = np.zeros((n, width), np.int32)
+  mask = np.zeros((n, width), np.uint8)
+  for r, (t, m) in enumerate(rows):
+    tokens[r, :len(t)] = t
+    mask[r, :len(m)] = m
+  out.mkdir(parents=True, exist_ok=True)
+  np.save(out / "tokens.npy", tokens)
+  np.save(out / "loss_mask.npy", mask)
+  np.save(out / "lengths.npy", lengths)
+  np.save(out / "prompt_lengths.npy", np.array([int(np.argmax(m)) for _, m in rows], np.int32))
+  np.save(out / "prompt_index.npy", np.array(groups, np.int32))
+  dcfg = DataConfig(hidden_layers=layers, hidden_batch_size=hidden_batch_size)
+  with make_progress(progress) as bar:
+    hidden_s = store_hidden_states(target, out, tokens, lengths, dcfg, bar)
+  cc = corpus.index["config"]
+  sources = corpus.sources
+  counts: dict[str, int] = {}
+  for (src, _), _g in group_of.items():
+    counts[sources[src]] = counts.get(sources[src], 0) + 1
+  meta = {
+      "format": _data.FORMAT, "version": _data.VERSION,
+      "target": {"name": target.name, "fingerprint": target_fingerprint(target),
+                 "config": dataclasses.asdict(target.cfg)},
+      "num_examples": n, "num_prompts": len(group_of), "skipped_long_prompts": 0,
+      "seq_len": width, "hidden_size": target.cfg.hidden_size,
+      "hidden_final": True, "hidden_layers": list(layers), "hidden_dtype": "float16",
+      "prompt_files": counts, "responses": "target",
+      "generation": {"max_prompt_len": cc["max_prompt_len"],
+                     "max_new_tokens": cc["max_new_tokens"], "temperatures": sorted(temps),
+                     "batch_size": cc["batch_size"], "chat": cc["chat"], "seed": cc["seed"],
+                     "turns": cc["turns"]},
+      "response_tokens": int(mask.sum()), "stopped_rows": None,
+      "corpus": {"path": str(corpus.path), "conversations": n, "seq_len": seq_len},
+      "seconds": {"generate": float(corpus.index.get("seconds", 0.0)),
+                  "hidden": round(hidden_s, 2)},
+      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+  }
+  _write_json(out / "meta.json", meta)  # last, and atomic: it marks a complete dataset
+  return out

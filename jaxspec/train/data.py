@@ -500,9 +500,11 @@ def _hidden_fn(cfg, layers: tuple[int, ...]):
   return run
 
 
-def _store_hidden(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndarray,
-                  cfg: DataConfig, progress) -> float:
-  """Writes hidden_final.npy (and hidden_layers.npy) with one forward per batch of rows."""
+def store_hidden_states(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndarray,
+                        cfg: DataConfig, progress) -> float:
+  """Writes hidden_final.npy (and hidden_layers.npy of cfg.hidden_layers) into `out` with one
+  forward per cfg.hidden_batch_size rows of tokens [N, T] (lengths [N]); returns the seconds.
+  `progress` is a `make_progress` bar."""
   n, t = tokens.shape
   d = target.cfg.hidden_size
   layers = tuple(cfg.hidden_layers)
@@ -649,7 +651,7 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     np.save(out / "prompt_index.npy", np.array([p for p, _, _ in rows], np.int32))
     hidden_s = 0.0
     if cfg.store_hidden:
-      hidden_s = _store_hidden(target, out, tokens, lengths, cfg, bar)
+      hidden_s = store_hidden_states(target, out, tokens, lengths, cfg, bar)
 
   stops = set(target.cfg.eos_token_ids) | set(getattr(target.tokenizer, "eos_token_ids", ()) or ())
   stopped = sum(1 for _, _, r in rows if r and r[-1] in stops)

@@ -14,7 +14,7 @@ import pytest
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.models.tokenizer import Tokenizer
-from jaxspec.train.corpus import (FORMAT, VERSION, BatchPlan, Corpus, CorpusConfig,
+from jaxspec.train.corpus import (FORMAT, VERSION, Corpus, CorpusConfig,
                                   PackedCorpus, RateMeter, _Progress, batch_plan, chat_turns,
                                   held_out, pack_conversations, pack_rows, packed_attention_mask,
                                   same_segment_ahead, write_corpus, write_shard)
@@ -412,3 +412,81 @@ def test_token_count_suffixes():
   from jaxspec.cli.train_data import token_count
   assert [token_count(s) for s in ("500", "2M", "1.5k", "3G")] == [500, 2_000_000, 1500,
                                                                     3 * 10**9]
+
+
+# -- the offline path -----------------------------------------------------------------------------
+
+
+def test_corpus_dataset_stores_conversations_and_hidden_states(chat_target, tmp_path):
+  """`write_corpus_dataset`: one conversation a row (cut to seq_len), its loss mask, the
+  answers to one prompt under one prompt index, and the target's hidden states of the row."""
+  from jaxspec.train.corpus import write_corpus_dataset
+  from jaxspec.train.data import Dataset
+  s = write_corpus(chat_target, PROMPTS, tmp_path / "c", CFG, token_budget=150, progress=False)
+  convs = _conversations(s.path)
+  ds_dir = write_corpus_dataset(chat_target, s.path, tmp_path / "ds", seq_len=40,
+                                hidden_layers=(1, 0, 1), progress=False)
+  ds = Dataset(ds_dir, layers=(1, 0, 1), eval_fraction=0.25)
+  ds.check_target(chat_target, layers=(1, 0))
+  kept = [c for c in convs if any(c[4][:40])]
+  assert len(ds) == len(kept) and ds.hidden_layers == (1, 0)
+  for r, (src, prompt, _, toks, mask) in enumerate(kept):
+    n = min(len(toks), 40)
+    assert int(ds.lengths[r]) == n
+    np.testing.assert_array_equal(ds.tokens[r, :n], toks[:n])
+    np.testing.assert_array_equal(ds.loss_mask[r, :n], mask[:n])
+    assert int(ds.prompt_lengths[r]) == mask.index(1)
+  groups = {}
+  for r, (src, prompt, *_) in enumerate(kept):
+    groups.setdefault((src, prompt), set()).add(int(ds.prompt_index[r]))
+  assert all(len(g) == 1 for g in groups.values())
+  assert len({next(iter(g)) for g in groups.values()}) == len(groups)
+  cfg = chat_target.cfg
+  n = int(ds.lengths[0])
+  _, hid, _ = forward(chat_target.params, jnp.asarray(ds.tokens[:1, :n]), init_cache(cfg, 1, n),
+                      cfg, hidden_layers=(1, 0))
+  np.testing.assert_allclose(ds.hidden_final[0, :n], np.asarray(hid.final[0]), rtol=2e-3,
+                             atol=2e-3)
+  b = ds.train_batch(0, 2, seed=0)
+  assert b["hidden_layers"].shape[2] == 3
+  with pytest.raises(DataError, match="already holds a dataset"):
+    write_corpus_dataset(chat_target, s.path, ds_dir, progress=False)
+  other = Model(chat_target.cfg, init_params(chat_target.cfg, jax.random.key(9)), name="other")
+  with pytest.raises(DataError, match="was written by target 'tiny-chat'"):
+    write_corpus_dataset(other, s.path, tmp_path / "ds2", progress=False)
+
+
+def test_commands_write_a_corpus_resume_it_and_train_a_head_on_it(tiny_target, tmp_path, capsys):
+  """`jaxspec train-data` writes a corpus to a budget, a rerun with a larger one continues it,
+  and `jaxspec train medusa --corpus` trains on it through the offline hidden-state store."""
+  from jaxspec.cli.app import main
+  from jaxspec.models.hf_loader import save_hf
+  target = save_hf(tiny_target, tmp_path / "target")
+  rng = np.random.default_rng(2)
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt_ids": rng.integers(3, 128, size=5).tolist()})
+                             + "\n" for _ in range(12)))
+  out = tmp_path / "corpus"
+  args = ["train-data", "--model", str(target), "--out", str(out), "--prompts", str(prompts),
+          "--no-chat", "--turns", "1", "--magpie-fraction", "0", "--max-new-tokens", "10",
+          "--max-prompt-len", "8", "--max-len", "64", "--gen-batch-size", "4",
+          "--shard-tokens", "40", "--no-progress"]
+  assert main(args + ["--tokens", "30"]) == 0
+  first = json.loads((out / "index.json").read_text())
+  assert "budget reached" in capsys.readouterr().out
+  assert 30 <= first["totals"]["loss_tokens"] < 240 and first["sources"][0] == "prompts.jsonl"
+  assert main(args + ["--tokens", "10k"]) == 0  # more than 12 prompts x 2 temperatures hold
+  index = json.loads((out / "index.json").read_text())
+  assert index["complete"] and index["totals"]["conversations"] == 24
+  assert index["shards"][:len(first["shards"])] == first["shards"]
+  assert "complete" in capsys.readouterr().out
+  head = tmp_path / "medusa"
+  assert main(["train", "medusa", "--model", str(target), "--corpus", str(out), "--out",
+               str(head), "--steps", "2", "--batch-size", "4", "--option", "num_heads=1",
+               "--corpus-seq-len", "16", "--no-progress"]) == 0
+  meta = json.loads((head / "data" / "meta.json").read_text())
+  assert meta["num_examples"] == 24 and meta["corpus"]["path"] == str(out)
+  assert json.loads((head / "summary.json").read_text())["final"]["step"] == 2
+  with pytest.raises(SystemExit, match="--corpus is the training data"):
+    main(["train", "medusa", "--model", str(target), "--corpus", str(out), "--prompts",
+          str(prompts), "--out", str(tmp_path / "x")])
