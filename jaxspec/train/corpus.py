@@ -863,6 +863,7 @@ class PackedCorpus:
       z = self._shard(s)
       part = pack_rows(z["tokens"], z["loss_mask"], z["offsets"],
                        [table[s][int(r)] for r in pairs[start:end, 1]], self.seq_len)
+      del z  # the next shard replaces this one: keep no second reference to it
       for k, v in part.items():
         out.setdefault(k, []).append(v)
       start = end
