@@ -492,3 +492,41 @@ def test_commands_write_a_corpus_resume_it_and_train_a_head_on_it(tiny_target, t
   with pytest.raises(SystemExit, match="--corpus is the training data"):
     main(["train", "medusa", "--model", str(target), "--corpus", str(out), "--prompts",
           str(prompts), "--out", str(tmp_path / "x")])
+
+
+def test_train_turns_writes_multi_turn_conversations_and_self_instructions(chat_target,
+                                                                           tmp_path):
+  """`jaxspec train KIND --turns 2 --self-instructions N`: every prompt at every temperature
+  plus N target-started conversations (whole Magpie batches), each with up to two answers,
+  kept in --out/corpus and stored with hidden states as the training data."""
+  from jaxspec.cli.app import main
+
+  from helpers import write_tiny_gguf
+  gguf_path = tmp_path / "tiny-chat.gguf"
+  write_tiny_gguf(gguf_path, chat_target.cfg, chat_target.params,
+                  types={k: "F32" for k in ("token_embd", "output", "attn_q", "attn_k",
+                                            "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                            "ffn_down")})
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:5]))
+  out = tmp_path / "medusa"
+  assert main(["train", "medusa", "--model", str(gguf_path), "--prompts", str(prompts),
+               "--self-instructions", "6", "--turns", "2", "--out", str(out), "--steps", "2",
+               "--batch-size", "2", "--option", "num_heads=1", "--max-new-tokens", "12",
+               "--max-prompt-len", "32", "--gen-batch-size", "4", "--temperature", "0", "0.7",
+               "--no-progress"]) == 0
+  index = json.loads((out / "corpus" / "index.json").read_text())
+  # 5 prompts at 2 temperatures in batches of 4: 4 prompt batches; 6 instructions: 2 Magpie.
+  assert index["next_batch"] == 6 and index["config"]["turns"] == 2
+  convs = _conversations(out / "corpus")
+  magpie = len(index["sources"]) - 1
+  assert sorted((p, t) for s, p, t, _, _ in convs if s != magpie) == sorted(
+      (p, float(np.float32(t))) for p in range(5) for t in (0.0, 0.7))
+  # Magpie rows keep only user turns of 4 tokens or more (the tiny model's are often shorter).
+  assert sum(s == magpie for s, *_ in convs) <= 8
+  assert max(len(_spans(m)) for *_, m in convs) == 2
+  meta = json.loads((out / "data" / "meta.json").read_text())
+  assert meta["num_examples"] == len(convs) and meta["generation"]["turns"] == 2
+  with pytest.raises(SystemExit, match="--turns above 1"):
+    main(["train", "medusa", "--model", str(gguf_path), "--prompts", str(prompts), "--turns",
+          "2", "--responses", "given", "--out", str(tmp_path / "x")])
