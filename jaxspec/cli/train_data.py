@@ -4,6 +4,7 @@ every answer its own) to a token budget, as token-id shards; rerunning continues
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from jaxspec.checks import parse_int
@@ -26,6 +27,10 @@ def token_count(text: str) -> int:
   if not 1 <= n <= 2**40 or n != int(n):
     raise argparse.ArgumentTypeError(f"expected a whole token count in [1, 2**40], got {text!r}")
   return int(n)
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
 
 
 def add_train_data_parser(sub) -> None:
@@ -95,10 +100,15 @@ def cmd_train_data(args) -> int:
     prompts, _, files = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
                                      allow_eval=args.allow_eval_prompts, with_files=True)
   target = load(args.model, dtype=args.dtype)
-  s = write_corpus(target, prompts, args.out, cfg, token_budget=args.tokens,
-                   sources=[Path(p).name for p in args.prompts], prompt_sources=files,
-                   max_batches=args.max_batches, progress=not args.no_progress,
-                   progress_every=args.progress_every)
+  # A polite stop (kill PID, a job scheduler's SIGTERM) keeps the finished batches, as Ctrl-C does.
+  previous = signal.signal(signal.SIGTERM, _interrupt)
+  try:
+    s = write_corpus(target, prompts, args.out, cfg, token_budget=args.tokens,
+                     sources=[Path(p).name for p in args.prompts], prompt_sources=files,
+                     max_batches=args.max_batches, progress=not args.no_progress,
+                     progress_every=args.progress_every)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
   state = ("complete (every prompt answered at every temperature)" if s.complete else
            "budget reached" if s.loss_tokens >= args.tokens else
            "stopped early: rerun the same command to continue")

@@ -490,8 +490,9 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   """Has the target write conversations until the corpus holds `token_budget` answer tokens.
 
   Resumable: a directory that already holds a corpus of the same target, settings and prompts
-  is continued from its next batch (the budget may differ); the batches already stored are not
-  written again.
+  is continued from its next batch (the budget and shard_tokens may differ); the batches
+  already stored are not written again. A KeyboardInterrupt stores the finished batches before
+  it propagates.
 
   Args:
     target: the model whose behaviour is distilled.
@@ -549,12 +550,15 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   index_file = out / "index.json"
   if index_file.is_file():
     old = Corpus(out).index
+    # shard_tokens only decides where shards end: a rerun may change it.
+    same = lambda d: {k: v for k, v in d.items() if k != "shard_tokens"}  # noqa: E731
     for key in ("target", "config", "sources", "prompts"):
-      if old[key] != index[key]:
+      if (same(old[key]) if key == "config" else old[key]) != (
+          same(index[key]) if key == "config" else index[key]):
         raise DataError(f"{out} holds a corpus with a different {key} ({_brief(old[key])} !="
                         f" {_brief(index[key])}): continue it with its own settings, or choose"
                         " another directory")
-    index = old
+    index = dict(old, config=index["config"])
   out.mkdir(parents=True, exist_ok=True)
   for stale in out.glob("*.tmp*"):  # an interrupted shard or index write
     stale.unlink()
@@ -588,8 +592,8 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   save.t = t0
   if not index_file.is_file():
     save(0)
+  i = index["next_batch"]
   try:
-    i = index["next_batch"]
     buffered = lambda: sum(len(c.tokens) for c in pending)  # noqa: E731
     buffered_loss = lambda: sum(sum(c.mask) for c in pending)  # noqa: E731
     while tot["loss_tokens"] + buffered_loss() < token_budget and not index["complete"]:
@@ -617,6 +621,13 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
         flush()
         save(i)
       bar.update(f", batch {i}, {len(index['shards'])} shards")
+  except KeyboardInterrupt:
+    # The finished batches are kept (the one being written is not): a rerun goes on from i.
+    flush()
+    save(i)
+    bar.update(f", batch {i}, {len(index['shards'])} shards (interrupted; saved)", force=True)
+    raise
+  else:
     flush()
     save(i)
     bar.update(f", batch {i}, {len(index['shards'])} shards (saved)", force=True)

@@ -530,3 +530,30 @@ def test_train_turns_writes_multi_turn_conversations_and_self_instructions(chat_
   with pytest.raises(SystemExit, match="--turns above 1"):
     main(["train", "medusa", "--model", str(gguf_path), "--prompts", str(prompts), "--turns",
           "2", "--responses", "given", "--out", str(tmp_path / "x")])
+
+
+def test_interrupt_keeps_finished_batches(chat_target, tmp_path, monkeypatch):
+  """Ctrl-C (or the command's SIGTERM) during batch 3 stores batches 0-2 before it propagates;
+  a rerun, with another shard size, ends with the conversations of an uninterrupted run."""
+  import jaxspec.train.corpus as corpus_mod
+  whole = write_corpus(chat_target, PROMPTS, tmp_path / "whole", CFG, token_budget=300,
+                       progress=False)
+  real, calls = corpus_mod.write_conversations, []
+
+  def flaky(target, plan, *a, **k):
+    calls.append(plan.index)
+    if len(calls) == 4:
+      raise KeyboardInterrupt
+    return real(target, plan, *a, **k)
+
+  monkeypatch.setattr(corpus_mod, "write_conversations", flaky)
+  big = dataclasses.replace(CFG, shard_tokens=10**6)  # nothing would be flushed before the end
+  with pytest.raises(KeyboardInterrupt):
+    write_corpus(chat_target, PROMPTS, tmp_path / "part", big, token_budget=300, progress=False)
+  index = json.loads((tmp_path / "part" / "index.json").read_text())
+  assert index["next_batch"] == 3 and len(index["shards"]) == 1
+  monkeypatch.setattr(corpus_mod, "write_conversations", real)
+  again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=300,
+                       progress=False)
+  assert again.next_batch == whole.next_batch
+  assert _conversations(tmp_path / "part") == _conversations(tmp_path / "whole")
