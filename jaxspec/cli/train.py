@@ -165,7 +165,8 @@ def _training_data(args, target, layers, progress):
   if args.prompts:
     prompts, counts, files = read_prompts(args.prompts, max_prompts=args.max_prompts,
                                           seed=args.seed, allow_eval=args.allow_eval_prompts,
-                                          answers=args.responses == "given", with_files=True)
+                                          answers=args.responses == "given", with_files=True,
+                                          all_turns=args.turns > 1)
     if args.responses == "given":
       prompts, responses = [p for p, _ in prompts], [r for _, r in prompts]
   if args.turns > 1:

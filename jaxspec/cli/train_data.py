@@ -98,7 +98,8 @@ def cmd_train_data(args) -> int:
   prompts, files = [], []
   if args.prompts:
     prompts, _, files = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
-                                     allow_eval=args.allow_eval_prompts, with_files=True)
+                                     allow_eval=args.allow_eval_prompts, with_files=True,
+                                     all_turns=True)
   target = load(args.model, dtype=args.dtype)
   # A polite stop (kill PID, a job scheduler's SIGTERM) keeps the finished batches, as Ctrl-C does.
   previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -238,13 +238,14 @@ def batch_plan(i: int, num_prompts: int, cfg: CorpusConfig) -> BatchPlan | None:
 @dataclasses.dataclass
 class Conversation:
   """A conversation being written: token ids, loss mask (1 on target-written answers),
-  answers so far, and whether it can go on."""
+  answers so far, whether it can go on, and the user turns a prompt file gives for later."""
 
   tokens: list[int]
   mask: list[int]
   prompt: int
   answers: int = 0
   open: bool = True
+  given: list[list[int]] = dataclasses.field(default_factory=list)  # later user turns
 
 
 def _generate_rows(target: Model, prompts: list[list[int]], *, batch_size: int,
@@ -265,16 +266,26 @@ def _generate_rows(target: Model, prompts: list[list[int]], *, batch_size: int,
 
 def _user_turns(target: Model, convs: list[Conversation], turns: ChatTurns, cfg: CorpusConfig,
                 key, *, follow_up: bool) -> None:
-  """The target writes the next user turn of every open conversation (Magpie): sampled after
-  the conversation so far (and, for a follow-up, the template's start of a user turn), stopped
-  by the end of a user turn. Kept when it ends within max_user_tokens, has min_user_tokens and
-  leaves room for an answer of max_new_tokens; otherwise the conversation closes as it was."""
+  """The next user turn of every open conversation: the prompt file's own when it gives one,
+  else written by the target (Magpie): sampled after the conversation so far (and, for a
+  follow-up, the template's start of a user turn), stopped by the end of a user turn. Kept when
+  it ends within max_user_tokens, has min_user_tokens and leaves room for an answer of
+  max_new_tokens; otherwise the conversation closes as it was."""
   from jaxspec.sampling import Sampling
-  live = [c for c in convs if c.open]
-  if not live:
-    return
   # An answer ends with the token that starts `assistant_to_user` (it is already there).
   lead = list(turns.assistant_to_user[1:]) if follow_up else []
+  given = [c for c in convs if c.open and c.given]
+  for c in given:  # a prompt file's next user turn, as the template writes a user message
+    add = lead + c.given.pop(0) + list(turns.user_to_assistant)
+    if len(c.tokens) + len(add) + cfg.max_new_tokens > cfg.max_len:
+      c.open = False
+      continue
+    c.tokens += add
+    c.mask += [0] * len(add)
+  taken = {id(c) for c in given}
+  live = [c for c in convs if c.open and id(c) not in taken]
+  if not live:
+    return
   stops = sorted({turns.user_end, *target.cfg.eos_token_ids})
   rows = _generate_rows(target, [c.tokens + lead for c in live], batch_size=cfg.batch_size,
                         max_new_tokens=cfg.max_user_tokens + 1,
@@ -322,10 +333,11 @@ def _answers(target: Model, convs: list[Conversation], turns: ChatTurns | None,
 
 def write_conversations(target: Model, plan: BatchPlan, prompt_ids: Sequence[Sequence[int]],
                         cfg: CorpusConfig, turns: ChatTurns | None, *,
+                        later_ids: Sequence[Sequence[Sequence[int]]] | None = None,
                         on_phase=None) -> list[Conversation]:
   """The conversations of one batch: the first user turns (the plan's prompts, or written by the
-  target), then up to cfg.turns answers, each but the last followed by a target-written user
-  turn. Phase p of batch i samples with fold_in(fold_in(key(seed), i), p). `on_phase(convs)`,
+  target), then up to cfg.turns answers, each but the last followed by a user turn: the prompt
+  file's next one (`later_ids[p]`: token ids of its later user turns), else target-written. Phase p of batch i samples with fold_in(fold_in(key(seed), i), p). `on_phase(convs)`,
   when given, is called after every phase (progress inside a long batch).
 
   Returns:
@@ -343,7 +355,8 @@ def write_conversations(target: Model, plan: BatchPlan, prompt_ids: Sequence[Seq
     _user_turns(target, convs, turns, cfg, jax.random.fold_in(base, next(phase)),
                 follow_up=False)
   else:
-    convs = [Conversation(list(prompt_ids[p]), [0] * len(prompt_ids[p]), p)
+    convs = [Conversation(list(prompt_ids[p]), [0] * len(prompt_ids[p]), p,
+                          given=[list(t) for t in later_ids[p]] if later_ids else [])
              for p in plan.prompts]
   for a in range(cfg.turns):
     if a:
@@ -496,8 +509,10 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
 
   Args:
     target: the model whose behaviour is distilled.
-    prompts: first user turns (text, chat-templated when cfg.chat; or token ids), in a fixed
-      order (e.g. `read_prompts`); may be empty when cfg.magpie_fraction > 0.
+    prompts: first user turns (text, chat-templated when cfg.chat; or token ids), or every
+      user turn of a conversation (a list of strings: the target answers each, and writes the
+      follow-ups past the last), in a fixed order (e.g. `read_prompts(..., all_turns=True)`);
+      may be empty when cfg.magpie_fraction > 0.
     out_dir: the corpus directory (created, or continued).
     cfg: generation settings.
     token_budget: stop once the corpus holds this many loss-masked (answer) tokens.
@@ -514,7 +529,15 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   """
   check_int("token_budget", token_budget, 1, numpy=False, error=DataError)
   out = Path(out_dir)
-  prompt_ids = encode_prompts(target, prompts, chat=cfg.chat) if prompts else []
+  # A multi-turn prompt (a list of user messages): the first opens the conversation, the
+  # others follow the target's answers.
+  multi = [isinstance(p, list) and bool(p) and isinstance(p[0], str) for p in prompts]
+  if any(multi) and (not cfg.chat or target.tokenizer is None):
+    raise DataError("multi-turn prompts need the target's tokenizer and chat template")
+  firsts = [p[0] if m else p for p, m in zip(prompts, multi)]
+  prompt_ids = encode_prompts(target, firsts, chat=cfg.chat) if prompts else []
+  later = [[target.tokenizer.encode(t, add_bos=False) for t in p[1:]] if m else []
+           for p, m in zip(prompts, multi)]
   keep = [i for i, p in enumerate(prompt_ids) if len(p) <= cfg.max_prompt_len]
   if prompt_ids and len(keep) < len(prompt_ids):
     warnings.warn(f"skipped {len(prompt_ids) - len(keep)} of {len(prompt_ids)} prompts longer"
@@ -523,6 +546,7 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   if len(src_of) != len(prompt_ids):
     raise DataError(f"{len(src_of)} prompt_sources for {len(prompt_ids)} prompts")
   prompt_ids = [prompt_ids[i] for i in keep]
+  later = [later[i] for i in keep]
   src_of = [src_of[i] for i in keep]
   if not prompt_ids and cfg.magpie_fraction == 0:
     raise DataError("no prompts and magpie_fraction 0: pass prompt files, or let the target"
@@ -542,7 +566,8 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
       "format": FORMAT, "version": VERSION,
       "target": {"name": target.name, "fingerprint": target_fingerprint(target)},
       "config": cfg.to_json(), "sources": sources + [SELF_INSTRUCTIONS],
-      "prompts": {"count": len(prompt_ids), "hash": _prompts_hash(prompt_ids)},
+      "prompts": {"count": len(prompt_ids),
+                  "hash": _prompts_hash(prompt_ids + [t for ts in later for t in ts])},
       "next_batch": 0, "complete": False, "shards": [],
       "totals": {"conversations": 0, "tokens": 0, "loss_tokens": 0},
       "seconds": 0.0, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -608,7 +633,8 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
         bar.update(f", batch {i} (answer {max(c.answers for c in convs)} of {cfg.turns}),"
                    f" {len(index['shards'])} shards")
 
-      convs = write_conversations(target, plan, prompt_ids, cfg, turns, on_phase=on_phase)
+      convs = write_conversations(target, plan, prompt_ids, cfg, turns, later_ids=later,
+                                  on_phase=on_phase)
       temp = cfg.temperatures[plan.temperature_index]
       for c in convs:
         pending.append(c)

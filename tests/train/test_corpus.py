@@ -557,3 +557,37 @@ def test_interrupt_keeps_finished_batches(chat_target, tmp_path, monkeypatch):
                        progress=False)
   assert again.next_batch == whole.next_batch
   assert _conversations(tmp_path / "part") == _conversations(tmp_path / "whole")
+
+
+def test_multi_turn_prompts_give_their_user_turns(chat_target, tmp_path):
+  """A prompt of several user turns: the file's turns follow the target's answers (as the
+  template writes a user message), every answer is the target's (greedy here), and
+  `read_prompts(all_turns=True)` reads them from a `turns` line."""
+  from jaxspec.train.data import read_prompts
+  f = tmp_path / "mt.jsonl"
+  f.write_text("".join(json.dumps({"turns": [a, "and why?", "ok"]}) + "\n" for a in PROMPTS))
+  prompts, _ = read_prompts([f], all_turns=True)
+  assert sorted(p[0] for p in prompts) == sorted(PROMPTS) and all(p[1:] == ["and why?", "ok"]
+                                                                 for p in prompts)
+  assert read_prompts([f])[0][0] in PROMPTS  # without all_turns: the first turn only
+  cfg = dataclasses.replace(CFG, temperatures=(0.0,), magpie_fraction=0.0, turns=4)
+  s = write_corpus(chat_target, prompts, tmp_path / "c", cfg, token_budget=10**6,
+                   progress=False)
+  turns = chat_turns(chat_target.tokenizer)
+  tok = chat_target.tokenizer
+  given = [tok.encode(t, add_bos=False) for t in ("and why?", "ok")]
+  seen = 0
+  for *_, toks, mask in _conversations(s.path):
+    spans = _spans(mask)
+    logits, _, _ = forward(chat_target.params, jnp.asarray([toks]),
+                           init_cache(chat_target.cfg, 1, len(toks)), chat_target.cfg)
+    greedy = np.asarray(jnp.argmax(logits[0], -1))
+    for a, b in spans:
+      assert toks[a:b] == greedy[a - 1:b - 1].tolist()
+    for j, ((_, b), (a2, _)) in enumerate(zip(spans, spans[1:])):
+      between = toks[b:a2]
+      if j < 2:  # the file's turns, then one the target wrote (4 answers)
+        assert between == (list(turns.assistant_to_user[1:]) + given[j]
+                           + list(turns.user_to_assistant))
+        seen += 1
+  assert seen >= 2
