@@ -4,12 +4,13 @@ token-id shards, read back as a stream of packed training batches.
 `write_corpus` has the target regenerate every assistant turn of its conversations with the
 project's own batched `generate` (greedy and sampled): a conversation starts from a prompt file's
 user message, or from a user message the target writes itself after its chat template's bare
-user-turn prefix (Magpie, Xu et al. 2024); after each answer the target writes a follow-up user
-turn the same way (after the template's "end of assistant turn, start of user turn") and answers
-it, up to `CorpusConfig.turns` answers. Generation runs to a token budget and is resumable: the
+user-turn prefix (Magpie, Xu et al. 2024); after each answer comes the prompt's next user turn
+when the prompt file gives several, else one the target writes the same way (after the
+template's "end of assistant turn, start of user turn"), and the target answers it, up to
+`CorpusConfig.turns` answers. Generation runs to a token budget and is resumable: the
 work is a fixed sequence of batches (batch i's prompts, temperature and random key are a function
 of i), shards are written at batch boundaries, and index.json records the next batch, so a rerun
-continues where the last one stopped and the corpus equals that of an uninterrupted run.
+continues where the last one stopped and writes the conversations an uninterrupted run writes.
 
 A corpus directory:
 
@@ -44,6 +45,8 @@ d positions ahead only from the same segment (`same_segment_ahead`). `PackedCorp
 pack=False)` puts one conversation per row instead (a single segment, truncated to seq_len),
 which any consumer of plain rows can read. Batches are a pure function of (seed, step), the
 `TrainData` protocol of `jaxspec.train.trainer`, so training on a corpus resumes exactly.
+`write_corpus_dataset` stores a corpus with the target's hidden states instead, one
+conversation a row, for the offline path (`jaxspec.train.data.Dataset`).
 """
 
 from __future__ import annotations
