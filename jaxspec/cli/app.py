@@ -10,6 +10,7 @@ import sys
 from jaxspec.bench.cli import add_bench_parser, cmd_bench
 from jaxspec.cli.generate import add_generate_parser, cmd_generate
 from jaxspec.cli.train import add_train_parser, cmd_train
+from jaxspec.cli.train_data import add_train_data_parser, cmd_train_data
 from jaxspec.cli_options import enable_compile_cache
 
 
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = ap.add_subparsers(dest="command", required=True)
   add_generate_parser(sub)
   add_train_parser(sub)
+  add_train_data_parser(sub)
   add_bench_parser(sub)
   return ap
 
@@ -66,6 +68,8 @@ def _main(argv=None) -> int:
     return cmd_generate(args)
   if args.command == "train":
     return cmd_train(args)
+  if args.command == "train-data":
+    return cmd_train_data(args)
   if args.command == "bench":
     return cmd_bench(args, sys.argv[1:] if argv is None else argv)
   return 2

@@ -65,6 +65,14 @@ def add_train_parser(sub) -> None:
   t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   t.add_argument("--data-dir", default=None,
                  help="reuse a dataset written earlier (skips running the target)")
+  t.add_argument("--corpus", default=None, metavar="DIR",
+                 help="train on a corpus written by `jaxspec train-data`: its conversations"
+                      " (one a row) and the target's hidden states are stored in --out/data"
+                      " first (the offline path)")
+  t.add_argument("--corpus-seq-len", type=count, default=1024,
+                 help="with --corpus: tokens per row (longer conversations are cut)")
+  t.add_argument("--corpus-conversations", type=count, default=None,
+                 help="with --corpus: use the first N conversations only")
   t.add_argument("--resume", action="store_true",
                  help="continue an interrupted run in --out from its latest checkpoint")
   t.add_argument("--steps", type=count, default=None, help="optimizer steps (default per kind)")
@@ -87,6 +95,11 @@ def add_train_parser(sub) -> None:
   t.add_argument("--self-instructions", type=int, default=0, metavar="N",
                  help="also have the target write N user instructions itself (Magpie: sampled"
                       " after its chat template's bare user-turn prefix) and answer them")
+  t.add_argument("--turns", type=count, default=1,
+                 help="answers per conversation: above 1, the target writes a follow-up user"
+                      " turn after each answer and answers it (every answer its own), and"
+                      " --self-instructions N starts N conversations with a user turn it"
+                      " writes; the conversations are kept in --out/corpus")
   t.add_argument("--responses", choices=["target", "given"], default="target",
                  help="target (default): the target writes the responses (self-distillation);"
                       " given: the prompt files' own answers, teacher-forced (GSM8K 'answer',"
@@ -139,16 +152,25 @@ def _training_data(args, target, layers, progress):
     print(f"[jaxspec] reusing the {len(ds)} rows of {data_dir} (the data flags are ignored)",
           file=sys.stderr)
     return ds
+  if args.corpus:
+    from jaxspec.train.corpus import write_corpus_dataset
+    write_corpus_dataset(target, args.corpus, data_dir, seq_len=args.corpus_seq_len,
+                         hidden_layers=layers, max_conversations=args.corpus_conversations,
+                         progress=progress)
+    return Dataset(data_dir, layers=layers, window=args.window or None)
   cfg = DataConfig(max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                    temperatures=tuple(args.temperature), batch_size=args.gen_batch_size,
                    hidden_layers=tuple(layers), chat=not args.no_chat, seed=args.seed)
-  prompts, counts, seconds, responses = [], {}, {}, None
+  prompts, counts, seconds, responses, files = [], {}, {}, None, []
   if args.prompts:
-    prompts, counts = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
-                                   allow_eval=args.allow_eval_prompts,
-                                   answers=args.responses == "given")
+    prompts, counts, files = read_prompts(args.prompts, max_prompts=args.max_prompts,
+                                          seed=args.seed, allow_eval=args.allow_eval_prompts,
+                                          answers=args.responses == "given", with_files=True,
+                                          all_turns=args.turns > 1)
     if args.responses == "given":
       prompts, responses = [p for p, _ in prompts], [r for _, r in prompts]
+  if args.turns > 1:
+    return _multi_turn_data(args, target, layers, prompts, files, data_dir, progress)
   if args.self_instructions:
     t0 = time.perf_counter()
     with make_progress(progress) as bar:
@@ -159,6 +181,35 @@ def _training_data(args, target, layers, progress):
     counts[SELF_INSTRUCTIONS] = len(own)
   write_dataset(target, prompts, data_dir, cfg, responses=responses, prompt_files=counts,
                 seconds=seconds, progress=progress)
+  return Dataset(data_dir, layers=layers, window=args.window or None)
+
+
+def _multi_turn_data(args, target, layers, prompts, files, data_dir, progress):
+  """--turns > 1: the target writes multi-turn conversations (`write_corpus`) for every prompt
+  at every temperature and --self-instructions conversations of its own (Magpie batches of
+  --gen-batch-size), into --out/corpus; they are stored as the dataset with hidden states."""
+  from pathlib import Path
+
+  from jaxspec.train.corpus import CorpusConfig, write_corpus, write_corpus_dataset
+  from jaxspec.train.data import Dataset
+  b = args.gen_batch_size
+  prompt_batches = -(-len(prompts) // b) * len(args.temperature)
+  magpie = -(-args.self_instructions // b)
+  total = prompt_batches + magpie
+  cfg = CorpusConfig(turns=args.turns, max_new_tokens=args.max_new_tokens,
+                     temperatures=tuple(args.temperature), batch_size=b,
+                     max_prompt_len=args.max_prompt_len,
+                     # Exactly `magpie` of the first `total` batches are Magpie batches
+                     # (batch_plan: floor(total * fraction) of them), the rest every prompt
+                     # at every temperature.
+                     magpie_fraction=min(1.0, (magpie + 0.5) / total) if magpie else 0.0,
+                     max_len=args.max_prompt_len + args.turns * (args.max_new_tokens + 256),
+                     chat=not args.no_chat, seed=args.seed)
+  corpus = write_corpus(target, prompts, Path(args.out) / "corpus", cfg, token_budget=2**40,
+                        sources=[str(p) for p in args.prompts], prompt_sources=files,
+                        max_batches=total, progress=progress)
+  write_corpus_dataset(target, corpus.path, data_dir, seq_len=cfg.max_len, hidden_layers=layers,
+                       progress=progress)
   return Dataset(data_dir, layers=layers, window=args.window or None)
 
 
@@ -184,7 +235,13 @@ def cmd_train(args) -> int:
     if args.self_instructions and args.responses == "given":
       raise ValueError("--self-instructions has no given responses to go with --responses"
                        " given: the target answers its own instructions (--responses target)")
-    if not (args.prompts or args.self_instructions or args.data_dir
+    if args.turns > 1 and args.responses == "given":
+      raise ValueError("--turns above 1 has the target write the follow-up turns: use"
+                       " --responses target")
+    if args.corpus and (args.prompts or args.self_instructions or args.data_dir):
+      raise ValueError("--corpus is the training data: drop --prompts, --self-instructions"
+                       " and --data-dir")
+    if not (args.prompts or args.self_instructions or args.data_dir or args.corpus
             or (Path(args.out) / "data" / "meta.json").is_file()):
       raise ValueError("no training data: pass --prompts FILE... (the target answers them),"
                        " --self-instructions N (the target writes N instructions and answers"

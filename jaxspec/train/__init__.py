@@ -10,6 +10,8 @@
   online    the frozen target's hidden states computed inside the jitted step
             (`with_hidden_states`, `target_hidden`): no hidden-state store needed
   mesh      data-parallel training with the target sharded by the rules (`train_head(mesh=)`)
+  corpus    the target writes multi-turn conversations to a token budget as token-id shards,
+            read back as packed batches one shard at a time (`write_corpus`, `PackedCorpus`)
   data      prompt files -> the target writes responses -> tokens, loss masks and (optionally)
             the target's hidden states stored as memory-mapped .npy arrays (`write_dataset`,
             `Dataset`)
@@ -18,6 +20,8 @@
 `jaxspec train {medusa,mlp,eagle,draft-model}` runs the whole pipeline through these functions.
 """
 
+from jaxspec.train.corpus import (Corpus, CorpusConfig, PackedCorpus, write_corpus,
+                                  write_corpus_dataset)
 from jaxspec.train.data import (DataConfig, DataError, Dataset, read_prompt_file, read_prompts,
                                 write_dataset)
 from jaxspec.train.distill import DraftLM, distill, distill_loss, draft_from_target
@@ -25,7 +29,8 @@ from jaxspec.train.fit import TrainedHead, train_head
 from jaxspec.train.online import target_hidden, with_hidden_states
 from jaxspec.train.trainer import Callback, TrainConfig, TrainData, make_optimizer, train
 
-__all__ = ["Callback", "DataConfig", "DataError", "Dataset", "DraftLM", "TrainConfig",
-           "TrainData", "TrainedHead", "distill", "distill_loss", "draft_from_target",
-           "make_optimizer", "read_prompt_file", "read_prompts", "target_hidden", "train",
-           "train_head", "with_hidden_states", "write_dataset"]
+__all__ = ["Callback", "Corpus", "CorpusConfig", "DataConfig", "DataError", "Dataset",
+           "DraftLM", "PackedCorpus", "TrainConfig", "TrainData", "TrainedHead", "distill",
+           "distill_loss", "draft_from_target", "make_optimizer", "read_prompt_file",
+           "read_prompts", "target_hidden", "train", "train_head", "with_hidden_states",
+           "write_corpus", "write_corpus_dataset", "write_dataset"]

@@ -85,14 +85,23 @@ def _line_ids(obj: dict, field: str, where: str) -> list[int]:
   return list(ids)
 
 
-def line_prompt(obj: Any, where: str) -> Prompt:
-  """The prompt of one parsed JSON line (see the module docstring for the fields)."""
+def line_prompt(obj: Any, where: str, *, all_turns: bool = False) -> Prompt | list[str]:
+  """The prompt of one parsed JSON line (see the module docstring for the fields).
+
+  With `all_turns`, a `turns` line of several user turns gives them all (a list of strings:
+  the target answers each in turn, `jaxspec.train.corpus`); otherwise only the first.
+  """
   if not isinstance(obj, dict):
     raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
   if "prompt_ids" in obj:
     return _line_ids(obj, "prompt_ids", where)
   if "turns" in obj:
     turns = obj["turns"]
+    if all_turns and isinstance(turns, list) and len(turns) > 1:
+      bad = [i for i, t in enumerate(turns) if not isinstance(t, str) or not t.strip()]
+      if bad:
+        raise DataError(f"{where}: field 'turns[{bad[0]}]' must be a non-empty string")
+      return list(turns)
     text = turns[0] if isinstance(turns, list) and turns else None
     field = "turns[0]"
   elif "question" in obj:
@@ -170,11 +179,13 @@ def json_lines(path: Path, expected: str, error: type[Exception] | None = None):
       yield where, obj
 
 
-def read_prompt_file(path: str | os.PathLike, *, answers: bool = False) -> list:
+def read_prompt_file(path: str | os.PathLike, *, answers: bool = False,
+                     all_turns: bool = False) -> list:
   """All prompts of one JSON-lines file, in file order (blank lines are skipped).
 
   Args:
     answers: return (prompt, given response) pairs (see the module docstring for the fields).
+    all_turns: every user turn of a multi-turn line (`line_prompt`).
   Raises:
     DataError: the file is missing, holds no prompts, or a line is not a JSON object with a
       prompt field (or, with `answers`, an answer field); the message names the file and line.
@@ -186,7 +197,7 @@ def read_prompt_file(path: str | os.PathLike, *, answers: bool = False) -> list:
                     " ../shared/data/: gsm8k_train.jsonl, humaneval.jsonl,"
                     " self_instruct_seed_tasks.jsonl)")
   prompts = [(line_prompt(obj, where), _line_answer(obj, where)) if answers
-             else line_prompt(obj, where)
+             else line_prompt(obj, where, all_turns=all_turns)
              for where, obj in json_lines(path, "every line must be one JSON object")]
   if not prompts:
     raise DataError(f"prompt file {path} is empty: it needs one JSON object per line")
@@ -195,7 +206,7 @@ def read_prompt_file(path: str | os.PathLike, *, answers: bool = False) -> list:
 
 def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None = None,
                  seed: int = 0, allow_eval: bool = False, answers: bool = False,
-                 ) -> tuple[list, dict[str, int]]:
+                 with_files: bool = False, all_turns: bool = False) -> tuple:
   """Prompts of several files, interleaved so that `max_prompts` draws evenly from each.
 
   Each file's prompts are shuffled (deterministically from `seed`) and the files are taken
@@ -209,8 +220,10 @@ def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None 
     allow_eval: allow evaluation prompt sets (Spec-Bench); training on them makes every
       benchmark number on them meaningless.
     answers: return (prompt, given response) pairs (`read_prompt_file`).
+    with_files: also return, for each prompt, the index of its file in `paths`.
+    all_turns: every user turn of multi-turn lines (`line_prompt`).
   Returns:
-    (prompts, {file: prompts taken from it}).
+    (prompts, {file: prompts taken from it}), and with `with_files` the file indices.
   """
   if not paths:
     raise DataError("no prompt files given: pass --prompts FILE... (e.g."
@@ -227,20 +240,22 @@ def read_prompts(paths: Sequence[str | os.PathLike], *, max_prompts: int | None 
                         " --allow-eval-prompts")
       warnings.warn(f"TRAINING ON THE EVALUATION SET {p}: benchmark results on it are no longer"
                     " a fair measure", stacklevel=2)
-    prompts = read_prompt_file(p, answers=answers)
+    prompts = read_prompt_file(p, answers=answers, all_turns=all_turns)
     order = np.random.default_rng([seed, i]).permutation(len(prompts))
     per_file.append((str(p), [prompts[j] for j in order]))
   out: list[Prompt] = []
+  files: list[int] = []
   counts = {name: 0 for name, _ in per_file}
   limit = sum(len(ps) for _, ps in per_file) if max_prompts is None else max_prompts
   pos = 0
   while len(out) < limit and any(pos < len(ps) for _, ps in per_file):
-    for name, ps in per_file:
+    for f, (name, ps) in enumerate(per_file):
       if pos < len(ps) and len(out) < limit:
         out.append(ps[pos])
+        files.append(f)
         counts[name] += 1
     pos += 1
-  return out, counts
+  return (out, counts, files) if with_files else (out, counts)
 
 
 def encode_prompts(target: Model, prompts: Sequence[Prompt], *, chat: bool = True,
@@ -504,9 +519,11 @@ def _hidden_fn(cfg, layers: tuple[int, ...]):
   return run
 
 
-def _store_hidden(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndarray,
-                  cfg: DataConfig, progress) -> float:
-  """Writes hidden_final.npy (and hidden_layers.npy) with one forward per batch of rows."""
+def store_hidden_states(target: Model, out: Path, tokens: np.ndarray, lengths: np.ndarray,
+                        cfg: DataConfig, progress) -> float:
+  """Writes hidden_final.npy (and hidden_layers.npy of cfg.hidden_layers) into `out` with one
+  forward per cfg.hidden_batch_size rows of tokens [N, T] (lengths [N]); returns the seconds.
+  `progress` is a `make_progress` bar."""
   n, t = tokens.shape
   d = target.cfg.hidden_size
   layers = tuple(cfg.hidden_layers)
@@ -653,7 +670,7 @@ def write_dataset(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pa
     np.save(out / "prompt_index.npy", np.array([p for p, _, _ in rows], np.int32))
     hidden_s = 0.0
     if cfg.store_hidden:
-      hidden_s = _store_hidden(target, out, tokens, lengths, cfg, bar)
+      hidden_s = store_hidden_states(target, out, tokens, lengths, cfg, bar)
 
   stops = set(target.cfg.eos_token_ids) | set(getattr(target.tokenizer, "eos_token_ids", ()) or ())
   stopped = sum(1 for _, _, r in rows if r and r[-1] in stops)
