@@ -1,7 +1,9 @@
 """`num_draft_tokens="auto"` against plain decoding on long prompts (1,000+ tokens).
 
 SmolLM2-135M target, float32, greedy, batch 1, the Spec-Bench dev set's summarization and RAG
-prompts of at least `--min-tokens` tokens (chat-formatted), `--new-tokens` new tokens each.
+prompts of at least `--min-tokens` tokens (chat-formatted), `--new-tokens` new tokens each: with
+SmolLM2's tokenizer 13 summarization prompts reach 1,000 tokens (1,002-1,508) and no RAG prompt
+does (the longest is 902), so the default 4 per category takes the first 4 summarization ones.
 For every prompt, plain `generate` and "auto" with each drafter (the n-gram and the bundled
 EAGLE head) run back to back, interleaved (the order alternates between repeats, so a slow
 spell of a shared machine hits every method), all warmed up first (compilation and the one-off

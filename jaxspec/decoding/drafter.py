@@ -38,6 +38,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from jax import lax
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.lm import Hidden
@@ -126,6 +127,13 @@ class Drafter:
     the target's hidden states) holds their target features, `width` wide, as a verify pass over
     them would. The state afterwards is what committing each plain step would have given."""
     return self.commit(params, state, ctx)
+
+  def catch_up_where(self, params, state, ctx: DraftContext, width: int, when: jax.Array):
+    """`catch_up` where `when` ([] bool, traced) holds, else the state as it is: what the fused
+    loop runs after every plain step (`when`: some row has `width` tokens pending). XLA copies
+    the state an untaken branch passes through, every step: a drafter with a large state (a
+    KV cache) overrides this so that its state stays out of the conditional."""
+    return lax.cond(when, lambda st: self.catch_up(params, st, ctx, width), lambda st: st, state)
 
 
 def position_draft_keys(ctx: DraftContext, k: int, who: str = "drafter") -> jax.Array:

@@ -535,7 +535,9 @@ def commit_or_defer(drafter, dparams, new: SpecState, dw: Deferred, dstate, ctx:
                     plain_chosen, width: int) -> Deferred:
   """After a step of a deferring drafter: a drafting step commits as usual (its pending tokens
   were caught up before it drafted); a plain step (k = 0 chosen) adds its token to the pending
-  ones, caught up now only when some row has `width` pending."""
+  ones, caught up now only when some row has `width` pending. plain_chosen: [] bool, or True
+  for `plain_step`, whose catch-up is the drafter's `catch_up_where` (no `lax.switch` passing
+  the drafter's state through an untaken branch every plain step)."""
   pend = dw.pending + ctx.n_new
   hid = dw.hidden
   if hid is not None:  # the step's feature goes to slot `pending` of each row
@@ -545,6 +547,10 @@ def commit_or_defer(drafter, dparams, new: SpecState, dw: Deferred, dstate, ctx:
       layers = jnp.where(sel[None, :, :, None], ctx.hidden.layers[:, :, :1], hid.layers)
     hid = Hidden(final=jnp.where(sel[:, :, None], ctx.hidden.final[:, :1], hid.final),
                  layers=layers)
+  if plain_chosen is True:  # a step of `plain_run`: the drafter's state leaves no conditional
+    full = jnp.any(pend >= width)
+    inner = drafter.catch_up_where(dparams, dstate, pending_ctx(new, pend, hid), width, full)
+    return Deferred(inner=inner, pending=jnp.where(full, 0, pend), hidden=hid)
   which = jnp.where(plain_chosen, jnp.where(jnp.any(pend >= width), 2, 0), 1)
   branches = [lambda st: st,
               lambda st: drafter.commit(dparams, st, ctx),
@@ -644,7 +650,7 @@ def plain_step(tparams, dparams, s: SpecState, choice: Choice, sp, cfg: StepConf
   new, ctx = finish_step(s1, out, cfg, shadow_draft=choice.shadow)
   own = s.draft_state.inner if cfg.defers else s.draft_state
   dstate = choice.dstate if cfg.drafter.free_proposals else own
-  return commit_step(dparams, cfg, s, new, dstate, ctx, jnp.bool_(True))
+  return commit_step(dparams, cfg, s, new, dstate, ctx, True)
 
 
 def plain_run(tparams, dparams, s: SpecState, sp, costs, until, force_idx, cfg: StepConfig):

@@ -46,7 +46,7 @@ from jaxspec.heads.common import target_dims
 from jaxspec.heads.eagle import eagle_block
 from jaxspec.heads.training import draft_ids
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import KVCache, Params, init_cache
+from jaxspec.models.llama import KVCache, Params, init_cache, write_cache
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 F32 = jnp.float32
@@ -405,22 +405,49 @@ class EagleDrafter(HeadDrafter):
     return Proposal(tokens=drafts, q=None if self.coupled else q), EagleState(
         cache=dataclasses.replace(cache, length=length), feat=state.feat)
 
-  def commit(self, params, state: EagleState, ctx: DraftContext) -> EagleState:
-    model = self._model(params)
+  def _pairs(self, model, ctx: DraftContext):
+    """The pairs a commit writes: (feature [B, W, D], token [B, W]). Block index j of the verify
+    pass is f_{n'-1+j}; it pairs with x_{n'+j}, written at cache position n'-1+j = length + j.
+    The kept pairs are j < n_new."""
     hid = ctx.hidden
-    b, w = hid.final.shape[:2]
-    # Block index j of the verify pass is f_{n'-1+j}; it pairs with x_{n'+j}, written at cache
-    # position n'-1+j = length + j. The kept pairs are j < n_new.
+    w = hid.final.shape[1]
     feat = model.real_feature(hid.final, _layers_btnd(hid))  # [B, W, D]
     old_n = ctx.seq_len - ctx.n_new
     idx = old_n[:, None] + jnp.arange(w)[None, :]
-    tok = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
+    return feat, jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
+
+  @staticmethod
+  def _kept(state: EagleState, cache: KVCache, h, ctx: DraftContext, live) -> EagleState:
+    """The state after the pairs' outputs h [B, W, D] (cache written at the old length): the
+    length moves by n_new and feat is the output at t = n - 2, on rows where `live`."""
     start = state.cache.length
+    new_feat = _gather(h, jnp.maximum(ctx.n_new - 1, 0))
+    return EagleState(cache=dataclasses.replace(cache, length=jnp.where(live, start + ctx.n_new,
+                                                                        start)),
+                      feat=jnp.where(live[:, None], new_feat, state.feat))
+
+  def commit(self, params, state: EagleState, ctx: DraftContext) -> EagleState:
+    model = self._model(params)
+    feat, tok = self._pairs(model, ctx)
     h, cache = eagle_block(model, params.target, state.cache, feat, tok)
-    live = ctx.n_new > 0
-    cache = dataclasses.replace(cache, length=jnp.where(live, start + ctx.n_new, start))
-    new_feat = _gather(h, jnp.maximum(ctx.n_new - 1, 0))  # the output at t = n - 2
-    return EagleState(cache=cache, feat=jnp.where(live[:, None], new_feat, state.feat))
+    return self._kept(state, cache, h, ctx, ctx.n_new > 0)
+
+  def catch_up_where(self, params, state: EagleState, ctx: DraftContext, width: int, when):
+    """`catch_up` (= `commit`) where `when` holds, with the draft cache outside the conditional:
+    the conditional computes the pairs' keys and values reading the cache, and they are written
+    after it at each row's length. Where `when` is false zeros are written there, past the
+    length (scratch, as a draft's entries), and the length stays."""
+    model = self._model(params)
+
+    def run(_):
+      feat, tok = self._pairs(model, ctx)
+      return eagle_block(model, params.target, state.cache, feat, tok, write=False,
+                         return_block=True)
+
+    h, (k, v) = lax.cond(when, run, lambda _: jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(run, None)), None)
+    cache = write_cache(state.cache, k, v, positions_start=state.cache.length)
+    return self._kept(state, cache, h, ctx, when & (ctx.n_new > 0))
 
 
 _DRAFTERS = {"medusa": MedusaDrafter, "mlp": MLPDrafter, "eagle": EagleDrafter}

@@ -314,7 +314,7 @@ def eagle_predict(model: EagleHead, batch, frozen, steps):
 
 def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: jax.Array, *,
                 fresh: bool = False, offsets: jax.Array | None = None,
-                mask: jax.Array | None = None, write: bool = True):
+                mask: jax.Array | None = None, write: bool = True, return_block: bool = False):
   """Decoding: T pairs (feat [B, T, D], tok [B, T]) on top of the draft cache.
 
   Pair t of a row goes to cache position length + t with rotary position length + t + 1 (as in
@@ -322,7 +322,9 @@ def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: j
 
   A draft tree passes `offsets` [B, T] (cache position length + offset: a node's depth - 1) and
   `mask` [B, T, T] (ancestors only) with write=False: the cache is only read and comes back
-  unchanged.
+  unchanged. With write=False and return_block, the pairs' keys and values come back instead of
+  the cache, as (k, v) [1, B, T, G, K] for `write_cache`: a caller inside a `lax.cond` writes
+  them after it, so the cache never passes through the conditional.
   """
   b, t = tok.shape
   x, resid = model.layer_input(frozen, feat, tok)
@@ -336,7 +338,7 @@ def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: j
                     cache.length, pos, mask, model.layer_cfg)
   h = model.finish(resid, attn.astype(F32))
   if not write:
-    return h, cache
+    return h, ((k[None], v[None]) if return_block else cache)
   return h, write_cache(cache, k[None], v[None], positions_start=cache.length)
 
 

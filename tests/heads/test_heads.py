@@ -283,6 +283,55 @@ def test_eagle_deferred_commits_equal_eager_ones(tiny_target, reference, trained
     assert 0 < sum(st["accepted_per_row"]) < sum(st["drafted_per_row"])
 
 
+def _eqns(jaxpr, name):
+  """Every equation of primitive `name` in jaxpr and in the jaxprs below it."""
+  from jax.extend import core as jcore
+  for e in jaxpr.eqns:
+    if e.primitive.name == name:
+      yield e
+    for v in e.params.values():
+      for x in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+          yield from _eqns(getattr(x, "jaxpr", x), name)
+
+
+def test_eagle_plain_steps_pass_no_cache_through_a_conditional(tiny_target):
+  """The plain steps "auto" runs in its inner loop (`plain_run`) cost what `generate`'s do: no
+  conditional in them returns the draft layer's cache (or the target's). XLA copies what a
+  conditional passes through, even on the branch that leaves it as it is; the deferred EAGLE
+  commit's catch-up computes its new keys and values in the conditional and writes them after
+  it (`catch_up_where`)."""
+  import functools
+  from jaxspec.decoding import loop
+  from jaxspec.decoding.adaptive import AutoK
+  from jaxspec.engine import io
+  from jaxspec.models.llama import LlamaLM
+  from helpers import CPU_LIKE
+
+  drafter = heads.HEADS["eagle"].drafter(_create("eagle3", tiny_target.cfg), tiny_target)
+  req = io.prepare_spec(tiny_target, drafter, PROMPTS[:1], max_new_tokens=8,
+                        num_draft_tokens="auto", auto=AutoK(k_max=3), cost=CPU_LIKE,
+                        stop_ids=())
+  cfg = loop.StepConfig(lm=LlamaLM(tiny_target.cfg), drafter=req.drafter, policy=req.policy,
+                        max_new_tokens=8, max_len=req.prep.max_len, max_steps=9)
+  assert cfg.defers
+  sp = req.sampling.arrays(1)
+  state = jax.eval_shape(functools.partial(loop.spec_init, cfg=cfg), tiny_target.params,
+                         req.drafter.params, jnp.asarray(req.prep.tokens),
+                         jnp.asarray(req.prep.lengths), sp, jax.random.key(0))
+  jaxpr = jax.make_jaxpr(functools.partial(loop.spec_loop, cfg=cfg))(
+      tiny_target.params, req.drafter.params, state, sp, loop.costs_array(req.policy, req.cost),
+      jnp.int32(0), jnp.int32(-1)).jaxpr
+  body = next(_eqns(jaxpr, "while")).params["body_jaxpr"].jaxpr  # spec_loop's
+  plain_runs = [e for e in body.eqns if e.primitive.name == "while"]
+  assert len(plain_runs) == 1
+  caches = {state.draft_state.inner.cache.k.shape, state.cache.k.shape}
+  conds = list(_eqns(plain_runs[0].params["body_jaxpr"].jaxpr, "cond"))
+  assert conds  # the catch-up when a buffer is full, the sampling's greedy switch
+  passed = [v.aval.shape for c in conds for v in c.outvars if v.aval.shape in caches]
+  assert passed == []
+
+
 # ----------------------------------------------------------------------------------------------
 # (b) Exact sampling with a head drafter (chi-square on the first three tokens).
 
