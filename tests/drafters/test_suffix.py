@@ -13,7 +13,7 @@ import pytest
 from jaxspec.api import generate, speculative_generate
 from jaxspec.decoding import functional
 from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.functional import decode, speculative_decode
+from jaxspec.decoding.functional import speculative_decode
 from jaxspec.drafters import SuffixCorpus, SuffixDecoding, corpus_from, resolve_drafter
 from jaxspec.drafters.suffix import SEP, append_rows
 from jaxspec.models import forward, init_cache
@@ -111,20 +111,6 @@ def test_corpus_is_a_fixed_ring_that_evicts_the_oldest_first():
   np.testing.assert_array_equal(np.asarray(big.ordered()), list(range(30, 45)) + [SEP])
 
 
-def test_the_call_returns_its_rows_appended_to_the_corpus(tiny_target):
-  d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=64, context=2)
-  ids, lens = _padded(PROMPTS[:2])
-  out = speculative_decode(tiny_target, d, ids, lens, 0, max_new_tokens=6, num_draft_tokens=2)
-  toks = np.asarray(out.tokens)
-  want = [SEP] * 64
-  for p, t in zip(PROMPTS[:2], toks):
-    want += p[-2:] + list(t) + [SEP]  # context=2 prompt tokens, the output, a separator
-  np.testing.assert_array_equal(np.asarray(out.drafter_params.ordered()), want[-64:])
-  assert out.drafter_params.vocab_size == tiny_target.cfg.vocab_size
-  plain = decode(tiny_target, ids, lens, 0, max_new_tokens=6)
-  assert plain.drafter_params is None
-
-
 # -- exactness ------------------------------------------------------------------------------------
 
 
@@ -151,14 +137,21 @@ def test_greedy_equals_plain_with_the_corpus_carried_under_jit(tiny_target, plai
     toks, acc, corpus = call(corpus, jax.random.key(i))
     np.testing.assert_array_equal(np.asarray(toks), plain.tokens, err_msg=f"call {i}")
     accepted.append(int(acc))
+    # The call returns its rows appended: each row's last max_match prompt tokens (here the
+    # whole prompts), its output and a separator, after the earlier calls' (the ring of 256
+    # slots has wrapped by the third call).
+    want = ([SEP] * 256 + [t for p, out in zip(PROMPTS, plain.tokens)
+                           for t in p[-16:] + list(out) + [SEP]] * (i + 1))[-256:]
+    np.testing.assert_array_equal(np.asarray(corpus.ordered()), want, err_msg=f"call {i}")
+  assert corpus.vocab_size == tiny_target.cfg.vocab_size
   assert call._cache_size() == 1
   assert accepted[1] > accepted[0] + 40 and accepted[2] > accepted[0] + 40, accepted
 
 
 def test_greedy_equals_plain_under_vmap_and_through_the_host_wrapper(tiny_target, plain):
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=128)
-  corpus = speculative_decode(tiny_target, d, *_padded(PROMPTS), 0, max_new_tokens=N_NEW,
-                              num_draft_tokens=3, stop_ids=()).drafter_params
+  corpus = corpus_from([p + list(t) for p, t in zip(PROMPTS, plain.tokens)],
+                       tiny_target.cfg.vocab_size, 128)
   rows = [_padded([p]) for p in PROMPTS]
   ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
   out = jax.jit(jax.vmap(lambda i, l, c: speculative_decode(
@@ -175,26 +168,20 @@ def test_greedy_equals_plain_under_vmap_and_through_the_host_wrapper(tiny_target
   np.testing.assert_array_equal(host.tokens, plain.tokens)
 
 
-def _exact_joint_45(target, prompt, sp):
-  """P(t4, t5) [V, V]: the target's joint of the 4th and 5th new tokens, summed over t1..t3."""
+def _exact_tables(target, prompt, sp):
+  """The target's conditionals after the prompt: [V] p(t1), [V, V] p(t2 | t1), [V, V, V]
+  p(t3 | t1 t2), [V]*4 p(t4 | t1..t3) and [V]*5 p(t5 | t1..t4)."""
   v = target.cfg.vocab_size
-  prefixes = np.array(list(itertools.product(range(v), repeat=3)))  # [V^3, 3]
-  seqs = np.concatenate([np.tile(prompt, (len(prefixes) * v, 1)),
-                         np.repeat(prefixes, v, axis=0),
-                         np.tile(np.arange(v), len(prefixes))[:, None]], axis=1)
+  seqs = np.array([list(prompt) + list(t) for t in itertools.product(range(v), repeat=4)])
   n = seqs.shape[0]
   lg, _, _ = forward(target.params, jnp.asarray(seqs, jnp.int32),
                      init_cache(target.cfg, n, seqs.shape[1]), target.cfg)
   arr = sp.arrays(n)
-  p = np.asarray(jax.vmap(lambda l: probs(l, arr), in_axes=1, out_axes=1)(lg), np.float64)
+  p = np.asarray(jax.vmap(lambda x: probs(x, arr), in_axes=1, out_axes=1)(lg), np.float64)
+  p = p.reshape((v,) * 4 + p.shape[1:])  # [t1, t2, t3, t4, position, V]
   lp = len(prompt)
-  first = p[::v]  # [V^3, L, V] distributions along each prefix (t4 not yet appended)
-  pre = first[:, lp - 1, :][np.arange(len(prefixes)), prefixes[:, 0]] \
-      * first[:, lp, :][np.arange(len(prefixes)), prefixes[:, 1]] \
-      * first[:, lp + 1, :][np.arange(len(prefixes)), prefixes[:, 2]]  # P(t1 t2 t3)
-  p4 = first[:, lp + 2, :]  # [V^3, V]
-  p5 = p[:, lp + 3, :].reshape(len(prefixes), v, v)  # [V^3, t4, t5]
-  return np.einsum("a,ab,abc->bc", pre, p4, p5)
+  return (p[0, 0, 0, 0, lp - 1], p[:, 0, 0, 0, lp], p[:, :, 0, 0, lp + 1],
+          p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
 
 
 def test_sampled_distribution_at_later_positions(small_vocab):
@@ -205,11 +192,19 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   v = target.cfg.vocab_size
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
   prompt = [1, 2, 3, 4]
+  p1, p2, p3, p4, p5 = _exact_tables(target, prompt, sp)
+  # Earlier outputs: 12 samples of t1..t5 drawn from the exact conditionals.
+  rng = np.random.default_rng(0)
+  earlier = []
+  for _ in range(12):
+    t = [rng.choice(v, p=p1 / p1.sum())]
+    for table in (p2, p3, p4, p5):
+      q = table[tuple(t)]
+      t.append(rng.choice(v, p=q / q.sum()))
+    earlier.append(prompt + [int(x) for x in t])
   d = SuffixDecoding(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2)
+  corpus = corpus_from(earlier, v, 96)
   ids, lens = _padded([prompt, prompt], 4)
-  first = speculative_decode(target, d, *_padded([prompt] * 8, 4), 99, max_new_tokens=6,
-                             num_draft_tokens=3, sampling=sp, max_len=16)
-  corpus = first.drafter_params
 
   def one(key):
     out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, num_draft_tokens=3,
@@ -220,7 +215,8 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   toks, drafted, accepted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(5), n))
   rate = int(accepted.sum()) / int(drafted.sum())
   assert 0.1 < rate < 0.9, rate  # both paths of the rejection rule
-  joint = _exact_joint_45(target, np.array(prompt), sp).reshape(-1)
+  # P(t4, t5) = sum over t1..t3 of the chain.
+  joint = np.einsum("a,ab,abc,abcd,abcde->de", p1, p2, p3, p4, p5).reshape(-1)
   assert abs(joint.sum() - 1) < 1e-4
   toks = np.asarray(toks)
   obs = np.bincount(toks[:, 0] * v + toks[:, 1], minlength=v * v)
