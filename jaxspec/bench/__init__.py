@@ -17,9 +17,13 @@ command), bench.md (tables) and four plots into --out.
 A method is one entry of `METHODS` (a peer one of `jaxspec.peers.PEERS`); adding one is adding
 an entry. Definitions of every number are in `DEFINITIONS` and in the JSON.
 
+`--workload rollout` runs the rollout workload instead (`rollout`: n sampled continuations of
+gsm8k and humaneval prompts, as one batch and as consecutive calls carrying a suffix corpus).
+
 Modules: `methods` (`METHODS`, `Settings`), `inputs` (the prompt file and the option checks),
-`run` (`run_bench`), `aggregate` (the numbers of every cell), `report` (tables, plots, JSON),
-`machine` (hardware, versions, commit) and `cli` (the `bench` subcommand).
+`run` (`run_bench`), `rollout` (`run_rollout`, `RolloutSettings`), `aggregate` (the numbers of
+every cell), `report` (tables, plots, JSON), `machine` (hardware, versions, commit) and `cli`
+(the `bench` subcommand).
 """
 
 from jaxspec.bench.aggregate import (aggregate, expected_tokens, expected_tokens_by_k, goals,
@@ -31,12 +35,13 @@ from jaxspec.bench.inputs import (DEMO_PROMPTS, MT_BENCH, parse_batch_sizes, par
 from jaxspec.bench.machine import git_commit, loadavg, machine, threads, versions
 from jaxspec.bench.methods import DEFAULT_METHODS, METHODS, BenchError, Method, Settings
 from jaxspec.bench.report import DEFINITIONS, SCHEMA, markdown, plots, to_json
+from jaxspec.bench.rollout import RolloutSettings, run_rollout
 from jaxspec.bench.run import run_bench
 
 __all__ = ["DEFAULT_METHODS", "DEFINITIONS", "DEMO_PROMPTS", "METHODS", "MT_BENCH", "SCHEMA",
-           "BenchError", "Method", "Settings", "add_bench_parser", "aggregate", "cmd_bench",
-           "expected_tokens", "expected_tokens_by_k", "git_commit", "goals", "latency_samples",
-           "loadavg", "machine", "markdown", "parse_batch_sizes", "parse_categories",
-           "parse_methods", "parse_peers", "plots", "predicted_times", "read_prompts",
-           "run_bench", "select", "settings_from_args", "summarize", "threads", "to_json",
-           "versions"]
+           "BenchError", "Method", "RolloutSettings", "Settings", "add_bench_parser", "aggregate",
+           "cmd_bench", "expected_tokens", "expected_tokens_by_k", "git_commit", "goals",
+           "latency_samples", "loadavg", "machine", "markdown", "parse_batch_sizes",
+           "parse_categories", "parse_methods", "parse_peers", "plots", "predicted_times",
+           "read_prompts", "run_bench", "run_rollout", "select", "settings_from_args", "summarize",
+           "threads", "to_json", "versions"]

@@ -121,6 +121,16 @@ class Drafter:
   def commit(self, params, state, ctx: DraftContext):
     raise NotImplementedError
 
+  def check_params(self, params) -> None:
+    """Raises ValueError where `params` (given as `drafter_params`) cannot be this drafter's,
+    before anything is traced; the structure and leaf shapes are checked besides."""
+
+  def next_params(self, params, state, ctx: DraftContext):
+    """The params the next call should take (`DecodeOutput.drafter_params`), after the loop:
+    ctx holds every row's whole sequence. None (the default): the params do not change. A
+    suffix drafter returns its corpus with the call's rows appended."""
+    return None
+
   def catch_up(self, params, state, ctx: DraftContext, width: int):
     """A deferred commit (`defer_commit`): the last ctx.n_new [B] tokens of ctx.seq (at most
     `width`) came from plain steps the drafter has not seen; ctx.hidden (when the drafter uses

@@ -34,7 +34,7 @@ from jaxspec import sampling as sampling_lib
 from jaxspec.checks import is_int
 from jaxspec.decoding import limits, loop, plain, protocol
 from jaxspec.decoding.adaptive import AutoK, CostModel
-from jaxspec.decoding.drafter import Drafter, resolve_coupled
+from jaxspec.decoding.drafter import DraftContext, Drafter, resolve_coupled
 from jaxspec.decoding.loop import SpecStats, StepConfig, costs_array, resolve_policy
 from jaxspec.pytree import pytree_dataclass as _pytree
 
@@ -53,6 +53,9 @@ class DecodeOutput:
     target_passes: [] int32 target forward passes after the prefill.
     stats: the speculative loop's counters (`SpecStats`: drafted, accepted, emitted per row,
       acceptance per position, the k of every step); None for plain decoding.
+    drafter_params: what the drafter hands to the next call as its `drafter_params`
+      (`Drafter.next_params`: a `SuffixDecoding` drafter's corpus with this call's rows
+      appended); None for drafters whose params do not change, and for plain decoding.
   """
 
   tokens: jax.Array
@@ -60,6 +63,7 @@ class DecodeOutput:
   logprobs: jax.Array | None
   target_passes: jax.Array
   stats: SpecStats | None = None
+  drafter_params: Any = None
 
 
 def _is_concrete(x) -> bool:
@@ -167,6 +171,7 @@ def _check_pad_id(pad_id) -> int:
 def _check_drafter_params(drafter: Drafter, dparams) -> None:
   """Raises ValueError unless `dparams` has the structure and leaf shapes of `drafter.params`
   (the weights the drafter's functions index), before anything is traced."""
+  drafter.check_params(dparams)
   want = drafter.params
   got_def, want_def = jax.tree.structure(dparams), jax.tree.structure(want)
   if got_def != want_def:
@@ -368,9 +373,12 @@ def _speculative_jit(target, dparams, prompt, lengths, key, max_new, sp, costs, 
   s = loop.spec_init(target.params, dparams, prompt, lengths, sp, key, cfg=cfg)
   s = loop.spec_loop(target.params, dparams, s, sp, costs, max_new + 1, jnp.int32(-1), cfg=cfg)
   toks, n_out, *lp = loop.outputs(s, capacity)
+  dstate = s.draft_state.inner if cfg.defers else s.draft_state
+  nxt = drafter.next_params(dparams, dstate, DraftContext(
+      seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len))
   return DecodeOutput(tokens=jnp.where(toks < 0, pad_id, toks), lengths=n_out,
                       logprobs=lp[0] if lp else None, target_passes=s.stats.target_passes,
-                      stats=s.stats)
+                      stats=s.stats, drafter_params=nxt)
 
 
 def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,

@@ -4,6 +4,8 @@
   draft_model  `DraftModel`: a separate draft model with its own KV cache
   self_draft   `self_drafter(target)`: the target in int8 (or bfloat16) as its own `DraftModel`
   oracle       `Oracle`: a known continuation kept with probability alpha (benchmarks)
+  suffix       `SuffixDecoding`: suffix decoding over the batch's rows and a corpus of earlier
+               outputs carried from call to call (`SuffixCorpus`); no model pass
   resolve      `resolve_drafter`: a drafter named by a string ("ngram", a head, a path)
 
 The drafters of the trained heads (Medusa, the MLP speculator, EAGLE) live with the heads, in
@@ -20,8 +22,9 @@ from jaxspec.drafters.ngram import MAX_NGRAM, NGram
 from jaxspec.drafters.oracle import Oracle, OracleParams
 from jaxspec.drafters.resolve import resolve_drafter
 from jaxspec.drafters.self_draft import self_drafter
+from jaxspec.drafters.suffix import SuffixCorpus, SuffixDecoding, corpus_from
 from jaxspec.heads.drafting import EagleDrafter, HeadDrafter, MedusaDrafter, MLPDrafter
 
 __all__ = ["MAX_NGRAM", "DraftModel", "DraftModelState", "EagleDrafter", "HeadDrafter",
-           "MLPDrafter", "MedusaDrafter", "NGram", "Oracle", "OracleParams", "resolve_drafter",
-           "self_drafter"]
+           "MLPDrafter", "MedusaDrafter", "NGram", "Oracle", "OracleParams", "SuffixCorpus",
+           "SuffixDecoding", "corpus_from", "resolve_drafter", "self_drafter"]

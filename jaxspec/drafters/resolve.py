@@ -1,5 +1,5 @@
 """`resolve_drafter`: a drafter named by a string (a bundled head, a head directory, the path of
-a draft model, "ngram") made into a `Drafter`."""
+a draft model, "ngram", "suffix") made into a `Drafter`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.drafter import Drafter
 from jaxspec.drafters.draft_model import DraftModel
 from jaxspec.drafters.ngram import NGram
+from jaxspec.drafters.suffix import SuffixDecoding
 from jaxspec.models.model import Model
 
 
@@ -18,20 +19,24 @@ _NAMED: dict[tuple[str, int, str | None], tuple[Model, Drafter]] = {}
 def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter:
   """A `Drafter`, or one named by a string.
 
-  Names: "ngram" (`NGram()`); "eagle" (or "eagle3", the name its drafter reports), "medusa",
-  "mlp" (the head bundled for the default SmolLM2 target under jaxspec/assets/heads/); a
-  directory written by `jaxspec.heads.save_head` or `jaxspec train`; or the path of a draft
-  model (.gguf file or Hugging Face directory), loaded as a `DraftModel` in `dtype` (default
-  the target's). A named drafter is loaded once per target and reused by later calls.
+  Names: "ngram" (`NGram()`); "suffix" (`SuffixDecoding(vocab=target.vocab_size)`: drafting
+  from the batch's rows; the host wrappers start every call from an empty corpus); "eagle" (or
+  "eagle3", the name its drafter reports), "medusa", "mlp" (the head bundled for the default
+  SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
+  or `jaxspec train`; or the path of a draft model (.gguf file or Hugging Face directory),
+  loaded as a `DraftModel` in `dtype` (default the target's). A named drafter is loaded once
+  per target and reused by later calls.
   """
   if isinstance(drafter, Drafter):
     return drafter
   if not isinstance(drafter, str):
     raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), ...) or a"
-                     f" name (\"ngram\", \"eagle\", \"medusa\", \"mlp\", or a path), got"
-                     f" {type(drafter).__name__}")
+                     f" name (\"ngram\", \"suffix\", \"eagle\", \"medusa\", \"mlp\", or a path),"
+                     f" got {type(drafter).__name__}")
   if drafter == "ngram":
     return NGram()
+  if drafter == "suffix":
+    return SuffixDecoding(vocab=target.vocab_size)
   if drafter == "eagle3":  # the bundled EAGLE head under the name its drafter reports
     drafter = "eagle"
   key = (drafter, id(target), dtype)
@@ -49,7 +54,7 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
       dtype = "bfloat16" if target.params.embed.dtype == jnp.bfloat16 else "float32"
     made = DraftModel(load(drafter, dtype=dtype))
   else:
-    raise ValueError(f"drafter {drafter!r} is not 'ngram', a bundled head"
+    raise ValueError(f"drafter {drafter!r} is not 'ngram', 'suffix', a bundled head"
                      f" ({', '.join(sorted(heads_lib.HEADS) + ['eagle3'])}), a head directory"
                      " or the path of"
                      " a draft model (.gguf file or Hugging Face directory)")

@@ -1,0 +1,280 @@
+"""Suffix decoding (Oliaro et al. 2024, arXiv 2411.04975): `SuffixDecoding` drafts what followed
+the longest earlier occurrences of a row's last tokens, in every row of the batch and in a corpus
+of earlier outputs carried from call to call.
+
+The corpus is a `SuffixCorpus`: a ring buffer of `corpus_size` token slots, fixed in size, that
+the drafter takes as its params. Each call reads it (it is the drafter's `params`, so a new
+corpus of the same size reuses the compiled loop) and returns it with the call's rows appended
+(`DecodeOutput.drafter_params`), oldest entries overwritten first:
+
+    drafter = SuffixDecoding(vocab=target.vocab_size)
+    corpus = drafter.params                                     # empty
+    for batch in rollouts:
+      out = speculative_decode(target, drafter, ids, lens, key, max_new_tokens=256,
+                               num_draft_tokens=8, drafter_params=corpus)
+      corpus = out.drafter_params                               # this call's rows appended
+
+Matching is a direct scan, vectorised over positions: every step compares each row's last
+`max_match` tokens with every position of the corpus and of the batch's rows (O((C + B S)
+max_match) per row, no host work), so it runs inside the loop under jit, vmap and scan and is
+deterministic. Among the positions with the longest match (up to `candidates` of them, most
+recent first) the draft follows the continuation most of them agree on, token by token, as the
+suffix tree's most frequent child; each draft's confidence is the share of the remaining
+candidates that agree, and a row stops drafting where the product of the confidences falls
+below `min_prob`, or after `spec_factor` x the match length tokens. So the draft length of a
+row follows its match (`Proposal.n_valid`), capped by the step's k.
+
+Exact: the proposal of row b is a deterministic function of the corpus and of tokens already
+emitted (its own and the other rows'), never of the noise its own next tokens will be drawn
+with. Row b's token j is drawn with fold_in(row_key_b, j) and the verify pass's rejection rule;
+other rows' tokens depend on their own keys (and on row b's earlier tokens only), so the drafts
+are fixed before row b's future randomness is used, and rejection sampling of a deterministic
+(one-hot) draft then leaves row b's output distribution the target's. Greedy output equals plain
+greedy output token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.checks import check_int
+from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal
+from jaxspec.pytree import pytree_dataclass as _pytree
+
+# Marks empty slots and the end of every corpus entry and row: it equals no token and no
+# context, so no match runs across two entries.
+SEP = -1
+# A context position before the start of a sequence (matches nothing, SEP included).
+_NONE = -2
+
+
+@dataclasses.dataclass
+class SuffixCorpus:
+  """The corpus of earlier outputs: a ring of `corpus_size` token slots.
+
+  Entries (a row's last prompt tokens and its output, then `SEP`) are written at `end` and wrap
+  around, overwriting the oldest; empty slots hold `SEP`. `vocab_size` is static (the pytree's
+  metadata): the token ids it holds belong to that vocabulary.
+  """
+
+  tokens: jax.Array  # [C] int32 token ids, SEP between entries and in empty slots
+  end: jax.Array  # [] int32 the slot the next token goes to (the oldest slot when full)
+  vocab_size: int = 0
+
+  @classmethod
+  def empty(cls, corpus_size: int, vocab_size: int) -> SuffixCorpus:
+    return cls(tokens=jnp.full((corpus_size,), SEP, jnp.int32), end=jnp.zeros((), jnp.int32),
+               vocab_size=int(vocab_size))
+
+  def ordered(self) -> jax.Array:
+    """[C] the slots oldest first (the newest entry, then its SEP, last)."""
+    return jnp.roll(self.tokens, -self.end)
+
+
+jax.tree_util.register_dataclass(SuffixCorpus, data_fields=["tokens", "end"],
+                                 meta_fields=["vocab_size"])
+
+
+@_pytree
+@dataclasses.dataclass
+class SuffixState:
+  corpus: jax.Array  # [C] int32 the corpus oldest first (`SuffixCorpus.ordered`), per call
+
+
+def append_rows(corpus: SuffixCorpus, seq: jax.Array, seq_len: jax.Array, start: jax.Array
+                ) -> SuffixCorpus:
+  """The corpus with seq[b, start[b]:seq_len[b]] and a `SEP` appended for every row b, in row
+  order; only the last C tokens of what is appended are written when it holds more, so slots
+  are written at most once (a scatter's duplicates have no defined order).
+
+  Args:
+    seq: [B, S] int32 token ids; seq_len, start: [B] int32, 0 <= start <= seq_len <= S.
+  """
+  c = corpus.tokens.shape[0]
+  b, s = seq.shape
+  lens = seq_len - start + 1  # [B] with the separator
+  offs = jnp.cumsum(lens) - lens  # where each row's entry starts in what is appended
+  total = jnp.sum(lens)
+  i = jnp.arange(s + 1)[None, :]
+  src = jnp.take_along_axis(seq, jnp.minimum(start[:, None] + i, s - 1), axis=1)
+  tok = jnp.where(i < lens[:, None] - 1, src, SEP)  # [B, S + 1]
+  g = offs[:, None] + i  # index in what is appended
+  keep = (i < lens[:, None]) & (g >= total - c)
+  slot = jnp.where(keep, (corpus.end + g) % c, c)  # c: dropped
+  tokens = corpus.tokens.at[slot.reshape(-1)].set(tok.reshape(-1), mode="drop")
+  return SuffixCorpus(tokens=tokens, end=((corpus.end + total) % c).astype(jnp.int32),
+                      vocab_size=corpus.vocab_size)
+
+
+def corpus_from(tokens, vocab_size: int, corpus_size: int) -> SuffixCorpus:
+  """A corpus holding the given token sequences (a list of lists of ids, e.g. earlier outputs),
+  oldest first; when they hold more than corpus_size tokens (with a separator each) the oldest
+  are evicted. Raises ValueError for an id outside [0, vocab_size)."""
+  import numpy as np
+  out = SuffixCorpus.empty(corpus_size, vocab_size)
+  seqs = [np.asarray(t, np.int64).reshape(-1) for t in tokens]
+  for j, t in enumerate(seqs):
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+      bad = int(t.min()) if t.min() < 0 else int(t.max())
+      raise ValueError(f"corpus sequence {j} holds token id {bad}, outside the vocabulary"
+                       f" [0, {vocab_size})")
+  seqs = [t for t in seqs if t.size]
+  if not seqs:
+    return out
+  width = max(t.size for t in seqs)
+  arr = np.zeros((len(seqs), width), np.int32)
+  for j, t in enumerate(seqs):
+    arr[j, :t.size] = t
+  lens = jnp.asarray([t.size for t in seqs], jnp.int32)
+  return append_rows(out, jnp.asarray(arr), lens, jnp.zeros_like(lens))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuffixDecoding(Drafter):
+  """Suffix decoding over the batch's rows and a carried corpus of earlier outputs (see the
+  module docstring). Deterministic (one-hot q); costs no model pass.
+
+  Attributes:
+    vocab: the target's vocabulary size (`vocab_size`; the corpus holds its token ids).
+    corpus_size: C, token slots of the corpus ring (entries and their separators).
+    max_match: the longest suffix matched (the scan is unrolled over it).
+    min_match: a row drafts only from a match at least this long.
+    candidates: matches whose continuations vote (the longest, most recent first).
+    min_prob: a row stops drafting where the product of its drafts' confidences (the share of
+      candidates agreeing with each) falls below this.
+    spec_factor, spec_offset: a row drafts at most spec_factor x match length + spec_offset
+      tokens (and at most the step's k).
+    context: prompt tokens kept before each output in the corpus (so a later call's first
+      tokens find the continuation of the same prompt); default max_match.
+  """
+
+  vocab: int
+  corpus_size: int = 8192
+  max_match: int = 16
+  min_match: int = 1
+  candidates: int = 32
+  min_prob: float = 0.1
+  spec_factor: float = 1.0
+  spec_offset: int = 1
+  context: int | None = None
+  name: str = "suffix"
+  free_proposals = True  # a scan, not a model pass
+
+  def __post_init__(self):
+    for name in ("vocab", "corpus_size", "max_match", "min_match", "candidates",
+                 "spec_offset"):  # Python ints: the drafter is a static argument
+      check_int(f"SuffixDecoding.{name}", getattr(self, name), numpy=False)
+    if self.context is not None:
+      check_int("SuffixDecoding.context", self.context, numpy=False)
+    if self.vocab < 1 or self.corpus_size < 2:
+      raise ValueError(f"SuffixDecoding needs vocab >= 1 and corpus_size >= 2, got"
+                       f" vocab={self.vocab}, corpus_size={self.corpus_size}")
+    if not 1 <= self.min_match <= self.max_match <= 64:
+      raise ValueError(f"need 1 <= min_match <= max_match <= 64, got min_match={self.min_match},"
+                       f" max_match={self.max_match} (the scan is traced once per matched"
+                       " position)")
+    if not 1 <= self.candidates <= 256:
+      raise ValueError(f"SuffixDecoding.candidates must be in [1, 256], got {self.candidates}")
+    if not 0.0 <= float(self.min_prob) <= 1.0 or float(self.spec_factor) < 0:
+      raise ValueError(f"need 0 <= min_prob <= 1 and spec_factor >= 0, got"
+                       f" min_prob={self.min_prob}, spec_factor={self.spec_factor}")
+    if self.spec_offset < 0 or (self.context is not None and self.context < 0):
+      raise ValueError(f"spec_offset and context must be >= 0, got spec_offset="
+                       f"{self.spec_offset}, context={self.context}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.vocab
+
+  @property
+  def params(self) -> SuffixCorpus:
+    """An empty corpus of this drafter's size and vocabulary."""
+    return SuffixCorpus.empty(self.corpus_size, self.vocab_size)
+
+  def check_params(self, params) -> None:
+    """Raises ValueError unless `params` is a `SuffixCorpus` of this drafter's size and
+    vocabulary (before anything is traced)."""
+    if not isinstance(params, SuffixCorpus):
+      raise ValueError(f"the suffix drafter's params must be a SuffixCorpus (drafter.params, or"
+                       f" a call's DecodeOutput.drafter_params), got {type(params).__name__}")
+    if params.vocab_size != self.vocab_size:
+      raise ValueError(f"the corpus holds ids of a vocabulary of {params.vocab_size}, the"
+                       f" drafter's is {self.vocab_size}: a corpus is made for one tokenizer;"
+                       " start from drafter.params for this target")
+    shape = tuple(getattr(params.tokens, "shape", ()))
+    if shape != (self.corpus_size,) or tuple(getattr(params.end, "shape", (1,))) != ():
+      raise ValueError(f"the corpus has {shape} token slots, the drafter {self.corpus_size}:"
+                       f" use SuffixDecoding(corpus_size={shape[0] if len(shape) == 1 else '?'},"
+                       " ...) or a corpus from this drafter's params")
+
+  def init(self, params, prompt, prompt_len, max_len, hidden=None):
+    return SuffixState(corpus=params.ordered())
+
+  def commit(self, params, state, ctx):
+    return state  # the rows are read from ctx.seq at every step
+
+  def next_params(self, params, state, ctx: DraftContext) -> SuffixCorpus:
+    """The corpus for the next call: `params` with every row's last `context` prompt tokens
+    and its output appended."""
+    keep = self.max_match if self.context is None else self.context
+    start = jnp.maximum(ctx.prompt_len - keep, 0)
+    return append_rows(params, ctx.seq, ctx.seq_len, start)
+
+  def propose(self, params, state, ctx, k, sp, keys):
+    seq, n = ctx.seq, ctx.seq_len
+    b, s = seq.shape
+    m, c = self.max_match, state.corpus.shape[0]
+    # The haystack: the corpus, then every row up to its length, each followed by a SEP.
+    rows = jnp.where(jnp.arange(s + 1)[None, :] < n[:, None],
+                     jnp.pad(seq, ((0, 0), (0, 1))), SEP)
+    hay = jnp.concatenate([state.corpus, rows.reshape(-1)])  # [H]
+    h = hay.shape[0]
+    idx = n[:, None] - m + jnp.arange(m)[None, :]
+    tail = jnp.where(idx >= 0, jnp.take_along_axis(seq, jnp.maximum(idx, 0), axis=1), _NONE)
+    # match[b, j]: how many of row b's last tokens end at position j (at most m).
+    run = jnp.ones((b, h), bool)
+    match = jnp.zeros((b, h), jnp.int32)
+    for i in range(m):
+      shifted = jnp.concatenate([jnp.full((i,), SEP, hay.dtype), hay[:h - i]])  # hay[j - i]
+      run = run & (shifted[None, :] == tail[:, m - 1 - i:m - i])
+      match = match + run
+    # A match counts only where something follows it (not a row's own last token, nor an
+    # entry's end).
+    follows = jnp.concatenate([hay[1:], jnp.full((1,), SEP, hay.dtype)]) >= 0
+    match = jnp.where(follows[None, :], match, 0)
+    best = jnp.max(match, axis=1)  # [B]
+    nc = min(self.candidates, h)
+    # The longest matches, most recent (furthest into the haystack) first: slot r of cand holds
+    # the r-th most recent (a scatter of distinct slots; lax.top_k over [B, H] costs ten times
+    # the scan on XLA's CPU).
+    longest = match == best[:, None]
+    rank = jnp.cumsum(longest[:, ::-1], axis=1, dtype=jnp.int32)[:, ::-1] - 1
+    slot = jnp.where(longest & (rank < nc), rank, nc)  # nc: dropped
+    cand = jnp.zeros((b, nc), jnp.int32).at[jnp.arange(b)[:, None], slot].set(
+        jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32), (b, h)), mode="drop")
+    alive = (jnp.arange(nc)[None, :] < jnp.sum(longest, axis=1)[:, None]) \
+        & (best >= self.min_match)[:, None]
+    padded = jnp.concatenate([hay, jnp.full((k + 1,), SEP, hay.dtype)])
+    cont = padded[cand[:, :, None] + 1 + jnp.arange(k)[None, None, :]]  # [B, N, k]
+    limit = jnp.minimum(jnp.floor(self.spec_factor * best).astype(jnp.int32)
+                        + self.spec_offset, k)
+    prob = jnp.ones((b,), jnp.float32)
+    going = jnp.ones((b,), bool)
+    tokens, valid = [], []
+    for d in range(k):
+      t = cont[:, :, d]  # [B, N]
+      votes = jnp.sum((t[:, :, None] == t[:, None, :]) & alive[:, None, :], axis=2)
+      votes = jnp.where(alive, votes, 0)
+      pick = jnp.argmax(votes, axis=1)  # the most recent of the most agreed-on
+      tok = jnp.take_along_axis(t, pick[:, None], axis=1)[:, 0]
+      v = jnp.take_along_axis(votes, pick[:, None], axis=1)[:, 0]
+      prob = prob * v / jnp.maximum(jnp.sum(alive, axis=1), 1)
+      going = going & (v > 0) & (tok >= 0) & (prob >= self.min_prob) & (d < limit)
+      tokens.append(jnp.maximum(tok, 0))
+      valid.append(going)
+      alive = alive & (t == tok[:, None])
+    n_valid = jnp.sum(jnp.stack(valid, axis=1), axis=1).astype(jnp.int32)
+    return Proposal(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32), n_valid=n_valid), state

@@ -1,0 +1,269 @@
+"""Suffix decoding (`SuffixDecoding`): what it proposes (from the batch's rows and the corpus,
+its length following the match), the corpus ring (fixed size, oldest evicted first), exact
+greedy output with the corpus carried across calls (under jit and vmap), the sampled
+distribution at later positions, and bad input."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.api import generate, speculative_generate
+from jaxspec.decoding import functional
+from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.functional import speculative_decode
+from jaxspec.drafters import SuffixCorpus, SuffixDecoding, corpus_from, resolve_drafter
+from jaxspec.drafters.suffix import SEP, append_rows
+from jaxspec.models import forward, init_cache
+from jaxspec.sampling import Sampling, probs
+from helpers import chi2_critical
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
+N_NEW = 20
+
+
+def _padded(prompts, width=16):
+  ids = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def _propose(drafter, rows, corpus=None, k=4):
+  """The proposal for rows (lists of ids) with the given corpus (default empty)."""
+  corpus = drafter.params if corpus is None else corpus
+  ids, lens = _padded(rows, max(len(r) for r in rows) + k + 1)
+  state = drafter.init(corpus, ids, lens, ids.shape[1])
+  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  prop, _ = drafter.propose(corpus, state, ctx, k, None, None)
+  return np.asarray(prop.tokens), np.asarray(prop.n_valid)
+
+
+# -- what it proposes -----------------------------------------------------------------------------
+
+
+def test_rows_draft_from_each_other_and_from_the_corpus():
+  d = SuffixDecoding(vocab=100, corpus_size=64)
+  # Row 0 ends with 1 2; row 1 holds 1 2 3 4 5: row 0 drafts 3 4 5 from row 1's text. Row 1's
+  # own last tokens (4 5) occur nowhere else: it drafts nothing.
+  toks, nv = _propose(d, [[9, 1, 2], [8, 1, 2, 3, 4, 5]])
+  np.testing.assert_array_equal(toks[0, :3], [3, 4, 5])
+  assert nv.tolist() == [3, 0]  # match length 2 + spec_offset 1
+  # The same row alone drafts from a corpus holding the continuation (up to its SEP).
+  corpus = corpus_from([[1, 2, 3, 4, 5, 6]], 100, 64)
+  toks, nv = _propose(d, [[9, 1, 2]], corpus)
+  np.testing.assert_array_equal(toks[0, :3], [3, 4, 5])
+  assert nv.tolist() == [3]
+  toks, nv = _propose(d, [[9, 1, 2]], corpus, k=8)
+  assert nv.tolist() == [3]  # spec_factor 1 x match 2 + 1
+  d_long = SuffixDecoding(vocab=100, corpus_size=64, spec_factor=4.0)
+  toks, nv = _propose(d_long, [[9, 1, 2]], corpus, k=8)
+  np.testing.assert_array_equal(toks[0, :4], [3, 4, 5, 6])
+  assert nv.tolist() == [4]  # the corpus entry ends after 6
+  # No earlier occurrence anywhere: nothing proposed.
+  _, nv = _propose(d, [[40, 41]], corpus)
+  assert nv.tolist() == [0]
+
+
+def test_longest_match_wins_and_continuations_vote():
+  d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=0.3)
+  # After "1 2" the corpus has 3 (twice) and 4 (once); after "7 1 2" only 4.
+  corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [5, 1, 2, 4, 20]], 100, 128)
+  toks, nv = _propose(d, [[9, 1, 2]], corpus)
+  # 3 (2 of 3 votes), then 10 (2 of 2), then 11 or 12 (1 of 2: the product 1/3 >= 0.3), the
+  # most recent first; then the entry ends.
+  np.testing.assert_array_equal(toks[0, :3], [3, 10, 12])
+  assert nv.tolist() == [3]
+  toks, nv = _propose(d, [[5, 1, 2]], corpus)  # the longer match decides alone
+  np.testing.assert_array_equal(toks[0, :2], [4, 20])
+  assert nv.tolist() == [2]
+  strict = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=0.5)
+  _, nv = _propose(strict, [[9, 1, 2]], corpus)
+  assert nv.tolist() == [2]  # 2/3 then 2/3 x 1, then 1/3 < 0.5
+  assert _propose(SuffixDecoding(vocab=100, corpus_size=128, min_match=3), [[9, 1, 2]],
+                  corpus)[1].tolist() == [0]
+
+
+# -- the corpus -----------------------------------------------------------------------------------
+
+
+def test_corpus_is_a_fixed_ring_that_evicts_the_oldest_first():
+  c = 16
+  corpus = SuffixCorpus.empty(c, 100)
+  stream = []
+  rng = np.random.default_rng(0)
+  for step in range(6):
+    rows = [list(rng.integers(0, 100, size=n)) for n in rng.integers(1, 9, size=3)]
+    ids, lens = _padded(rows, 10)
+    corpus = append_rows(corpus, ids, lens, jnp.zeros_like(lens))
+    for r in rows:
+      stream += r + [SEP]
+    assert corpus.tokens.shape == (c,)  # never grows
+    held = np.asarray(corpus.ordered())
+    want = ([SEP] * c + stream)[-c:]  # the newest c slots, oldest first
+    np.testing.assert_array_equal(held, want, err_msg=f"append {step}")
+    assert int(corpus.end) == len(stream) % c
+  assert len(stream) > 3 * c  # the ring wrapped
+  # One append larger than the ring keeps its last c tokens.
+  big = corpus_from([list(range(10)), list(range(20, 45))], 100, c)
+  np.testing.assert_array_equal(np.asarray(big.ordered()), list(range(30, 45)) + [SEP])
+
+
+# -- exactness ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+  return generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
+
+
+def test_greedy_equals_plain_with_the_corpus_carried_under_jit(tiny_target, plain):
+  """A ragged batch, three calls carrying the corpus, inside the user's jax.jit (one
+  compilation: the corpus is an argument): every call's tokens are plain greedy's, and later
+  calls draft from the corpus (far more drafts accepted)."""
+  d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256)
+  ids, lens = _padded(PROMPTS)
+
+  @jax.jit
+  def call(corpus, key):
+    out = speculative_decode(tiny_target, d, ids, lens, key, max_new_tokens=N_NEW,
+                             num_draft_tokens=4, stop_ids=(), drafter_params=corpus)
+    return out.tokens, out.stats.accepted.sum(), out.drafter_params
+
+  corpus, accepted = d.params, []
+  for i in range(3):
+    toks, acc, corpus = call(corpus, jax.random.key(i))
+    np.testing.assert_array_equal(np.asarray(toks), plain.tokens, err_msg=f"call {i}")
+    accepted.append(int(acc))
+    # The call returns its rows appended: each row's last max_match prompt tokens (here the
+    # whole prompts), its output and a separator, after the earlier calls' (the ring of 256
+    # slots has wrapped by the third call).
+    want = ([SEP] * 256 + [t for p, out in zip(PROMPTS, plain.tokens)
+                           for t in p[-16:] + list(out) + [SEP]] * (i + 1))[-256:]
+    np.testing.assert_array_equal(np.asarray(corpus.ordered()), want, err_msg=f"call {i}")
+  assert corpus.vocab_size == tiny_target.cfg.vocab_size
+  assert call._cache_size() == 1
+  assert accepted[1] > accepted[0] + 40 and accepted[2] > accepted[0] + 40, accepted
+
+
+def test_greedy_equals_plain_under_vmap_and_through_the_host_wrapper(tiny_target, plain):
+  d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=128)
+  corpus = corpus_from([p + list(t) for p, t in zip(PROMPTS, plain.tokens)],
+                       tiny_target.cfg.vocab_size, 128)
+  rows = [_padded([p]) for p in PROMPTS]
+  ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
+  out = jax.jit(jax.vmap(lambda i, l, c: speculative_decode(
+      tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=(),
+      drafter_params=c), in_axes=(0, 0, None)))(ids4, lens4, corpus)
+  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), plain.tokens)
+  assert out.drafter_params.tokens.shape == (4, 128)  # one corpus per mapped call
+  assert int(out.stats.accepted.sum()) > 0
+  # By name, through the host wrapper (every call from an empty corpus).
+  named = resolve_drafter(tiny_target, "suffix")
+  assert named == SuffixDecoding(vocab=tiny_target.cfg.vocab_size)
+  host = speculative_generate(tiny_target, "suffix", PROMPTS, max_new_tokens=N_NEW,
+                              num_draft_tokens=3, stop_ids=())
+  np.testing.assert_array_equal(host.tokens, plain.tokens)
+
+
+def _exact_tables(target, prompt, sp):
+  """The target's conditionals after the prompt: [V] p(t1), [V, V] p(t2 | t1), [V, V, V]
+  p(t3 | t1 t2), [V]*4 p(t4 | t1..t3) and [V]*5 p(t5 | t1..t4)."""
+  v = target.cfg.vocab_size
+  seqs = np.array([list(prompt) + list(t) for t in itertools.product(range(v), repeat=4)])
+  n = seqs.shape[0]
+  lg, _, _ = forward(target.params, jnp.asarray(seqs, jnp.int32),
+                     init_cache(target.cfg, n, seqs.shape[1]), target.cfg)
+  arr = sp.arrays(n)
+  p = np.asarray(jax.vmap(lambda x: probs(x, arr), in_axes=1, out_axes=1)(lg), np.float64)
+  p = p.reshape((v,) * 4 + p.shape[1:])  # [t1, t2, t3, t4, position, V]
+  lp = len(prompt)
+  return (p[0, 0, 0, 0, lp - 1], p[:, 0, 0, 0, lp], p[:, :, 0, 0, lp + 1],
+          p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
+
+
+def test_sampled_distribution_at_later_positions(small_vocab):
+  """The 4th and 5th new tokens of row 1 (which drafts from row 0 and from a corpus of earlier
+  samples) over 10000 mapped calls: chi-square against the target's exact joint at the 1e-4
+  tail, with drafts both accepted and rejected."""
+  target, _ = small_vocab
+  v = target.cfg.vocab_size
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
+  prompt = [1, 2, 3, 4]
+  p1, p2, p3, p4, p5 = _exact_tables(target, prompt, sp)
+  # Earlier outputs: 12 samples of t1..t5 drawn from the exact conditionals.
+  rng = np.random.default_rng(0)
+  earlier = []
+  for _ in range(12):
+    t = [rng.choice(v, p=p1 / p1.sum())]
+    for table in (p2, p3, p4, p5):
+      q = table[tuple(t)]
+      t.append(rng.choice(v, p=q / q.sum()))
+    earlier.append(prompt + [int(x) for x in t])
+  d = SuffixDecoding(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2)
+  corpus = corpus_from(earlier, v, 96)
+  ids, lens = _padded([prompt, prompt], 4)
+
+  def one(key):
+    out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, num_draft_tokens=3,
+                             sampling=sp, max_len=16, drafter_params=corpus, logprobs=False)
+    return out.tokens[1, 3:5], out.stats.drafted[1], out.stats.accepted[1]
+
+  n = 10000
+  toks, drafted, accepted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(5), n))
+  rate = int(accepted.sum()) / int(drafted.sum())
+  assert 0.1 < rate < 0.9, rate  # both paths of the rejection rule
+  # P(t4, t5) = sum over t1..t3 of the chain.
+  joint = np.einsum("a,ab,abc,abcd,abcde->de", p1, p2, p3, p4, p5).reshape(-1)
+  assert abs(joint.sum() - 1) < 1e-4
+  toks = np.asarray(toks)
+  obs = np.bincount(toks[:, 0] * v + toks[:, 1], minlength=v * v)
+  assert obs[joint == 0].sum() == 0
+  keep = joint * n >= 5
+  o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
+  e = np.append(joint[keep] * n, joint[~keep].sum() * n)
+  if e[-1] < 5:
+    o, e = o[:-1], e[:-1]
+  chi2 = float(((o - e) ** 2 / e).sum())
+  assert chi2 < chi2_critical(len(e) - 1), (chi2, len(e))
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(corpus_size=1), "corpus_size >= 2"),
+    (dict(vocab=0), "vocab >= 1"),
+    (dict(max_match=0), "min_match <= max_match"),
+    (dict(min_match=5, max_match=4), "min_match <= max_match"),
+    (dict(max_match=65), "max_match <= 64"),
+    (dict(candidates=0), "candidates"),
+    (dict(min_prob=1.5), "min_prob"),
+    (dict(spec_offset=-1), "spec_offset"),
+    (dict(corpus_size=8.0), "SuffixDecoding.corpus_size"),
+])
+def test_bad_settings(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SuffixDecoding(**{"vocab": 100, **kw})
+
+
+def test_bad_corpus_is_an_error_before_compiling(tiny_target):
+  v = tiny_target.cfg.vocab_size
+  d = SuffixDecoding(vocab=v, corpus_size=32)
+  ids, lens = _padded(PROMPTS[:1])
+  before = functional._speculative_jit._cache_size()
+  cases = [(SuffixCorpus.empty(32, v + 1), "vocabulary of 129, the drafter's is 128"),
+           (SuffixCorpus.empty(64, v), "64,\\) token slots, the drafter 32"),
+           (jnp.zeros((32,), jnp.int32), "must be a SuffixCorpus")]
+  for corpus, match in cases:
+    with pytest.raises(ValueError, match=match):
+      speculative_decode(tiny_target, d, ids, lens, 0, max_new_tokens=4, num_draft_tokens=2,
+                         drafter_params=corpus)
+  with pytest.raises(ValueError, match="draft vocab 129 != target vocab 128"):
+    speculative_decode(tiny_target, SuffixDecoding(vocab=v + 1), ids, lens, 0,
+                       max_new_tokens=4, num_draft_tokens=2)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    corpus_from([[1, 2, v]], v, 32)
+  assert functional._speculative_jit._cache_size() == before  # nothing was compiled
