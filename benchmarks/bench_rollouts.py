@@ -56,7 +56,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--new", type=int, default=32)
   ap.add_argument("--samples", type=int, default=8)
-  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--loops", default="spec")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollouts.json"))
   args = ap.parse_args()
@@ -90,14 +90,16 @@ def main():
         times[name].append(time.perf_counter() - t)
       print(f"[{loop}] round {r}: " + ", ".join(f"{n} {v[-1]:.2f} s" for n, v in times.items()),
             flush=True)
-    best = {name: min(v) for name, v in times.items()}
-    row = dict(seconds=times, best_seconds=best, first_call_seconds=compile_s,
-               n_over_hand=best["n"] / best["hand"], n_over_vmap=best["n"] / best["vmap"],
-               vmap_over_hand=best["vmap"] / best["hand"])
-    result["loops"][loop] = row
+      best = {name: min(v) for name, v in times.items()}
+      row = dict(seconds=times, best_seconds=best, first_call_seconds=compile_s,
+                 rounds_done=r + 1, n_over_hand=best["n"] / best["hand"],
+                 n_over_vmap=best["n"] / best["vmap"], vmap_over_hand=best["vmap"] / best["hand"])
+      result["loops"][loop] = row
+      # Written after every round: vmap's per-key copies of the weights make this the run a
+      # memory-starved shared machine kills first.
+      write_json(Path(args.out), result)
     print(f"[{loop}] n/hand {row['n_over_hand']:.3f}, n/vmap {row['n_over_vmap']:.3f},"
           f" vmap/hand {row['vmap_over_hand']:.2f}", flush=True)
-  write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":
