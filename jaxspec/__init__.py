@@ -12,7 +12,7 @@ Inside your own `jax.jit`, `jax.vmap` or `lax.scan`: `jaxspec.decoding.speculati
 
 from jaxspec.api import (GenerateOutput, generate, generate_stream, speculative_generate,
                          speculative_stream)
-from jaxspec.decoding import (CausalLM, DecodeOutput, Target, decode, speculative_decode)
+from jaxspec.decoding import (CausalLM, DecodeOutput, Target, decode, score, speculative_decode)
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import DraftContext, Drafter
 from jaxspec.decoding.rejection import acceptance, draft, rejection_sample, verify
@@ -29,4 +29,4 @@ __all__ = ["AutoK", "CausalLM", "CostModel", "DecodeOutput", "DraftContext", "Dr
            "Drafter", "GenerateOutput", "Model", "NGram", "Sampling", "Target", "acceptance",
            "decode", "draft", "generate", "generate_stream", "load", "load_head",
            "rejection_sample", "release_cache_buffers", "release_compiled", "resolve_drafter",
-           "speculative_decode", "speculative_generate", "speculative_stream", "verify"]
+           "score", "speculative_decode", "speculative_generate", "speculative_stream", "verify"]

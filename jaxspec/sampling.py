@@ -261,6 +261,22 @@ def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch_size))
 
 
+def sample_keys(prompt_keys: jax.Array, n: int) -> jax.Array:
+  """Row keys [B * n] for n samples of each of B prompts (rows prompt-major: row b * n + i is
+  sample i of prompt b): sample 0 draws from prompt b's key itself, so n = 1 is the call
+  without samples, and sample i >= 1 from fold_in(prompt_keys[b], i). A prompt's samples thus
+  depend on its own key only (not on its position in the batch when its key is its own), and a
+  larger n keeps the first samples."""
+  if n == 1:
+    return prompt_keys
+  idx = jnp.arange(n, dtype=jnp.int32)
+  folded = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(idx))(prompt_keys)
+  own = jax.random.key_data(prompt_keys)[:, None]  # [B, 1, ...]: a key's raw words
+  data = jnp.where(_expand(idx == 0, own.ndim - 1)[None], own, jax.random.key_data(folded))
+  return jax.random.wrap_key_data(data.reshape((-1,) + data.shape[2:]),
+                                  impl=jax.random.key_impl(prompt_keys))
+
+
 def token_logprobs(logits: jax.Array, tokens: jax.Array, sp: SamplingArrays) -> jax.Array:
   """[B, ...] the log-probability of tokens [B, ...] under the distribution decoding samples
   from: `log_softmax` of the processed logits [B, ..., V] (temperature, top-k, top-p, min-p;

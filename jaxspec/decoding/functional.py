@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling as sampling_lib
-from jaxspec.checks import is_int
+from jaxspec.checks import check_int, is_int
 from jaxspec.decoding import limits, loop, plain, protocol
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import DraftContext, Drafter, resolve_coupled
@@ -104,13 +104,19 @@ def _check_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[int, in
   return int(b), int(p)
 
 
-def as_key(key, batch_size: int | None = None) -> jax.Array:
+def as_key(key, batch_size: int | None = None, n: int = 1) -> jax.Array:
   """A PRNG key from None (seed 0), an integer seed in [-2**63, 2**64) or one key (typed, or a
   raw uint32 [2]); or per-row keys: a typed key array [B] (or raw uint32 [B, 2]), row b drawing
   from keys[b] where one key gives row b fold_in(key, b) (`jaxspec.sampling.row_keys`), so
-  `row_keys(key, N)[i:j]` reproduces rows i..j-1 of an N-row call in a batch of their own.
-  Traced keys pass through. Raises ValueError for anything else, and for per-row keys whose
-  count is not `batch_size` (when given)."""
+  `row_keys(key, N)[i:j]` reproduces rows i..j-1 of an N-row call in a batch of their own; or
+  per-row integer seeds (a list of ints, or a signed-integer array [B], traced or not): row b
+  draws as a batch of its own with key=seeds[b] draws (fold_in(key(seeds[b]), 0)), wherever
+  it sits in the batch. Traced keys pass through. Raises ValueError for anything else, and
+  for per-row keys or seeds whose count is not `batch_size` (when given; with n samples per
+  prompt, `batch_size` or batch_size * n)."""
+  seeds = _seed_keys(key)
+  if seeds is not None:
+    key = seeds
   if key is None:
     return jax.random.key(0)
   if is_int(key):
@@ -130,10 +136,65 @@ def as_key(key, batch_size: int | None = None) -> jax.Array:
                      f" key per row (a key array [B]), got {type(key).__name__}"
                      f"{tuple(getattr(key, 'shape', ()))}: under jax.vmap map over a batch of"
                      " keys so each call sees one")
-  if out.ndim == 1 and batch_size is not None and out.shape[0] != batch_size:
+  if out.ndim == 1 and batch_size is not None and out.shape[0] not in (batch_size,
+                                                                       batch_size * n):
+    per = (f" (or {batch_size * n}, one per sample: {batch_size} prompts, n = {n})"
+           if n > 1 else "")
     raise ValueError(f"key holds {out.shape[0]} per-row keys for a batch of {batch_size} rows:"
-                     " give one key, or exactly one per row")
+                     f" give one key (or seed), or exactly one per row{per}")
   return out
+
+
+def _seed_keys(key) -> jax.Array | None:
+  """Per-row keys [B] from per-row integer seeds (a list or tuple of ints, or a signed-integer
+  array [B]), or None when `key` is not one: row b's key is fold_in(key(seeds[b]), 0), the key a
+  batch of one row draws with under key=seeds[b]."""
+  if isinstance(key, (list, tuple)):
+    if not key or not all(is_int(s) for s in key):
+      raise ValueError(f"key as a list must hold one integer seed per row, got {list(key)[:8]!r}")
+    for s in key:
+      if not -2**63 <= int(s) < 2**64:
+        raise ValueError(f"seeds must be integers in [-2**63, 2**64), got {s}")
+    if all(-2**31 <= int(s) < 2**31 for s in key):
+      key = np.asarray(key, np.int32)
+    else:  # a wide seed: one at a time, as the scalar path makes it
+      return jnp.stack([sampling_lib.row_keys(as_key(int(s)), 1)[0] for s in key])
+  if not isinstance(key, (jax.Array, np.ndarray)) or key.ndim != 1 \
+      or not jnp.issubdtype(key.dtype, jnp.signedinteger):
+    return None
+  if key.shape[0] < 1:
+    raise ValueError("key holds no seeds: give one integer seed per row")
+  if isinstance(key, np.ndarray) and ((key < -2**31) | (key >= 2**31)).any():
+    return _seed_keys([int(s) for s in key])
+  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(jnp.asarray(key,
+                                                                                  jnp.int32))
+
+
+def rollout_keys(key, batch_size: int, n: int) -> jax.Array:
+  """The key argument of an n-sample call's [batch_size * n] rows (`as_key` read with n): one
+  key (or per-prompt keys [B], or seeds) gives prompt b's key as with n = 1 and its samples
+  `jaxspec.sampling.sample_keys` of it; B * n per-row keys are taken as they are."""
+  key = as_key(key, batch_size, n)
+  if n == 1 or (key.ndim == 1 and key.shape[0] == batch_size * n):
+    return key
+  return sampling_lib.sample_keys(sampling_lib.row_keys(key, batch_size), n)
+
+
+def _check_n(n) -> int:
+  """n (samples per prompt) as an int >= 1."""
+  check_int("n", n, 1, 2**31 - 1, why="samples per prompt: each prompt's row is repeated n"
+            " times")
+  return int(n)
+
+
+def _tile(x, n: int):
+  return x if n == 1 else jnp.repeat(x, n, axis=0)
+
+
+def _tile_sampling(sampling, b: int, n: int) -> sampling_lib.SamplingArrays:
+  """SamplingArrays for B * n rows from settings for B prompts (each prompt's samples share
+  its settings)."""
+  return jax.tree.map(lambda x: _tile(x, n), sampling_lib.sampling_arrays(sampling, b))
 
 
 def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
@@ -289,7 +350,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                        cost: CostModel | None = None, sampling=None,
                        stop_ids: Sequence[int] | None = None, max_len: int | None = None,
                        pad_id: int = 0, logprobs: bool = True, target_params=None,
-                       drafter_params=None) -> DecodeOutput:
+                       drafter_params=None, n: int = 1) -> DecodeOutput:
   """Exact speculative decoding as one pure, traceable function.
 
   Args:
@@ -297,10 +358,13 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     drafter: a `Drafter` (NGram(), DraftModel(model), a head from `load_head`, `Oracle`...).
     prompt_ids: [B, P] int token ids, right-padded.
     prompt_lengths: [B] int tokens per row, in [1, P].
-    key: one PRNG key (or an int seed), or one key per row ([B] key array); row b's token j
-      is drawn with fold_in(row_key_b, j), where one key gives row_key_b = fold_in(key, b), as
-      `decode` and the host wrappers draw it (per-row keys let a batch be split without
-      changing any row's draws: pass `jaxspec.sampling.row_keys(key, N)[i:j]`).
+    key: one PRNG key (or an int seed), one key per row ([B] key array) or one seed per row
+      (a list of ints or an int array [B]); row b's token j is drawn with fold_in(row_key_b,
+      j), where one key gives row_key_b = fold_in(key, b), as `decode` and the host wrappers
+      draw it (per-row keys let a batch be split without changing any row's draws: pass
+      `jaxspec.sampling.row_keys(key, N)[i:j]`), and seed s gives the key a batch of its own
+      with key=s draws with, wherever the row sits. With n > 1 these are the prompts' keys
+      (`jaxspec.sampling.sample_keys` makes the samples'), or give B * n keys, one per row.
     max_new_tokens: new tokens per row, an int or a traced int scalar <= capacity.
     capacity: static output width and cache budget (default max_new_tokens, which must then be
       an int).
@@ -318,12 +382,21 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
       verified position).
     target_params / drafter_params: weights to use instead of the target's / `drafter.params`
       (pass them as arguments of your jitted function so they are traced, not constants).
+    n: samples per prompt: prompt b's row is repeated n times (rows prompt-major: row
+      b * n + i is its sample i), with its sampling settings, in one batch of B * n rows. The
+      same program as tiling the rows by hand, and unlike `jax.vmap` over keys no loop branch
+      turns into a select that runs both sides. Sample 0 draws as n = 1 does and sample i
+      from fold_in(prompt key, i).
   Returns:
-    `DecodeOutput`.
+    `DecodeOutput` ([B * n] rows).
+  Raises:
+    ValueError for a bad argument, before anything is traced; and when differentiated
+    (`jax.grad`, `jax.jvp`): the loop is not differentiable, `score` the sampled tokens.
   """
   tgt = protocol.as_target(target, target_params)
+  n = _check_n(n)
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
-  key = as_key(key, b)
+  key = rollout_keys(key, b, n)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   _check_drafter(tgt, drafter)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
@@ -338,7 +411,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                      + (": wrap a dict of step times (such as stats['cost_model']) as"
                         " CostModel.from_ratios(d)" if isinstance(cost, dict) else ""))
   drafter = resolve_coupled(drafter, policy.auto)
-  sp = sampling_lib.sampling_arrays(sampling, b)
+  sp = _tile_sampling(sampling, b, n)
   stops = check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
   if max_len is None:
@@ -352,13 +425,37 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     _check_drafter_params(drafter, drafter_params)
     dparams = drafter_params
   limits.check_positions(int(max_len))
-  ws = spec_working_set(tgt, drafter, dparams, policy, b, p, capacity, int(max_len))
-  limits.check_working_set(ws, b, int(max_len), "speculative decoding of")
+  ws = spec_working_set(tgt, drafter, dparams, policy, b * n, p, capacity, int(max_len))
+  limits.check_working_set(ws, b * n, int(max_len), "speculative decoding of")
   costs = costs_array(policy, cost if policy.auto else None)
-  return _speculative_jit(tgt, dparams, jnp.asarray(prompt_ids, jnp.int32),
-                          jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
-                          costs, drafter=drafter, policy=policy, capacity=capacity,
-                          max_len=int(max_len), stop_ids=stops, pad_id=pad)
+  run = _not_differentiable(functools.partial(
+      _speculative_jit, drafter=drafter, policy=policy, capacity=capacity, max_len=int(max_len),
+      stop_ids=stops, pad_id=pad), "speculative_decode")
+  return run(tgt, dparams, _tile(jnp.asarray(prompt_ids, jnp.int32), n),
+             _tile(jnp.asarray(prompt_lengths, jnp.int32), n), key, max_new, sp, costs)
+
+
+def _not_differentiable(fn, name: str):
+  """`fn` whose derivative rule raises a ValueError naming `score`, instead of JAX's
+  reverse-mode `while_loop` error (whose "use lax.scan" hint does not apply to a loop of
+  data-dependent length). The rule runs only when some argument carries a tangent (params
+  passed through `jax.lax.stop_gradient` do not), at trace time, before anything compiles."""
+  @jax.custom_jvp
+  def run(*args):
+    return fn(*args)
+
+  @run.defjvp
+  def _(primals, tangents):
+    del primals, tangents
+    raise ValueError(
+        f"{name} cannot be differentiated (jax.grad, jax.jvp): its tokens are discrete and its"
+        " lax.while_loop has no reverse-mode derivative. Sample outside the differentiated"
+        " function (or pass jax.lax.stop_gradient(params) to it), then differentiate"
+        " jaxspec.decoding.score(target, tokens, lengths, sampling=..., prompt_lengths=...) of"
+        " the sampled tokens (jaxspec.decoding.join_tokens builds them): the loop's"
+        " log-probabilities, teacher-forced, with gradients")
+
+  return run
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "policy", "capacity", "max_len",
@@ -384,14 +481,16 @@ def _speculative_jit(target, dparams, prompt, lengths, key, max_new, sp, costs, 
 def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
            capacity: int | None = None, sampling=None, stop_ids: Sequence[int] | None = None,
            max_len: int | None = None, pad_id: int = 0, logprobs: bool = True,
-           target_params=None) -> DecodeOutput:
+           target_params=None, n: int = 1) -> DecodeOutput:
   """Plain autoregressive decoding as one pure, traceable function: `speculative_decode`'s
-  arguments without the drafter (max_len default P + capacity)."""
+  arguments without the drafter (max_len default P + capacity), `n` samples per prompt
+  included."""
   tgt = protocol.as_target(target, target_params)
+  n = _check_n(n)
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
-  key = as_key(key, b)
+  key = rollout_keys(key, b, n)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
-  sp = sampling_lib.sampling_arrays(sampling, b)
+  sp = _tile_sampling(sampling, b, n)
   stops = check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
   if max_len is None:
@@ -400,12 +499,13 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
     raise ValueError(f"max_len must be an int >= P + capacity = {p + capacity}, got"
                      f" {max_len!r}")
   limits.check_positions(int(max_len))
-  ws = decode_working_set(tgt, b, p, capacity, int(max_len), logprobs=bool(logprobs))
-  limits.check_working_set(ws, b, int(max_len), "decoding")
-  return _decode_jit(tgt, jnp.asarray(prompt_ids, jnp.int32),
-                     jnp.asarray(prompt_lengths, jnp.int32), key, max_new, sp,
-                     capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=pad,
-                     logprobs=bool(logprobs))
+  ws = decode_working_set(tgt, b * n, p, capacity, int(max_len), logprobs=bool(logprobs))
+  limits.check_working_set(ws, b * n, int(max_len), "decoding")
+  run = _not_differentiable(functools.partial(
+      _decode_jit, capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=pad,
+      logprobs=bool(logprobs)), "decode")
+  return run(tgt, _tile(jnp.asarray(prompt_ids, jnp.int32), n),
+             _tile(jnp.asarray(prompt_lengths, jnp.int32), n), key, max_new, sp)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "max_len", "stop_ids", "pad_id",
