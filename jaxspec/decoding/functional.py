@@ -105,7 +105,9 @@ def _check_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[int, in
 
 
 def as_key(key, batch_size: int | None = None, n: int = 1) -> jax.Array:
-  """A PRNG key from None (seed 0), an integer seed in [-2**63, 2**64) or one key (typed, or a
+  """A PRNG key from None (seed 0), an integer seed in [-2**63, 2**64) (one in [2**63, 2**64) is
+  its int64 two's complement; seeds past 32 bits fold their high word in, so each draws its own
+  key with or without jax_enable_x64) or one key (typed, or a
   raw uint32 [2]); or per-row keys: a typed key array [B] (or raw uint32 [B, 2]), row b drawing
   from keys[b] where one key gives row b fold_in(key, b) (`jaxspec.sampling.row_keys`), so
   `row_keys(key, N)[i:j]` reproduces rows i..j-1 of an N-row call in a batch of their own; or
@@ -122,8 +124,14 @@ def as_key(key, batch_size: int | None = None, n: int = 1) -> jax.Array:
   if is_int(key):
     if not -2**63 <= int(key) < 2**64:
       raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")
-    # jax.random.key takes an int64: a seed in [2**63, 2**64) as its two's complement.
-    return jax.random.key(int(key) - 2**64 if int(key) >= 2**63 else int(key))
+    seed = int(key)
+    seed = seed - 2**64 if seed >= 2**63 else seed  # [2**63, 2**64): its int64 two's complement
+    if -2**31 <= seed < 2**32:
+      return jax.random.key(seed)
+    # Without jax_enable_x64 jax.random.key keeps a seed's low 32 bits only (2**40 would draw
+    # as 0 does): the high word folds in, so every seed in the range draws its own key.
+    seed %= 2**64
+    return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
   out = None
   if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) \
       and key.ndim <= 1:

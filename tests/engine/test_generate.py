@@ -151,6 +151,13 @@ def test_integer_seeds_over_the_whole_documented_range(tiny_target):
   top = generate(tiny_target, PROMPTS[:2], key=2**64 - 1, **kw)
   np.testing.assert_array_equal(top.tokens, generate(tiny_target, PROMPTS[:2], key=-1, **kw).tokens)
   generate(tiny_target, PROMPTS[:2], key=2**63, **kw)
+  # Past 32 bits every seed has its own key (jax.random.key keeps only the low word without
+  # jax_enable_x64, so 2**40 drew as 0 did).
+  from jaxspec.decoding.functional import as_key
+  data = {s: tuple(np.asarray(jax.random.key_data(as_key(s))).tolist())
+          for s in (0, 1, -1, 2**32, 2**40, 2**40 + 1, -2**40, 2**63, 2**64 - 2)}
+  assert len(set(data.values())) == len(data)
+  assert data[0] == (0, 0) and data[1] == (0, 1)  # in 32 bits: jax.random.key's own keys
 
 
 def test_an_engine_holds_its_own_programs_buffers_and_compiler_options(tiny_target):
