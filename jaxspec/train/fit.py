@@ -137,7 +137,7 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
       `TrainData`'s own.
     mesh: a `jax.sharding.Mesh`: batches split over its data axis, the target's weights placed
       by `rules` (`jaxspec.sharding`), the head replicated (see `jaxspec.train.mesh`).
-    rules: the sharding rules for the target (default `jaxspec.sharding.default_rules(mesh)`).
+    rules: the sharding rules for the target (default `jaxspec.sharding.DEFAULT_RULES`).
     seed: the head's initialisation seed (default config.seed).
     progress: a rich progress bar on stderr.
   Returns:
