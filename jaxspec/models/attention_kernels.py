@@ -16,7 +16,9 @@ the cache does not hold yet) by `merge`.
   and the kernel skips its arithmetic.
 
 The queries of one kv head come as one [R * T, K] matrix (R query heads per kv head, T new
-tokens), the layout `llama.attention` already builds.
+tokens), the layout `llama.attention` already builds. The functions are jitted: every layer of
+a model calls them with the same shapes, so each kernel is traced once, not once per layer
+(`lax.platform_dependent` traces every platform's branch, the CPU's program included).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def _triton_block(s_len: int, block: int) -> int:
   return b
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cap", "block", "splits", "interpret"))
 def triton_cache_attention(q, k_cache, v_cache, layer, length, lo, qlo, *, scale: float,
                            cap: float | None, block: int = 64, splits: int | None = None,
                            interpret: bool = False):
@@ -166,6 +169,7 @@ def mosaic_supports(head_dim: int, s_len: int, block: int = 512) -> bool:
   return s_len <= block or block % 16 == 0
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cap", "block", "interpret"))
 def mosaic_cache_attention(q, k_cache, v_cache, layer, length, lo, qlo, *, scale: float,
                            cap: float | None, block: int = 512, interpret: bool = False):
   """Attention of grouped queries over one layer's visible cache, as a Pallas TPU kernel.
@@ -283,6 +287,31 @@ def merge(parts_out, parts_lse, m_new, l_new, acc_new):
   num = acc_new * c + jnp.einsum("bgnm,bgnmk->bgmk", w, parts_out,
                                  precision=lax.Precision.HIGHEST)
   return num / (l_new * c + w.sum(axis=2)[..., None])
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "interpret", "scale", "cap"))
+def cached_attention(q, k_cache, v_cache, layer, length, qlo, s_new, v_new, *, kernel: str,
+                     interpret: bool, scale: float, cap: float | None):
+  """Attention over the cache (read by `kernel`) and the new block together.
+
+  Args:
+    q: [B, G, M, K] queries grouped by kv head.
+    k_cache, v_cache, layer, length, qlo: as `triton_cache_attention`'s (lo is qlo's minimum).
+    s_new: [B, G, M, T] the queries' scores against the new block, masked (-1e30) where a
+      query may not see a new token.
+    v_new: [B, G, T, K] the new block's values.
+    kernel: "triton" or "mosaic".
+  Returns:
+    [B, G, M, K] float32
+  """
+  parts, lse = KERNELS[kernel](q, k_cache, v_cache, layer, length, qlo.min(axis=1), qlo,
+                               scale=scale, cap=cap, interpret=interpret)
+  m_new = s_new.max(-1, keepdims=True)
+  p_new = jnp.exp(s_new - m_new)
+  prec = lax.Precision.HIGHEST if v_new.dtype == jnp.float32 else None
+  acc_new = jnp.einsum("bgmt,bgtk->bgmk", p_new.astype(v_new.dtype), v_new, precision=prec,
+                       preferred_element_type=jnp.float32)
+  return merge(parts, lse, m_new, p_new.sum(-1, keepdims=True), acc_new)
 
 
 KERNELS = {"triton": triton_cache_attention, "mosaic": mosaic_cache_attention}

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.lm import Hidden, register_config
-from jaxspec.models import attention_kernels
 from jaxspec.models.config import ATTENTION_KERNELS, LlamaConfig
 from jaxspec.models.weights import LAYER_WEIGHTS, WEIGHT, WEIGHTS, QArray
 from jaxspec.pytree import pytree_dataclass
@@ -626,6 +625,10 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
     out = bdot(p_new.astype(vn.dtype), vn, 2, 1) / p_new.sum(-1, keepdims=True)
     return _finish(out, b, t, h, kd, q.dtype)
 
+  # Imported here, not with the module: Pallas' TPU and Triton front ends add about a second
+  # to `import jaxspec`, and a prefill or a CPU-only user never needs them.
+  from jaxspec.models import attention_kernels  # noqa: PLC0415
+
   def xla_cache():
     """The cache read by XLA: whole when small, else block by block."""
     m = m_new
@@ -680,14 +683,10 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
       qlo = oldest if sliding is True else jnp.where(sliding, oldest, 0)
     qlo = jnp.tile(qlo.astype(jnp.int32), (1, r))  # [B, R * T]
     idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    parts, lse = attention_kernels.KERNELS[name](
-        qg.reshape(b, g, r * t, kd), k_cache, v_cache, idx, length.astype(jnp.int32),
-        qlo.min(axis=1), qlo, scale=scale, cap=cap, interpret=interpret)
-    p_new = jnp.exp(s_new - m_new)
-    acc_new = bdot(p_new.astype(vn.dtype), vn, 2, 1)
-    out = attention_kernels.merge(parts, lse, m_new.reshape(b, g, r * t, 1),
-                                  p_new.sum(-1).reshape(b, g, r * t, 1),
-                                  acc_new.reshape(b, g, r * t, kd))
+    out = attention_kernels.cached_attention(
+        qg.reshape(b, g, r * t, kd), k_cache, v_cache, idx, length.astype(jnp.int32), qlo,
+        s_new.reshape(b, g, r * t, t), vn.reshape(b, g, t, kd), kernel=name,
+        interpret=interpret, scale=scale, cap=cap)
     return out.reshape(b * g, r * t, kd)
 
   impl = cfg.attention_kernel if kernel is None else kernel

@@ -9,6 +9,7 @@ kernels' custom calls; and the CPU's compiled program must be the one XLA's read
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -24,6 +25,7 @@ from jaxspec.drafters import NGram
 from jaxspec.models import forward, init_cache, init_params, llama, tiny_config
 from jaxspec.models.hf_loader import check_savable
 from jaxspec.models.model import Model
+from jaxspec.sharding.rules import make_mesh, shard_model
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"
@@ -140,25 +142,33 @@ def test_exported_programs_carry_the_platform_kernel(program):
     assert MOSAIC_CALL not in text and TRITON_CALL not in text
 
 
-def _compiled_step(kernel: str, scan: bool, s_len: int) -> str:
-  """The CPU's optimized decode step, its instructions only (no metadata or source lines)."""
+_OP = re.compile(r"= ([a-z0-9]+\[[0-9,]*\])\S* ([a-z\-]+)\(")
+
+
+def _compiled_step(kernel: str, scan: bool, s_len: int) -> collections.Counter:
+  """The CPU's optimized decode step as a multiset of (result shape, operation): names, source
+  lines and the order of a loop's carried tuple aside (the kernels' branches of
+  `platform_dependent` can reorder the values a scan's loop carries, nothing else)."""
   cfg = tiny_config(sliding_window=200, attn_softcap=5.0, attention_kernel=kernel)
   params = llama.with_scan_layers(init_params(cfg, jax.random.key(0)), scan)
   cache = dataclasses.replace(init_cache(cfg, 2, s_len), length=jnp.array([100, 7]))
   step = jax.jit(lambda p, tok, c: forward(p, tok, c, cfg), donate_argnums=2)
   text = step.lower(params, jnp.zeros((2, 3), jnp.int32), cache).compile().as_text()
-  keep = [ln for ln in text.splitlines() if ln.strip().startswith(("%", "ROOT", "ENTRY", "}"))]
-  return re.sub(r", metadata=\{[^}]*\}", "", "\n".join(keep))
+  ops = collections.Counter(_OP.findall(text))
+  for skip in ("get-tuple-element", "tuple", "parameter"):
+    ops = collections.Counter({k: n for k, n in ops.items() if k[1] != skip})
+  return ops
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["stacked", "unrolled"])
 def test_cpu_program_is_xla_read(scan):
-  """On the CPU "auto" compiles to exactly XLA's read, for a cache read whole (300) and one
-  read in blocks (700)."""
+  """On the CPU "auto" compiles to XLA's read, operation for operation, for a cache read whole
+  (300) and one read in blocks (700)."""
   for s_len in (300, 700):
     auto = _compiled_step("auto", scan, s_len)
     assert auto == _compiled_step("xla", scan, s_len)
-    assert "custom-call" not in auto and len(auto.splitlines()) > 100
+    assert not any(op == "custom-call" for _, op in auto) and sum(auto.values()) > 100
+    assert ("f32[2,2,2,%d,16]" % s_len, "dynamic-update-slice") in auto  # the shapes parse
 
 
 @pytest.mark.parametrize("kernel", ["triton_interpret", "mosaic_interpret"])
@@ -180,3 +190,14 @@ def test_attention_kernel_is_checked_and_not_saved():
   with pytest.raises(ValueError, match="attention kernel 'fast' is not one of"):
     llama.attention(*_inputs(), tiny_config(**BASE), layer=1, kernel="fast")
   check_savable(tiny_config(attention_kernel="xla"))  # a run-time choice, like compute_dtype
+
+
+def test_a_sharded_model_reads_by_xla():
+  """XLA cannot partition a kernel's custom call (it would gather the cache onto every device):
+  a model sharded over several devices takes XLA's read, one on a single device keeps "auto"."""
+  cfg = tiny_config()
+  model = Model(cfg=cfg, params=init_params(cfg, jax.random.key(0)), name="tiny")
+  sharded = shard_model(model, make_mesh({"data": 4, "model": 2}))
+  assert sharded.cfg == dataclasses.replace(cfg, attention_kernel="xla")
+  one = shard_model(model, make_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1]))
+  assert one.cfg == cfg
