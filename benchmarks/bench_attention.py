@@ -13,7 +13,16 @@ Tables (ms per step, the prefill excluded: see `time_rounds`):
 Every configuration is compiled first, then they are timed round-robin (`--repeats` rounds; the
 median per configuration), so machine noise falls on all of them alike.
 
+`--kernel` picks how attention reads the cache (`LlamaConfig.attention_kernel`): "auto" (the
+platform's Pallas kernel on a GPU or TPU, XLA's blocked read on the CPU), "xla", or a list
+("xla,auto" on a GPU: the Triton kernel against XLA's blocks, timed side by side in the same
+rounds). "triton_interpret" / "mosaic_interpret" run the kernels in Pallas' interpreter: a dry
+run on the CPU at small shapes, not a timing.
+
     .venv/bin/python benchmarks/bench_attention.py [--out benchmarks/results/attention.json]
+    python3 benchmarks/bench_attention.py --kernel xla,auto --batches 1,8   # on a GPU
+    .venv/bin/python benchmarks/bench_attention.py --kernel triton_interpret,mosaic_interpret \
+      --tables max_len --batches 1 --max-lens 80,600 --new 8 --repeats 1   # CPU dry run
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import argparse
 import time
 from pathlib import Path
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +40,7 @@ import numpy as np
 from common import ROOT, machine, write_json
 from jaxspec.decoding import decode, speculative_decode
 from jaxspec.drafters import Oracle
-from jaxspec.models.config import tiny_config
+from jaxspec.models.config import ATTENTION_KERNELS, tiny_config
 from jaxspec.models.synthetic import random_model
 
 SPEC_TOKENS = 4  # the speculative runs generate 4x the plain runs' tokens: as many steps
@@ -91,11 +102,25 @@ def main():
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--new", type=int, default=64)
   ap.add_argument("--tables", default="max_len,cached,ragged")
+  ap.add_argument("--kernel", default="auto",
+                  help="attention_kernel, or several separated by commas: "
+                       + ", ".join(ATTENTION_KERNELS))
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention.json"))
   args = ap.parse_args()
-  model = random_model(tiny_config(**CFG))
+  kernels = args.kernel.split(",")
+  for k in kernels:
+    if k not in ATTENTION_KERNELS:
+      ap.error(f"--kernel {k!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+  base_model = random_model(tiny_config(**CFG))
+  # The same weights under each kernel: only the configuration's attention_kernel differs.
+  models = {k: dataclasses.replace(base_model, cfg=dataclasses.replace(base_model.cfg,
+                                                                       attention_kernel=k))
+            for k in kernels}
   new = args.new
-  result = dict(machine=machine(), config=CFG, new_tokens=new, repeats=args.repeats, tables={})
+  result = dict(machine=machine(), config=CFG, new_tokens=new, repeats=args.repeats,
+                kernels=kernels, tables={})
+  # With one kernel the tables keep their names; with several, each name gets the kernel.
+  label = lambda k, name: name if len(kernels) == 1 else f"{k}/{name}"
 
   tables = args.tables.split(",")
   # 1. The allocated size alone changes: 16-token prompts, 64 new tokens (speculative: 256,
@@ -104,15 +129,18 @@ def main():
     for spec in (False, True):
       runs = {}
       n = SPEC_TOKENS * new if spec else new
-      for ml in [int(x) for x in args.max_lens.split(",")]:
-        ml = max(ml, 16 + n + (6 if spec else 0))
-        runs[ml] = make_run(model, batch, 16, n, ml, spec)
+      for k, model in models.items():
+        for ml in [int(x) for x in args.max_lens.split(",")]:
+          ml = max(ml, 16 + n + (6 if spec else 0))
+          runs[k, ml] = make_run(model, batch, 16, n, ml, spec)
       med = time_rounds(runs, n, 0.2 if spec else 1.0, args.repeats)
-      base = min(med)
-      rows = {str(ml): dict(ms_per_step=ms, ratio=ms / med[base]) for ml, ms in med.items()}
-      name = f"max_len/{'spec_k4' if spec else 'plain'}/batch{batch}"
-      result["tables"][name] = rows
-      print(name, {k: f"{v['ms_per_step']:.2f} ms ({v['ratio']:.2f}x)" for k, v in rows.items()})
+      for k in kernels:
+        mine = {ml: ms for (kk, ml), ms in med.items() if kk == k}
+        base = min(mine)
+        rows = {str(ml): dict(ms_per_step=ms, ratio=ms / mine[base]) for ml, ms in mine.items()}
+        name = label(k, f"max_len/{'spec_k4' if spec else 'plain'}/batch{batch}")
+        result["tables"][name] = rows
+        print(name, {k: f"{v['ms_per_step']:.2f} ms ({v['ratio']:.2f}x)" for k, v in rows.items()})
 
   # 2. The cached length changes, max_len fixed at the largest.
   cached = [int(x) for x in args.cached.split(",")]
@@ -120,24 +148,28 @@ def main():
   for batch in [int(b) for b in args.batches.split(",")] if "cached" in tables else []:
     for spec in (False, True):
       n = SPEC_TOKENS * new if spec else new
-      runs = {c: make_run(model, batch, c, n, top, spec) for c in cached}
+      runs = {(k, c): make_run(model, batch, c, n, top, spec) for k, model in models.items()
+              for c in cached}
       med = time_rounds(runs, n, 0.2 if spec else 1.0, args.repeats)
-      rows = {str(c): dict(ms_per_step=ms) for c, ms in med.items()}
-      name = f"cached/{'spec_k4' if spec else 'plain'}/batch{batch}"
-      result["tables"][name] = dict(max_len=top, rows=rows)
-      print(name, f"max_len {top}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
+      for k in kernels:
+        rows = {str(c): dict(ms_per_step=ms) for (kk, c), ms in med.items() if kk == k}
+        name = label(k, f"cached/{'spec_k4' if spec else 'plain'}/batch{batch}")
+        result["tables"][name] = dict(max_len=top, rows=rows)
+        print(name, f"max_len {top}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
 
   # 3. Ragged rows: 100 and 8,000 tokens against two rows of 8,000 and two of 100.
   ml = 8000 + new + 8 + 24000
+  rows_of = {"100+8000": [100, 8000], "8000+8000": [8000, 8000], "100+100": [100, 100]}
   runs = {} if "ragged" not in tables else {
-      "100+8000": make_run(model, 2, 0, new, ml, False, lengths=[100, 8000]),
-      "8000+8000": make_run(model, 2, 0, new, ml, False, lengths=[8000, 8000]),
-      "100+100": make_run(model, 2, 0, new, ml, False, lengths=[100, 100])}
+      (k, name): make_run(model, 2, 0, new, ml, False, lengths=lengths)
+      for k, model in models.items() for name, lengths in rows_of.items()}
   if runs:
     med = time_rounds(runs, new, 1.0, args.repeats)
-    rows = {k: dict(ms_per_step=ms) for k, ms in med.items()}
-    result["tables"]["ragged/plain/batch2"] = dict(max_len=ml, rows=rows)
-    print("ragged", f"max_len {ml}:", {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
+    for k in kernels:
+      rows = {name: dict(ms_per_step=ms) for (kk, name), ms in med.items() if kk == k}
+      result["tables"][label(k, "ragged/plain/batch2")] = dict(max_len=ml, rows=rows)
+      print(label(k, "ragged"), f"max_len {ml}:",
+            {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
   write_json(Path(args.out), result)
 
 

@@ -140,7 +140,7 @@ def _eagle_config(target_cfg: LlamaConfig, options: Mapping[str, Any]) -> EagleC
 TAKEN_FROM_TARGET = ("vocab_size", "hidden_size", "rope_theta", "rope_scaling",
                      "partial_rotary_factor", "rms_norm_eps", "tie_embeddings",
                      "max_position_embeddings", "bos_token_id", "eos_token_ids", "compute_dtype",
-                     "architecture")
+                     "architecture", "attention_kernel")
 
 
 def eagle_layer_config(target_cfg: LlamaConfig, cfg: EagleConfig) -> LlamaConfig:

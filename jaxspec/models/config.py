@@ -101,6 +101,8 @@ def longrope_attention_factor(scale: float, original: int) -> float:
 
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# How attention reads the KV cache (`LlamaConfig.attention_kernel`).
+ATTENTION_KERNELS = ("auto", "xla", "triton", "mosaic", "triton_interpret", "mosaic_interpret")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,6 +134,14 @@ class LlamaConfig:
     sliding_rope_theta: the rotary base of sliding layers, unscaled (Gemma 3's local layers);
       None: every layer uses `rope_theta` and `rope_scaling`.
     partial_rotary_factor: the fraction of each head's dimensions that is rotated (Phi-4-mini).
+
+  Run-time choices (no checkpoint's):
+    attention_kernel: how attention reads the KV cache (`llama.attention`): "auto" (a Pallas
+      kernel where the program is lowered for a CUDA GPU or a TPU, XLA's blocked read
+      elsewhere), "xla" (XLA's blocked read everywhere), "triton" or "mosaic" (that Pallas
+      kernel whatever the platform: it lowers only for its own), "triton_interpret" or
+      "mosaic_interpret" (that kernel in Pallas' interpreter, on any backend: tests and dry
+      runs, slow).
   """
 
   vocab_size: int
@@ -166,6 +176,7 @@ class LlamaConfig:
   layer_types: tuple[str, ...] | None = None
   sliding_rope_theta: float | None = None
   partial_rotary_factor: float = 1.0
+  attention_kernel: str = "auto"
 
   def __post_init__(self):
     # Every field's type and range, so a checkpoint's nonsense (a NaN rope_theta, a negative
@@ -202,6 +213,10 @@ class LlamaConfig:
       raise ValueError(f"compute_dtype {self.compute_dtype!r} is not supported: use None (compute"
                        " in the weights' dtype) or 'float32' (float32 arithmetic over bfloat16"
                        " weights)")
+    if self.attention_kernel not in ATTENTION_KERNELS:
+      raise ValueError(f"attention_kernel {self.attention_kernel!r} is not supported: use 'auto'"
+                       " (a Pallas kernel on GPUs and TPUs), 'xla' (XLA's blocked read"
+                       " everywhere) or one of " + ", ".join(map(repr, ATTENTION_KERNELS[2:])))
     if self.hidden_act not in ACTIVATIONS:
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported:"
                        f" {', '.join(ACTIVATIONS)})")

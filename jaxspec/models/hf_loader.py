@@ -475,14 +475,15 @@ def rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
 
 # The LlamaConfig fields a saved config.json records: those `config_to_hf` writes for every
 # savable family, those the families' `hf_save` write, and the ones that are no checkpoint's
-# (dtype is save_hf's argument, compute_dtype a run-time choice). Every other field is a switch
-# the savable classes (Llama, Mistral, Qwen2) cannot express and must keep its default, so a
-# switch added to LlamaConfig is refused on save until a writer records it.
+# (dtype is save_hf's argument, compute_dtype and attention_kernel run-time choices). Every
+# other field is a switch the savable classes (Llama, Mistral, Qwen2) cannot express and must
+# keep its default, so a switch added to LlamaConfig is refused on save until a writer records
+# it.
 _SAVED = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
           "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
           "tie_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_ids",
           "architecture", "attention_bias", "sliding_window", "layer_types", "dtype",
-          "compute_dtype")
+          "compute_dtype", "attention_kernel")
 
 
 def _unsavable(cfg: LlamaConfig) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.lm import Hidden, register_config
-from jaxspec.models.config import LlamaConfig
+from jaxspec.models.config import ATTENTION_KERNELS, LlamaConfig
 from jaxspec.models.weights import LAYER_WEIGHTS, WEIGHT, WEIGHTS, QArray
 from jaxspec.pytree import pytree_dataclass
 
@@ -545,7 +545,7 @@ ATTENTION_BLOCK = 512
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
-              sliding=None, layer=None):
+              sliding=None, layer=None, kernel: str | None = None):
   """Attention of T new queries over the row's cached prefix plus the new block.
 
   The cached part ([0, length[b])) and the new block are scored separately and normalised by one
@@ -567,6 +567,12 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
       traced one inside a scan over mixed layers); None: as every layer of `cfg` does when its
       layers are alike (`LlamaConfig.is_sliding`).
     layer: with a whole [L, ...] cache, this layer's index (an int or a traced scalar).
+    kernel: how the cache is read: "auto" (by the platform the program is lowered for: a Pallas
+      Triton kernel on CUDA GPUs, a Pallas Mosaic kernel on TPUs, the XLA blocks above
+      elsewhere; `attention_kernels`), "xla" (the XLA blocks everywhere), "triton" or "mosaic"
+      (that kernel whatever the platform), "triton_interpret" or "mosaic_interpret" (that
+      kernel in Pallas' interpreter, on any backend); None: `cfg.attention_kernel`. A shape a
+      kernel does not take (`attention_kernels.SUPPORTS`) is read by the XLA blocks.
   Returns:
     [B, T, H, K]
   """
@@ -613,52 +619,103 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
   # The new block first: every query sees itself, so its running maximum is a real score and a
   # cache block with nothing visible adds exp(-1e30 - max) = 0.
   s_new = jnp.where(expand(block_mask), score(kn), neg)  # [BG, RT, T]
-  m = s_new.max(-1, keepdims=True)
+  m_new = s_new.max(-1, keepdims=True)
   if fresh:
-    p_new = jnp.exp(s_new - m)
+    p_new = jnp.exp(s_new - m_new)
     out = bdot(p_new.astype(vn.dtype), vn, 2, 1) / p_new.sum(-1, keepdims=True)
-  elif s_len <= ATTENTION_BLOCK:  # a small cache: read whole, one softmax over both parts
-    kc = lax.dynamic_index_in_dim(k_cache, layer, keepdims=False).reshape(b * g, s_len, kd)
-    vc = lax.dynamic_index_in_dim(v_cache, layer, keepdims=False).reshape(b * g, s_len, kd)
-    s_cache = jnp.where(expand(cache_mask(jnp.arange(s_len))), score(kc), neg)
-    m = jnp.maximum(m, s_cache.max(-1, keepdims=True))
-    p_cache, p_new = jnp.exp(s_cache - m), jnp.exp(s_new - m)
-    denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
-    out = (bdot(p_cache.astype(vc.dtype), vc, 2, 1)
-           + bdot(p_new.astype(vn.dtype), vn, 2, 1)) / denom  # [BG, RT, K]
-  else:
-    blk = ATTENTION_BLOCK
-    p_new = jnp.exp(s_new - m)
-    init = (m, p_new.sum(-1, keepdims=True), bdot(p_new.astype(vn.dtype), vn, 2, 1))
-    # Blocks [first, last): up to the longest row, from the oldest position a sliding window
-    # of the batch still sees.
-    last = (jnp.max(length) + blk - 1) // blk
-    first = jnp.int32(0)
+    return _finish(out, b, t, h, kd, q.dtype)
+
+  # Imported here, not with the module: Pallas' TPU and Triton front ends add about a second
+  # to `import jaxspec`, and a prefill or a CPU-only user never needs them.
+  from jaxspec.models import attention_kernels  # noqa: PLC0415
+
+  def xla_cache():
+    """The cache read by XLA: whole when small, else block by block."""
+    m = m_new
+    if s_len <= ATTENTION_BLOCK:  # a small cache: read whole, one softmax over both parts
+      kc = lax.dynamic_index_in_dim(k_cache, layer, keepdims=False).reshape(b * g, s_len, kd)
+      vc = lax.dynamic_index_in_dim(v_cache, layer, keepdims=False).reshape(b * g, s_len, kd)
+      s_cache = jnp.where(expand(cache_mask(jnp.arange(s_len))), score(kc), neg)
+      m = jnp.maximum(m, s_cache.max(-1, keepdims=True))
+      p_cache, p_new = jnp.exp(s_cache - m), jnp.exp(s_new - m)
+      denom = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
+      out = (bdot(p_cache.astype(vc.dtype), vc, 2, 1)
+             + bdot(p_new.astype(vn.dtype), vn, 2, 1)) / denom  # [BG, RT, K]
+    else:
+      blk = ATTENTION_BLOCK
+      p_new = jnp.exp(s_new - m)
+      init = (m, p_new.sum(-1, keepdims=True), bdot(p_new.astype(vn.dtype), vn, 2, 1))
+      # Blocks [first, last): up to the longest row, from the oldest position a sliding window
+      # of the batch still sees.
+      last = (jnp.max(length) + blk - 1) // blk
+      first = jnp.int32(0)
+      if windowed:
+        oldest = jnp.maximum(jnp.min(positions) - w + 1, 0) // blk
+        first = oldest if sliding is True else jnp.where(sliding, oldest, 0)
+
+      def body(carry):
+        i, m, l, acc = carry
+        # A last block that would run past the cache is read ending at its end; the positions it
+        # shares with the block before are masked out.
+        start = jnp.minimum(i * blk, s_len - blk)
+        read = lambda c: lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, g, blk, kd)
+                                           ).reshape(b * g, blk, kd)
+        pos = start + jnp.arange(blk)
+        vis = cache_mask(pos) & (pos >= i * blk)[None, None, :]
+        s = jnp.where(expand(vis), score(read(k_cache)), neg)  # [BG, RT, blk]
+        m2 = jnp.maximum(m, s.max(-1, keepdims=True))
+        p = jnp.exp(s - m2)
+        c = jnp.exp(m - m2)
+        vb = read(v_cache)
+        return (i + 1, m2, l * c + p.sum(-1, keepdims=True),
+                acc * c + bdot(p.astype(vb.dtype), vb, 2, 1))
+
+      _, m, l, acc = lax.while_loop(lambda c: c[0] < last, body, (first,) + init)
+      out = acc / l
+    return out
+
+  def with_kernel(name, interpret=False):
+    """The cache read by a Pallas kernel (`attention_kernels`), merged with the new block."""
+    # Each query row's oldest visible cache position, in the (r, t) order of the rows.
+    qlo = jnp.zeros_like(positions)
     if windowed:
-      oldest = jnp.maximum(jnp.min(positions) - w + 1, 0) // blk
-      first = oldest if sliding is True else jnp.where(sliding, oldest, 0)
+      oldest = jnp.maximum(positions - w + 1, 0)
+      qlo = oldest if sliding is True else jnp.where(sliding, oldest, 0)
+    qlo = jnp.tile(qlo.astype(jnp.int32), (1, r))  # [B, R * T]
+    idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    out = attention_kernels.cached_attention(
+        qg.reshape(b, g, r * t, kd), k_cache, v_cache, idx, length.astype(jnp.int32), qlo,
+        s_new.reshape(b, g, r * t, t), vn.reshape(b, g, t, kd), kernel=name,
+        interpret=interpret, scale=scale, cap=cap)
+    return out.reshape(b * g, r * t, kd)
 
-    def body(carry):
-      i, m, l, acc = carry
-      # A last block that would run past the cache is read ending at its end; the positions it
-      # shares with the block before are masked out.
-      start = jnp.minimum(i * blk, s_len - blk)
-      read = lambda c: lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, g, blk, kd)
-                                         ).reshape(b * g, blk, kd)
-      pos = start + jnp.arange(blk)
-      vis = cache_mask(pos) & (pos >= i * blk)[None, None, :]
-      s = jnp.where(expand(vis), score(read(k_cache)), neg)  # [BG, RT, blk]
-      m2 = jnp.maximum(m, s.max(-1, keepdims=True))
-      p = jnp.exp(s - m2)
-      c = jnp.exp(m - m2)
-      vb = read(v_cache)
-      return (i + 1, m2, l * c + p.sum(-1, keepdims=True),
-              acc * c + bdot(p.astype(vb.dtype), vb, 2, 1))
+  impl = cfg.attention_kernel if kernel is None else kernel
+  if impl not in ATTENTION_KERNELS:
+    raise ValueError(f"attention kernel {impl!r} is not one of "
+                     + ", ".join(map(repr, ATTENTION_KERNELS)))
+  name, interpret = impl.removesuffix("_interpret"), impl.endswith("_interpret")
+  takes = lambda name: attention_kernels.SUPPORTS[name](kd, s_len)
+  if impl == "auto":
+    per_platform = {}
+    if takes("triton"):
+      per_platform["cuda"] = lambda: with_kernel("triton")
+    if takes("mosaic"):
+      per_platform["tpu"] = lambda: with_kernel("mosaic")
+    # Lowered for the CPU (or any platform without a kernel) only `xla_cache` is emitted.
+    out = lax.platform_dependent(default=xla_cache, **per_platform)
+  elif name in attention_kernels.KERNELS and takes(name):
+    out = with_kernel(name, interpret)
+  else:  # "xla", or a shape the kernel does not take
+    out = xla_cache()
+  return _finish(out, b, t, h, kd, q.dtype)
 
-    _, m, l, acc = lax.while_loop(lambda c: c[0] < last, body, (first,) + init)
-    out = acc / l
+
+def _finish(out, b, t, h, kd, dtype):
+  """[BG, RT, K] in the (b, g) x (r, t) order of the scores -> [B, T, H, K]."""
+  g = out.shape[0] // b
+  r = h // g
   out = jnp.transpose(out.reshape(b, g, r, t, kd), (0, 3, 1, 2, 4))
-  return out.reshape(b, t, h, kd).astype(q.dtype)
+  return out.reshape(b, t, h, kd).astype(dtype)
 
 
 def _precision(*operands) -> lax.Precision | None:

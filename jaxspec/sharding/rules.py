@@ -339,7 +339,12 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
   if not isinstance(model, Model):
     raise ValueError(f"shard_model takes a jaxspec Model, got {type(model).__name__}")
   params = shard_params(model.params, model.cfg, mesh, rules)
-  return dataclasses.replace(model, params=params, sharding=ModelSharding(mesh, rules))
+  cfg = model.cfg
+  if mesh.size > 1 and cfg.attention_kernel == "auto":
+    # XLA cannot partition a Pallas kernel's custom call: it would gather the whole cache onto
+    # every device for it. A sharded model reads its cache by XLA's blocks (the CPU's program).
+    cfg = dataclasses.replace(cfg, attention_kernel="xla")
+  return dataclasses.replace(model, cfg=cfg, params=params, sharding=ModelSharding(mesh, rules))
 
 
 def model_sharding(model) -> ModelSharding | None:
