@@ -122,7 +122,9 @@ def add_train_parser(sub) -> None:
                       " version=3 ttt_steps=3 draft_vocab_size=4096 (large vocabularies), mlp"
                       " tie_to_target=true")
   t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-  t.add_argument("--no-progress", action="store_true", help="no progress bars")
+  t.add_argument("--no-progress", action="store_true",
+                 help="plain progress lines (every 30 s and at the end of each stage) instead of"
+                      " bars; without a terminal they are lines anyway")
 
 
 def _train_config(args):
@@ -222,7 +224,7 @@ def cmd_train(args) -> int:
   from jaxspec.models.loading import load
 
   t0 = time.perf_counter()
-  progress = not args.no_progress
+  progress = "lines" if args.no_progress else True
   options = dict(args.option)
   try:
     cfg = _train_config(args)
@@ -263,6 +265,7 @@ def cmd_train(args) -> int:
       layers = tuple(spec.required_layers(target.cfg, options))
     ds = _training_data(args, target, layers, progress)
     out = Path(args.out)
+    start = _checkpointed_step(out / "training") if args.resume else 0
     summary = {"kind": args.kind, "target": target.name, "data": str(ds.path),
                "train_rows": int(len(ds.train_indices)), "eval_rows": int(len(ds.eval_indices)),
                "config": cfg.to_json()}
@@ -279,15 +282,29 @@ def cmd_train(args) -> int:
   summary["seconds"] = round(time.perf_counter() - t0, 1)
   (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
   last = history[-1] if history else {}
-  line = (f"[jaxspec] trained {args.kind} for {cfg.steps} steps in {summary['seconds']:.0f} s:"
-          f" loss {history[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}"
-          if history else f"[jaxspec] {args.kind}: nothing to train")
+  # A resumed run reports its own steps: the history also holds the records before the kill.
+  ours = [r for r in history if r["step"] > start]
+  if ours:
+    what = (f"{cfg.steps - start} steps (resumed at step {start} of {cfg.steps})" if start
+            else f"{cfg.steps} steps")
+    line = (f"[jaxspec] trained {args.kind} for {what} in {summary['seconds']:.0f} s:"
+            f" loss {ours[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
+  else:
+    line = f"[jaxspec] {args.kind}: nothing to train (the run had finished all {cfg.steps} steps)"
   if "eval_loss" in last:
     line += f", held-out loss {last['eval_loss']:.4f}"
   if summary.get("offline_tau") is not None:
     line += f", offline tau {summary['offline_tau']:.2f}"
   print(line + f"; saved to {out}", flush=True)
   return 0
+
+
+def _checkpointed_step(train_dir) -> int:
+  """The step of the latest checkpoint in a training directory (0: none), where a resumed run
+  starts."""
+  ckpt = train_dir / "checkpoints"
+  steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
+  return max(steps, default=0)
 
 
 def _train_head(args, spec, options, target, ds, cfg, out, progress):

@@ -48,6 +48,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -441,16 +442,66 @@ def _fingerprint_v1(target: Model) -> str:
   return h.hexdigest()[:16]
 
 
-def make_progress(enabled: bool = True):
-  """A rich progress display on stderr (a do-nothing stand-in when disabled)."""
+def make_progress(enabled: bool | str = True, every: float = 30.0):
+  """Progress on stderr: a rich bar on a terminal; without one (a log file, CI) or with
+  `enabled="lines"`, a plain line at most every `every` seconds and at the end of each task;
+  nothing with `enabled=False`."""
   if not enabled:
     return _NoProgress()
+  if enabled == "lines" or not sys.stderr.isatty():
+    return _LineProgress(every)
   from rich.console import Console
   from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                              TimeElapsedColumn, TimeRemainingColumn)
   return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                   TextColumn("{task.fields[info]}"), console=Console(stderr=True))
+
+
+class _LineProgress(contextlib.AbstractContextManager):
+  """`make_progress`'s plain form: `[jaxspec] training: 120 / 600 (20%), 41 s, eta 2m44s, loss
+  2.1` lines, the rate counted from this process's start of each task (a resumed task's earlier
+  part does not count)."""
+
+  def __init__(self, every: float):
+    self.every, self.tasks = every, []
+
+  def __exit__(self, *exc):
+    return None
+
+  def add_task(self, description, total=None, completed=0, info="", **_):
+    now = time.perf_counter()
+    self.tasks.append(dict(description=description, total=total, completed=completed,
+                           start_done=completed, info=info, t0=now, shown=now))
+    return len(self.tasks) - 1
+
+  def advance(self, task, advance=1):
+    self.update(task, advance=advance)
+
+  def update(self, task, completed=None, advance=None, info=None, **_):
+    t = self.tasks[task]
+    if completed is not None:
+      t["completed"] = completed
+    if advance is not None:
+      t["completed"] += advance
+    if info is not None:
+      t["info"] = info
+    now = time.perf_counter()
+    finished = t["total"] is not None and t["completed"] >= t["total"]
+    if now - t["shown"] < self.every and not finished:
+      return
+    t["shown"] = now
+    dt, done = now - t["t0"], t["completed"] - t["start_done"]
+    line = f"[jaxspec] {t['description']}: {t['completed']}"
+    if t["total"]:
+      line += f" / {t['total']} ({100 * t['completed'] / t['total']:.0f}%)"
+    line += f", {dt:.0f} s"
+    if t["total"] and done > 0 and not finished:
+      left = (t["total"] - t["completed"]) * dt / done
+      line += f", eta {int(left // 60)}m{int(left % 60):02d}s"
+    if t["info"]:
+      line += f", {t['info']}"
+    print(line, file=sys.stderr, flush=True)
 
 
 class _NoProgress(contextlib.AbstractContextManager):

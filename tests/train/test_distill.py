@@ -146,17 +146,27 @@ def test_cli_train_draft_model(target_dir, tmp_path):
     main(args[:-1] + ["--num-layers", "2", "--out", str(tmp_path / "o3")])
 
 
-def test_cli_train_head_on_stored_data(target_dir, data, tmp_path):
-  """A head kind goes through the same data and trainer, and is saved with its registry."""
+def test_cli_train_head_on_stored_data(target_dir, data, tmp_path, capsys):
+  """A head kind goes through the same data and trainer, and is saved with its registry;
+  --no-progress prints plain progress lines; a resumed run's summary counts its own steps."""
+  import shutil
   out = tmp_path / "medusa"
-  assert main(["train", "medusa", "--model", str(target_dir), "--data-dir", str(data.path),
-               "--out", str(out), "--steps", "3", "--batch-size", "4", "--option",
-               "num_heads=2", "--no-progress"]) == 0
+  args = ["train", "medusa", "--model", str(target_dir), "--data-dir", str(data.path),
+          "--out", str(out), "--steps", "4", "--save-every", "2", "--batch-size", "4",
+          "--option", "num_heads=2", "--no-progress"]
+  assert main(args) == 0
+  captured = capsys.readouterr()
+  assert "[jaxspec] training: 4 / 4 (100%)" in captured.err
+  assert "trained medusa for 4 steps in" in captured.out
   config = json.loads((out / "config.json").read_text())
   assert config["kind"] == "medusa" and config["head_config"]["num_heads"] == 2
   summary = json.loads((out / "summary.json").read_text())
-  assert summary["final"]["step"] == 3 and summary["offline_tau"] >= 1.0
-  assert (out / "training" / "checkpoints" / "3").is_dir()
+  assert summary["final"]["step"] == 4 and summary["offline_tau"] >= 1.0
+  assert (out / "training" / "checkpoints" / "4").is_dir()
+  # Killed after its step-2 checkpoint: the resumed run trains steps 3 and 4 and says so.
+  shutil.rmtree(out / "training" / "checkpoints" / "4")
+  assert main(args + ["--resume"]) == 0
+  assert "trained medusa for 2 steps (resumed at step 2 of 4) in" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="unknown MedusaConfig options"):
     main(["train", "medusa", "--model", str(target_dir), "--data-dir", str(data.path), "--out",
           str(tmp_path / "m2"), "--option", "heads=2", "--no-progress"])
