@@ -576,6 +576,33 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
   Returns:
     [B, T, H, K]
   """
+  impl = cfg.attention_kernel if kernel is None else kernel
+  if k_cache is None or impl == "xla":
+    return _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
+                      sliding, layer, impl)
+  # A Pallas kernel has no differentiation rule: the derivative is XLA's read's, which computes
+  # the same function, so `jax.grad` through a model works whatever the platform's kernel. The
+  # traced arguments go through the custom_jvp explicitly (it may not close over tracers);
+  # Python values (a static `sliding` or `layer`) stay closed over, their checks static.
+  dyn = dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, length=length,
+             positions=positions, block_mask=block_mask)
+  static = {}
+  for name, value in (("sliding", sliding), ("layer", layer)):
+    (dyn if isinstance(value, jax.Array) else static)[name] = value
+  names = tuple(dyn)
+
+  def run(read, *values):
+    return _attention(cfg=cfg, kernel=read, **static, **dict(zip(names, values)))
+
+  read = jax.custom_jvp(functools.partial(run, impl))
+  read.defjvp(lambda primals, tangents: jax.jvp(functools.partial(run, "xla"), primals,
+                                                tangents))
+  return read(*dyn.values())
+
+
+def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
+               sliding=None, layer=None, kernel: str | None = None):
+  """`attention`'s body (the kernel chosen, no derivative rule of its own)."""
   b, t, h, kd = q.shape
   g = cfg.num_kv_heads
   r = h // g
