@@ -925,24 +925,15 @@ class PackedCorpus:
   def train_batches(self, batch_size: int, seed: int = 0, start_step: int = 0,
                     ) -> Iterator[dict[str, np.ndarray]]:
     """Training batches from `start_step` on, endlessly (epoch after epoch)."""
-    step = start_step
-    while True:
-      yield self.train_batch(step, batch_size, seed)
-      step += 1
+    return _data.endless_batches(self, batch_size, seed, start_step)
 
   def eval_batches(self, batch_size: int, max_batches: int | None = None,
                    ) -> Iterator[dict[str, np.ndarray]]:
     """Held-out batches in stored order; the last is filled up by wrapping around."""
     pairs = np.array([(s, r) for s in range(self.corpus.num_shards)
                       for r in range(len(self.eval_rows[s]))], np.int64).reshape(-1, 2)
-    if len(pairs) == 0:
-      return
-    n = -(-len(pairs) // batch_size)
-    if max_batches is not None:
-      n = min(n, max_batches)
-    for b in range(n):
-      idx = np.resize(np.roll(np.arange(len(pairs)), -b * batch_size), batch_size)
-      yield self._rows(pairs[idx], self.eval_rows)
+    for pick in _data.wrapped_batches(len(pairs), batch_size, max_batches):
+      yield self._rows(pairs[pick], self.eval_rows)
 
 
 # ----------------------------------------------------------------------------------------------

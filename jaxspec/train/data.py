@@ -952,20 +952,33 @@ class Dataset:
 
   def train_batches(self, batch_size: int, seed: int, start_step: int = 0,
                     ) -> Iterator[dict[str, np.ndarray]]:
-    step = start_step
-    while True:
-      yield self.train_batch(step, batch_size, seed)
-      step += 1
+    return endless_batches(self, batch_size, seed, start_step)
 
   def eval_batches(self, batch_size: int, max_batches: int | None = None,
                    ) -> Iterator[dict[str, np.ndarray]]:
     """Held-out batches in a fixed order; the last is filled up by wrapping around."""
-    idx = self.eval_indices
-    if len(idx) == 0:
-      return
-    n = -(-len(idx) // batch_size)
-    if max_batches is not None:
-      n = min(n, max_batches)
-    for b in range(n):
-      batch = self.gather(np.resize(np.roll(idx, -b * batch_size), batch_size))
+    for b, pick in enumerate(wrapped_batches(len(self.eval_indices), batch_size, max_batches)):
+      batch = self.gather(self.eval_indices[pick])
       yield self._crop(batch, np.random.default_rng([b, 2]))
+
+
+def endless_batches(data, batch_size: int, seed: int, start_step: int = 0,
+                    ) -> Iterator[dict[str, np.ndarray]]:
+  """A `TrainData`'s training batches from `start_step` on, epoch after epoch."""
+  step = start_step
+  while True:
+    yield data.train_batch(step, batch_size, seed)
+    step += 1
+
+
+def wrapped_batches(n: int, batch_size: int, max_batches: int | None = None,
+                    ) -> Iterator[np.ndarray]:
+  """Positions into n held-out items, batch after batch in stored order, the last batch filled
+  up by wrapping around (at most `max_batches`; none when n is 0)."""
+  if n == 0:
+    return
+  count = -(-n // batch_size)
+  if max_batches is not None:
+    count = min(count, max_batches)
+  for b in range(count):
+    yield np.resize(np.roll(np.arange(n), -b * batch_size), batch_size)
