@@ -94,14 +94,24 @@ def _check_prompts(prompt_ids, prompt_lengths, vocab_size: int) -> tuple[int, in
       raise ValueError(f"prompt_lengths must be in [1, {p}] (the padded width of prompt_ids),"
                        f" got min {lens.min()} and max {lens.max()}")
     if _is_concrete(prompt_ids):
-      ids = np.asarray(prompt_ids)
-      live = np.arange(p)[None, :] < lens[:, None]
-      bad = live & ((ids < 0) | (ids >= vocab_size))
-      if bad.any():
-        r, c = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"prompt row {r} has token id {ids[r, c]} at position {c}, outside"
+      hit = first_out_of_vocabulary(prompt_ids, lens, vocab_size)
+      if hit is not None:
+        r, c, t = hit
+        raise ValueError(f"prompt row {r} has token id {t} at position {c}, outside"
                          f" the target's vocabulary [0, {vocab_size})")
   return int(b), int(p)
+
+
+def first_out_of_vocabulary(ids, lengths, vocab_size: int) -> tuple[int, int, int] | None:
+  """(row, position, id) of the first token id outside [0, vocab_size) below its row's length
+  in concrete [B, T] `ids`; None when every one is inside."""
+  ids, lengths = np.asarray(ids), np.asarray(lengths)
+  live = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+  bad = live & ((ids < 0) | (ids >= vocab_size))
+  if not bad.any():
+    return None
+  r, c = map(int, np.argwhere(bad)[0])
+  return r, c, int(ids[r, c])
 
 
 def as_key(key, batch_size: int | None = None, n: int = 1) -> jax.Array:

@@ -24,10 +24,7 @@ import numpy as np
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.decoding import protocol
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+from jaxspec.decoding.functional import _is_concrete, first_out_of_vocabulary
 
 
 def _check_rows(name: str, x, b: int | None, nd: int, what: str):
@@ -67,12 +64,10 @@ def check_score_args(tokens, lengths, prompt_lengths, vocab_size: int) -> tuple[
       raise ValueError(f"prompt_lengths must be in [1, lengths] (a row's first scored token"
                        f" follows its prompt), got {pl[r]} for row {r} of length {lens[r]}")
   if _is_concrete(tokens):
-    ids = np.asarray(tokens)
-    live = np.arange(t)[None, :] < lens[:, None]
-    bad = live & ((ids < 0) | (ids >= vocab_size))
-    if bad.any():
-      r, c = map(int, np.argwhere(bad)[0])
-      raise ValueError(f"tokens row {r} has id {ids[r, c]} at position {c} (below its length"
+    hit = first_out_of_vocabulary(tokens, lens, vocab_size)
+    if hit is not None:
+      r, c, tok = hit
+      raise ValueError(f"tokens row {r} has id {tok} at position {c} (below its length"
                        f" {lens[r]}), outside the target's vocabulary [0, {vocab_size})")
   return b, t
 
