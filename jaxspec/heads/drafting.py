@@ -43,7 +43,7 @@ from jaxspec import sampling as sampling_lib
 from jaxspec.decoding import tree as tree_lib
 from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, position_draft_keys
 from jaxspec.heads.common import target_dims
-from jaxspec.heads.eagle import eagle_block
+from jaxspec.heads.eagle import eagle_block, eagle_prefill
 from jaxspec.heads.training import draft_ids
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import KVCache, Params, init_cache, write_cache
@@ -369,14 +369,15 @@ class EagleDrafter(HeadDrafter):
     feat = model.real_feature(hidden.final, _layers_btnd(hidden))  # [B, P, D] feature_t
     tok = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)  # x_{t+1}
     cache = init_cache(model.layer_cfg, b, max_len, dtype=F32)
-    h, cache = eagle_block(model, params.target, cache, feat, tok, fresh=True)
+    # The next draft reads the output of pair P - 2 only (version 1: none).
+    h, cache = eagle_prefill(model, params.target, cache, feat, tok,
+                             jnp.maximum(prompt_len - 2, 0))
     # Pairs t = 0 .. P-2 are real (x_{t+1} is a prompt token); the last one is padding.
     cache = dataclasses.replace(cache, length=jnp.maximum(prompt_len - 1, 0))
     if model.cfg.version == 1:  # the target's head on f_{P-1} drafts x_P exactly
       start = _gather(hidden.final, prompt_len - 1).astype(F32)
     else:
-      start = jnp.where((prompt_len >= 2)[:, None], _gather(h, jnp.maximum(prompt_len - 2, 0)),
-                        feat[:, 0])
+      start = jnp.where((prompt_len >= 2)[:, None], h, feat[:, 0])
     return EagleState(cache=cache, feat=start)
 
   def propose(self, params, state: EagleState, ctx, k, sp, keys):

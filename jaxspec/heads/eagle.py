@@ -342,6 +342,27 @@ def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: j
   return h, write_cache(cache, k[None], v[None], positions_start=cache.length)
 
 
+def eagle_prefill(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: jax.Array,
+                  at: jax.Array):
+  """Decoding's first block: the prompt's T pairs (feat [B, T, D], tok [B, T]) written into an
+  empty draft cache, and the layer's output at pair `at` [B] only: h [B, D].
+
+  The same function as `eagle_block(..., fresh=True)` read at `at`: the cache needs every pair's
+  keys and values, but the next draft only that one output, so attention, output projection and
+  MLP run for one position per row (on a long prompt they were most of the pass), reading the
+  pairs before it as a cached prefix.
+  """
+  b, t = tok.shape
+  x, resid = model.layer_input(frozen, feat, tok)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+  q, k, v = model.qkv(x, pos + 1)
+  cache = write_cache(cache, k[None], v[None], positions_start=jnp.zeros((b,), jnp.int32))
+  pick = lambda a: jnp.take_along_axis(a, at.reshape((b,) + (1,) * (a.ndim - 1)), axis=1)
+  attn = attention(pick(q), pick(k), pick(v), cache.k[0], cache.v[0], at, at[:, None],
+                   jnp.ones((b, 1, 1), bool), model.layer_cfg)
+  return model.finish(pick(resid), attn.astype(F32))[:, 0], cache
+
+
 # ----------------------------------------------------------------------------------------------
 # EAGLE-3's reduced draft vocabulary, and creating a head.
 

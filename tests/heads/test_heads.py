@@ -332,6 +332,29 @@ def test_eagle_plain_steps_pass_no_cache_through_a_conditional(tiny_target):
   assert passed == []
 
 
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_eagle_prefill_equals_the_full_block_at_the_read_position(tiny_target, name):
+  """The drafter's init computes attention and MLP at one pair per row (the one the next draft
+  reads): the same output there and the same cache as the whole fresh block."""
+  from jaxspec.heads.eagle import eagle_block, eagle_prefill
+  model = _create(name, tiny_target.cfg)
+  b, t, d = 3, 11, tiny_target.cfg.hidden_size
+  rng = np.random.default_rng(0)
+  if model.cfg.version == 1:
+    feat = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  else:
+    feat = model.real_feature(None, jnp.asarray(
+        rng.normal(size=(b, t, len(model.cfg.layers), d)), jnp.float32))
+  tok = jnp.asarray(rng.integers(0, tiny_target.cfg.vocab_size, (b, t)), jnp.int32)
+  at = jnp.asarray([0, 5, t - 1], jnp.int32)
+  empty = init_cache(model.layer_cfg, b, 16, dtype=jnp.float32)
+  h_all, c_all = eagle_block(model, tiny_target.params, empty, feat, tok, fresh=True)
+  h_at, c_at = eagle_prefill(model, tiny_target.params, empty, feat, tok, at)
+  np.testing.assert_allclose(h_at, h_all[jnp.arange(b), at], rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(c_at.k, c_all.k)
+  np.testing.assert_array_equal(c_at.v, c_all.v)
+
+
 # ----------------------------------------------------------------------------------------------
 # (b) Exact sampling with a head drafter (chi-square on the first three tokens).
 
