@@ -145,3 +145,20 @@ def test_distill_with_the_pard_objective_writes_a_pard_checkpoint(tiny_target, t
 def test_bad_objective_settings(kw, match):
   with pytest.raises(ValueError, match=match):
     PardObjective(**{"mask_id": 3, **kw})
+
+
+def test_cli_train_pard_needs_a_corpus_and_a_mask(tmp_path):
+  """`jaxspec train pard` refuses, before loading anything, a run without --corpus or without
+  --option mask_id, and options PardObjective does not have."""
+  from jaxspec.cli.app import main
+  base = ["train", "pard", "--out", str(tmp_path / "out")]
+  corpus = ["--corpus", str(tmp_path / "corpus")]
+  cases = [(base + ["--option", "mask_id=16"], "pass --corpus DIR"),
+           (base + corpus, "needs its mask token: --option mask_id=ID"),
+           (base + corpus + ["--option", "mask_id=16", "--option", "depth=3"],
+            r"pard takes --option .*; got \['depth'\]"),
+           (base + corpus + ["--option", "mask_id=16", "--option", "k=1"],
+            "PardObjective.k must be an integer >= 2")]
+  for argv, match in cases:
+    with pytest.raises(SystemExit, match=match):
+      main(argv)
