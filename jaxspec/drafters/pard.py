@@ -101,11 +101,17 @@ class ParallelDraft(DraftModel):
     toks = jnp.where(single[:, None], jnp.concatenate([two[:, 1:], masks], axis=1),
                      jnp.concatenate([two, masks[:, 1:]], axis=1))  # [B, k + 1]
     start = state.cache.length
-    logits, _, cache = protocol.forward(lm, params, toks, state.cache)
+    at = jnp.where(single, 0, 1)[:, None] + jnp.arange(k)[None, :]  # [B, k] positions read
+    if hasattr(lm, "logits_from_hidden"):
+      # The LM head (most of a small draft's cost) only on the k positions read.
+      _, hidden, cache = protocol.forward(lm, params, toks, state.cache, logits=False)
+      h = jnp.take_along_axis(hidden.final, at[:, :, None], axis=1)  # [B, k, D]
+      lg = lm.logits_from_hidden(params, h).astype(jnp.float32)  # [B, k, V]
+    else:
+      logits, _, cache = protocol.forward(lm, params, toks, state.cache)
+      lg = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [B, k, V] float32
     # Only the real tokens are kept: the masks' entries lie past the length.
     cache = protocol.with_length(cache, start + jnp.where(single, 1, 2))
-    at = jnp.where(single, 0, 1)[:, None] + jnp.arange(k)[None, :]  # [B, k]
-    lg = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [B, k, V] float32
     q = sampling_lib.probs(lg, sp)  # [B, k, V]
     if self.coupled:
       step_keys = position_draft_keys(ctx, k, self.name)
