@@ -4,18 +4,20 @@ draft head (medusa, mlp, eagle) or a draft model on them and save it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from jaxspec.cli_options import count, count0
 
 
-TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model")
+TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model", "pard")
 # Defaults sized for the bundled SmolLM2-135M on a 2-core CPU, the recipe of the bundled heads
 # (what the data and a step take there: docs/lab-notes/code-notes-moved.md). Medusa and MLP steps
 # cost most: their losses run the full LM head for every head at every position.
 TRAIN_DEFAULTS = {
     "draft-model": dict(steps=200, lr=5e-4, batch_size=8),
+    "pard": dict(steps=200, lr=1e-3, batch_size=8),
     "eagle": dict(steps=600, lr=8e-4, batch_size=8),
     "medusa": dict(steps=120, lr=1e-3, batch_size=8),
     "mlp": dict(steps=120, lr=2e-3, batch_size=8),
@@ -116,11 +118,12 @@ def add_train_parser(sub) -> None:
   t.add_argument("--allow-eval-prompts", action="store_true",
                  help="allow training on an evaluation set (spec_bench): contaminates it")
   t.add_argument("--num-layers", type=count, default=4,
-                 help="draft-model: target layers the draft keeps")
+                 help="draft-model, pard: target layers the draft keeps")
   t.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                  help="head option (JSON value), e.g. --option num_heads=3; defaults: eagle"
                       " version=3 ttt_steps=3 draft_vocab_size=4096 (large vocabularies), mlp"
-                      " tie_to_target=true")
+                      " tie_to_target=true; pard: jaxspec.train.pard.PardObjective's fields"
+                      " (mask_id, required; k, anchors, keep, positions, labels)")
   t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
   t.add_argument("--no-progress", action="store_true",
                  help="plain progress lines (every 30 s and at the end of each stage) instead of"
@@ -228,6 +231,8 @@ def cmd_train(args) -> int:
   options = dict(args.option)
   try:
     cfg = _train_config(args)
+    if args.kind == "pard":
+      return _train_pard(args, cfg, options, progress, t0)
     if args.kind != "draft-model" and options.get("draft_vocab") is not None:
       raise ValueError("--option draft_vocab is not supported on the command line: use"
                        " draft_vocab_size=N (the N most frequent response tokens)")
@@ -296,6 +301,50 @@ def cmd_train(args) -> int:
   if summary.get("offline_tau") is not None:
     line += f", offline tau {summary['offline_tau']:.2f}"
   print(line + f"; saved to {out}", flush=True)
+  return 0
+
+
+def _train_pard(args, cfg, options, progress, t0) -> int:
+  """`jaxspec train pard`: a draft cut from the target (--num-layers) trained with PARD's
+  mask-token objective on a corpus (`jaxspec train-data`), read as packed rows with the target's
+  states computed in the step; saved with its mask token in config.json."""
+  import json
+  from pathlib import Path
+
+  from jaxspec.models.loading import load
+  from jaxspec.train.corpus import PackedCorpus
+  from jaxspec.train.distill import distill, draft_from_target
+  from jaxspec.train.pard import PardObjective
+  if not args.corpus or args.prompts or args.data_dir or args.self_instructions:
+    raise ValueError("pard trains on a corpus written by `jaxspec train-data`: pass --corpus DIR"
+                     " (and no --prompts, --data-dir or --self-instructions)")
+  if "mask_id" not in options:
+    raise ValueError("pard needs its mask token: --option mask_id=ID, an id of the target's"
+                     " vocabulary that its text never holds (16, <empty_output>, for SmolLM2)")
+  fields = {f.name for f in dataclasses.fields(PardObjective)}
+  unknown = sorted(set(options) - fields)
+  if unknown:
+    raise ValueError(f"pard takes --option {', '.join(sorted(fields))}; got {unknown}")
+  objective = PardObjective(**options)
+  target = load(args.model, dtype=args.dtype)
+  from jaxspec.models.hf_loader import check_savable
+  check_savable(draft_from_target(target, args.num_layers).cfg)
+  data = PackedCorpus(args.corpus, args.corpus_seq_len)
+  out = Path(args.out)
+  _, history = distill(target, data, out, cfg, num_layers=args.num_layers, resume=args.resume,
+                       save_dtype=args.save_dtype, progress=progress, objective=objective,
+                       hidden="online")
+  last = history[-1] if history else {}
+  summary = {"kind": "pard", "target": target.name, "data": str(args.corpus),
+             "seq_len": args.corpus_seq_len, "train_rows": data.num_train_rows,
+             "objective": dataclasses.asdict(objective), "config": cfg.to_json(),
+             "final": last or None, "seconds": round(time.perf_counter() - t0, 1)}
+  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+  depths = ", ".join(f"{last[f'top1_d{d}']:.2f}" for d in range(1, objective.k + 1)
+                     if f"top1_d{d}" in last)
+  print(f"[jaxspec] trained pard for {cfg.steps} steps in {summary['seconds']:.0f} s: loss"
+        f" {history[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}, top-1 by depth"
+        f" {depths}; saved to {out}", flush=True)
   return 0
 
 

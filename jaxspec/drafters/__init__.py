@@ -6,6 +6,8 @@
   oracle       `Oracle`: a known continuation kept with probability alpha (benchmarks)
   suffix       `SuffixDecoding`: suffix decoding over the batch's rows and a corpus of earlier
                outputs carried from call to call (`SuffixCorpus`); no model pass
+  pard         `ParallelDraft`: a PARD draft model proposing k tokens from one pass over k - 1
+               mask tokens; `load_pard` reads a PARD-format checkpoint
   resolve      `resolve_drafter`: a drafter named by a string ("ngram", a head, a path)
 
 The drafters of the trained heads (Medusa, the MLP speculator, EAGLE) live with the heads, in
@@ -20,11 +22,13 @@ from jaxspec.decoding.drafter import (DraftContext, Drafter, NoState, Proposal, 
 from jaxspec.drafters.draft_model import DraftModel, DraftModelState
 from jaxspec.drafters.ngram import MAX_NGRAM, NGram
 from jaxspec.drafters.oracle import Oracle, OracleParams
+from jaxspec.drafters.pard import ParallelDraft, load_pard
 from jaxspec.drafters.resolve import resolve_drafter
 from jaxspec.drafters.self_draft import self_drafter
 from jaxspec.drafters.suffix import SuffixCorpus, SuffixDecoding, corpus_from
 from jaxspec.heads.drafting import EagleDrafter, HeadDrafter, MedusaDrafter, MLPDrafter
 
 __all__ = ["MAX_NGRAM", "DraftModel", "DraftModelState", "EagleDrafter", "HeadDrafter",
-           "MLPDrafter", "MedusaDrafter", "NGram", "Oracle", "OracleParams", "SuffixCorpus",
-           "SuffixDecoding", "corpus_from", "resolve_drafter", "self_drafter"]
+           "MLPDrafter", "MedusaDrafter", "NGram", "Oracle", "OracleParams", "ParallelDraft",
+           "SuffixCorpus", "SuffixDecoding", "corpus_from", "load_pard", "resolve_drafter",
+           "self_drafter"]

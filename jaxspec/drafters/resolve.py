@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.drafter import Drafter
 from jaxspec.drafters.draft_model import DraftModel
 from jaxspec.drafters.ngram import NGram
+from jaxspec.drafters.pard import is_pard_dir, load_pard
 from jaxspec.drafters.suffix import SuffixDecoding
 from jaxspec.models.model import Model
 
@@ -24,7 +25,8 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
   "eagle3", the name its drafter reports), "medusa", "mlp" (the head bundled for the default
   SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
   or `jaxspec train`; or the path of a draft model (.gguf file or Hugging Face directory),
-  loaded as a `DraftModel` in `dtype` (default the target's). A named drafter is loaded once
+  loaded as a `DraftModel` in `dtype` (default the target's), or as a `ParallelDraft` when its
+  config.json names a PARD mask token ("pard_token": `load_pard`). A named drafter is loaded once
   per target and reused by later calls.
   """
   if isinstance(drafter, Drafter):
@@ -48,6 +50,8 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
   from jaxspec import heads as heads_lib
   if drafter in heads_lib.HEADS or heads_lib.is_head_dir(drafter):
     made = heads_lib.load_head(drafter, target)
+  elif is_pard_dir(drafter):
+    made = load_pard(drafter, target, dtype=dtype)
   elif os.path.exists(drafter):
     from jaxspec.models.loading import load
     if dtype is None:

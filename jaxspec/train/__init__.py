@@ -5,6 +5,8 @@
             callbacks and mesh; returns a `TrainedHead` (drafter, save)
   distill   a small Llama draft cut from the target and distilled by KL, saved in Hugging Face
             layout (`distill`, `draft_from_target`)
+  pard      PARD's mask-token objective (`PardObjective`, `distill(objective=...)`): a draft
+            that proposes k tokens from one pass (`jaxspec.drafters.ParallelDraft`)
   trainer   the training loop under both: any NNX module, any optax optimizer, `TrainData`
             (exact resume) or any iterable of batches, orbax checkpoints (`TrainConfig`, `train`)
   online    the frozen target's hidden states computed inside the jitted step
@@ -17,7 +19,7 @@
             `Dataset`)
   export    heads to and from vLLM's formats (speculators EAGLE-3, Medusa, mlp_speculator)
 
-`jaxspec train {medusa,mlp,eagle,draft-model}` runs the whole pipeline through these functions.
+`jaxspec train {medusa,mlp,eagle,draft-model,pard}` runs the whole pipeline through these functions.
 """
 
 from jaxspec.train.corpus import (Corpus, CorpusConfig, PackedCorpus, write_corpus,
@@ -27,10 +29,12 @@ from jaxspec.train.data import (DataConfig, DataError, Dataset, read_prompt_file
 from jaxspec.train.distill import DraftLM, distill, distill_loss, draft_from_target
 from jaxspec.train.fit import TrainedHead, train_head
 from jaxspec.train.online import target_hidden, with_hidden_states
+from jaxspec.train.pard import PardObjective, pard_layout, pard_loss
 from jaxspec.train.trainer import Callback, TrainConfig, TrainData, make_optimizer, train
 
 __all__ = ["Callback", "Corpus", "CorpusConfig", "DataConfig", "DataError", "Dataset",
-           "DraftLM", "PackedCorpus", "TrainConfig", "TrainData", "TrainedHead", "distill",
-           "distill_loss", "draft_from_target", "make_optimizer", "read_prompt_file",
-           "read_prompts", "target_hidden", "train", "train_head", "with_hidden_states",
-           "write_corpus", "write_corpus_dataset", "write_dataset"]
+           "DraftLM", "PackedCorpus", "PardObjective", "TrainConfig", "TrainData", "TrainedHead",
+           "distill", "distill_loss", "draft_from_target", "make_optimizer", "pard_layout",
+           "pard_loss", "read_prompt_file", "read_prompts", "target_hidden", "train",
+           "train_head", "with_hidden_states", "write_corpus", "write_corpus_dataset",
+           "write_dataset"]

@@ -33,6 +33,7 @@ from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_s
                                   logits_from_hidden, softcap, stacked_layers)
 from jaxspec.models.model import Model
 from jaxspec.train.data import Dataset
+from jaxspec.train.pard import PardObjective, pard_loss
 from jaxspec.train.trainer import Callback, TrainConfig, train
 
 _LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerParams)]
@@ -157,7 +158,8 @@ def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | 
             progress: bool = True, optimizer: optax.GradientTransformation | None = None,
             callbacks: Sequence[Callback | Callable] = (), eval_data=None,
             hidden: str = "auto", positions: int | None = None, mesh=None, rules=None,
-            **settings) -> tuple[Model, list[dict[str, Any]]]:
+            objective: str | PardObjective = "kl", **settings
+            ) -> tuple[Model, list[dict[str, Any]]]:
   """Cuts a draft from `target`, distills it on `data`, saves it in Hugging Face layout.
 
   Args:
@@ -178,12 +180,24 @@ def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | 
     positions: response positions per row the loss reads (default the dataset's
       max_new_tokens, else every position of a row).
     mesh, rules: train on a mesh (`jaxspec.train.mesh`); the draft is replicated.
+    objective: "kl" (next-token distillation) or a `jaxspec.train.pard.PardObjective`: PARD's
+      mask-token objective, for a draft that proposes k tokens in one pass (`ParallelDraft`);
+      its config.json then names the mask token ("pard_token") and k ("pard_trained_k"), so
+      `jaxspec.drafters.load_pard(out_dir)` loads it.
   Returns:
     (the distilled draft `Model`, training history).
   """
   from jaxspec.train.fit import _config
   from jaxspec.train.online import with_hidden_states
   cfg = _config(cfg, dict(settings))
+  pard = isinstance(objective, PardObjective)
+  if not pard and objective != "kl":
+    raise ValueError(f"objective must be \"kl\" or a jaxspec.train.pard.PardObjective, got"
+                     f" {objective!r}")
+  if pard and objective.mask_id >= target.cfg.vocab_size:
+    raise ValueError(f"PardObjective.mask_id {objective.mask_id} is outside the target's"
+                     f" vocabulary of {target.cfg.vocab_size}: the mask must be one of its ids"
+                     " (an unused special token)")
   if hasattr(data, "check_target") and hidden != "online":  # stored states: this target's
     data.check_target(target, hidden=hidden == "offline")
   draft = draft_from_target(target, num_layers)
@@ -193,8 +207,14 @@ def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | 
   module = DraftLM(draft.cfg, draft.params)
   if positions is None:
     positions = getattr(data, "max_new_tokens", None) or 1 << 30
-  loss = with_hidden_states(functools.partial(distill_loss, positions=positions), target.cfg,
-                            mode=hidden)
+  if not pard:
+    loss = with_hidden_states(functools.partial(distill_loss, positions=positions), target.cfg,
+                              mode=hidden)
+  elif objective.labels == "tokens":  # cross-entropy on the stored tokens: no target pass
+    loss = functools.partial(pard_loss, objective=objective)
+  else:
+    loss = with_hidden_states(functools.partial(pard_loss, objective=objective), target.cfg,
+                              mode=hidden)
   put, frozen = None, target.params
   drop = ("hidden_final", "hidden_layers") if hidden == "online" else ()
   if mesh is not None:
@@ -211,6 +231,11 @@ def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | 
   draft = dataclasses.replace(draft, params=params).with_scan_layers(target.scan_layers)
   save_draft(draft, out, dtype=save_dtype, history=history,
              data=data if isinstance(data, Dataset) else None)
+  if pard:
+    from jaxspec.drafters.pard import MASK_KEY, TRAINED_K_KEY
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config.update({MASK_KEY: objective.mask_id, TRAINED_K_KEY: objective.k})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
   return draft, history
 
 

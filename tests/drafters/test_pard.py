@@ -1,0 +1,248 @@
+"""Parallel drafting (`ParallelDraft`, PARD): what one pass proposes, exact greedy output (ragged
+batch, fixed k and "auto", under jit and vmap, through the host wrapper), the sampled
+distribution at later positions, PARD-format checkpoints, and bad input before compilation."""
+
+import dataclasses
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import AutoK
+from jaxspec.api import generate, speculative_generate
+from jaxspec.decoding import functional
+from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.functional import speculative_decode
+from jaxspec.drafters import DraftModel, ParallelDraft, load_pard, resolve_drafter
+from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models.errors import CheckpointError
+from jaxspec.models.model import Model
+from jaxspec.sampling import Sampling, probs
+from helpers import chi2_critical
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
+N_NEW = 16
+MASK = 3
+
+
+def _padded(prompts, width=16):
+  ids = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+  return generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
+
+
+# -- what one pass proposes -----------------------------------------------------------------------
+
+
+def test_one_pass_reads_the_context_then_the_masks(tiny_target):
+  """Drafts and q are the draft model's distributions after [context], [context, M],
+  [context, M, M] of a plain forward; only the real tokens stay in its cache."""
+  d = ParallelDraft(tiny_target, mask_id=MASK)
+  rows = [[5, 6, 7, 8, 9], [10, 11], [4]]  # the last row holds one token
+  k = 3
+  ids, lens = _padded(rows, 12)
+  params = d.params
+  state = d.init(params, ids, lens, 16)
+  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  sp = Sampling(temperature=1.0).arrays(len(rows))
+  prop, state = d.propose(params, state, ctx, k, sp, jax.random.split(jax.random.key(0), 3))
+  cfg = tiny_target.cfg
+  for i, r in enumerate(rows):
+    seq = jnp.asarray([r + [MASK] * (k - 1)], jnp.int32)
+    lg, _, _ = forward(params, seq, init_cache(cfg, 1, 16), cfg)
+    want = np.asarray(jax.nn.softmax(lg[0, len(r) - 1:], axis=-1))  # [k, V]
+    np.testing.assert_allclose(np.asarray(prop.q[i]), want, atol=2e-5, err_msg=f"row {i}")
+  assert prop.n_valid is None
+  # The cache keeps [0, seq_len) after the pass: the two real tokens (one for the single-token
+  # row), not the masks (the loop's commit then moves it to seq_len - 2 + accepted).
+  np.testing.assert_array_equal(np.asarray(state.cache.length), [5, 2, 1])
+  # Greedy: the argmax of each of those distributions.
+  g = Sampling(temperature=0.0).arrays(len(rows))
+  prop_g, _ = d.propose(params, d.init(params, ids, lens, 16), ctx, k, g,
+                        jax.random.split(jax.random.key(0), 3))
+  np.testing.assert_array_equal(np.asarray(prop_g.tokens), np.asarray(prop.q).argmax(-1))
+
+
+def test_p_min_stops_at_the_first_unconfident_position(tiny_target):
+  d = ParallelDraft(tiny_target, mask_id=MASK)
+  ids, lens = _padded([[5, 6, 7, 8, 9], [10, 11]], 12)
+  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  sp = Sampling(temperature=0.0).arrays(2)
+  keys = jax.random.split(jax.random.key(0), 2)
+  lg = []  # each position's top probability under the draft model's own softmax
+  for r in ([5, 6, 7, 8, 9], [10, 11]):
+    out, _, _ = forward(d.params, jnp.asarray([r + [MASK] * 3]), init_cache(d.cfg, 1, 16), d.cfg)
+    lg.append(np.asarray(jax.nn.softmax(out[0, len(r) - 1:], -1)).max(-1))
+  top = np.stack(lg)  # [2, 4]
+  p_min = float(np.sort(top.reshape(-1))[3])  # some positions fall below it, some do not
+  stop = dataclasses.replace(d, p_min=p_min)
+  prop, _ = stop.propose(d.params, d.init(d.params, ids, lens, 16), ctx, 4, sp, keys)
+  want = [int(np.argmin(np.append(row >= p_min, False))) for row in top]
+  assert np.asarray(prop.n_valid).tolist() == want
+
+
+# -- exactness ------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_plain_fixed_k_and_auto(tiny_target, poor_draft, plain):
+  """A ragged batch (a row of one token among them) through the host wrapper, with a draft
+  that is often rejected and one (the target itself) that is often accepted."""
+  for model, k in ((poor_draft, 3), (tiny_target, "auto")):
+    d = ParallelDraft(model, mask_id=MASK)
+    out = speculative_generate(tiny_target, d, PROMPTS, max_new_tokens=N_NEW,
+                               num_draft_tokens=k, stop_ids=())
+    np.testing.assert_array_equal(out.tokens, plain.tokens, err_msg=f"{model.name} k={k}")
+    assert sum(out.stats["drafted_per_row"]) > 0
+
+
+def test_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
+  d = ParallelDraft(tiny_target, mask_id=MASK)
+  ids, lens = _padded(PROMPTS)
+
+  @jax.jit
+  def call(dparams, key):
+    out = speculative_decode(tiny_target, d, ids, lens, key, max_new_tokens=N_NEW,
+                             num_draft_tokens=4, stop_ids=(), drafter_params=dparams)
+    return out.tokens, out.stats.accepted.sum()
+
+  toks, acc = call(d.params, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(toks), plain.tokens)
+  assert int(acc) > 0
+  rows = [_padded([p]) for p in PROMPTS]
+  ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
+  out = jax.jit(jax.vmap(lambda i, l: speculative_decode(
+      tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=())))(
+          ids4, lens4)
+  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), plain.tokens)
+
+
+def _exact_tables(target, prompt, sp):
+  """The target's conditionals after the prompt: p(t1), p(t2 | t1), ..., p(t5 | t1..t4)."""
+  v = target.cfg.vocab_size
+  seqs = np.array([list(prompt) + list(t) for t in itertools.product(range(v), repeat=4)])
+  n = seqs.shape[0]
+  lg, _, _ = forward(target.params, jnp.asarray(seqs, jnp.int32),
+                     init_cache(target.cfg, n, seqs.shape[1]), target.cfg)
+  arr = sp.arrays(n)
+  p = np.asarray(jax.vmap(lambda x: probs(x, arr), in_axes=1, out_axes=1)(lg), np.float64)
+  p = p.reshape((v,) * 4 + p.shape[1:])  # [t1, t2, t3, t4, position, V]
+  lp = len(prompt)
+  return (p[0, 0, 0, 0, lp - 1], p[:, 0, 0, 0, lp], p[:, :, 0, 0, lp + 1],
+          p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
+
+
+def test_sampled_distribution_at_later_positions(small_vocab):
+  """The 4th and 5th new tokens over 10000 mapped calls with k = 2 (so they come from a second
+  or third pass, after commits, with drafts read at mask positions): chi-square against the
+  target's exact joint at the 1e-4 tail, with drafts both accepted and rejected."""
+  target, draft = small_vocab
+  v = target.cfg.vocab_size
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
+  prompt = [1, 2, 3, 4]
+  p1, p2, p3, p4, p5 = _exact_tables(target, prompt, sp)
+  d = ParallelDraft(draft, mask_id=7)
+  ids, lens = _padded([prompt], 4)
+
+  def one(key):
+    out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, num_draft_tokens=2,
+                             sampling=sp, max_len=16, logprobs=False)
+    return out.tokens[0, 3:5], out.stats.drafted[0], out.stats.accepted[0]
+
+  n = 10000
+  toks, drafted, accepted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(3), n))
+  rate = int(accepted.sum()) / int(drafted.sum())
+  assert 0.05 < rate < 0.9, rate  # both paths of the rejection rule
+  joint = np.einsum("a,ab,abc,abcd,abcde->de", p1, p2, p3, p4, p5).reshape(-1)
+  assert abs(joint.sum() - 1) < 1e-4
+  toks = np.asarray(toks)
+  obs = np.bincount(toks[:, 0] * v + toks[:, 1], minlength=v * v)
+  assert obs[joint == 0].sum() == 0
+  keep = joint * n >= 5
+  o = np.append(obs[keep], obs[~keep].sum()).astype(np.float64)
+  e = np.append(joint[keep] * n, joint[~keep].sum() * n)
+  if e[-1] < 5:
+    o, e = o[:-1], e[:-1]
+  chi2 = float(((o - e) ** 2 / e).sum())
+  assert chi2 < chi2_critical(len(e) - 1), (chi2, len(e))
+
+
+# -- PARD-format checkpoints ----------------------------------------------------------------------
+
+
+def _hf_draft(path, vocab=128, **extra):
+  """A tiny random Hugging Face Llama directory, `extra` added to its config.json."""
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+  torch.manual_seed(0)
+  cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+  LlamaForCausalLM(cfg).save_pretrained(path)
+  raw = json.loads((path / "config.json").read_text())
+  raw.update(extra)
+  (path / "config.json").write_text(json.dumps(raw))
+  return path
+
+
+def test_loads_a_pard_checkpoint_and_decodes_exactly(tiny_target, plain, tmp_path):
+  path = _hf_draft(tmp_path / "pard", pard_token=MASK, pard_trained_k=4)
+  d = load_pard(path, tiny_target)
+  assert isinstance(d, ParallelDraft)
+  assert (d.mask_id, d.trained_k, d.max_draft_tokens, d.vocab_size) == (MASK, 4, 4, 128)
+  assert load_pard(path, tiny_target, mask_id=9).mask_id == 9  # the documented override
+  named = resolve_drafter(tiny_target, str(path))  # by path: the config names the mask
+  assert isinstance(named, ParallelDraft) and named.mask_id == MASK
+  out = speculative_generate(tiny_target, str(path), PROMPTS, max_new_tokens=N_NEW,
+                             num_draft_tokens=4, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  # Without "pard_token" the directory is an ordinary draft model.
+  plain_dir = _hf_draft(tmp_path / "plain")
+  assert type(resolve_drafter(tiny_target, str(plain_dir))) is DraftModel
+  with pytest.raises(CheckpointError, match="names no pard_token.*mask_id="):
+    load_pard(plain_dir, tiny_target)
+  assert load_pard(plain_dir, tiny_target, mask_id=5).mask_id == 5
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_an_error_before_compiling(tiny_target, tmp_path):
+  v = tiny_target.cfg.vocab_size
+  ids, lens = _padded(PROMPTS[:1])
+  before = functional._speculative_jit._cache_size()
+  with pytest.raises(ValueError, match=r"mask_id must be an integer in \[0, 127\]"):
+    ParallelDraft(tiny_target, mask_id=v)
+  with pytest.raises(ValueError, match="needs the draft model's mask token: pass mask_id="):
+    ParallelDraft(tiny_target)
+  with pytest.raises(ValueError, match="trained_k must be an integer >= 1"):
+    ParallelDraft(tiny_target, mask_id=MASK, trained_k=0)
+  # k above the trained k: fixed, and "auto" with a larger k_max.
+  d = ParallelDraft(tiny_target, mask_id=MASK, trained_k=3)
+  with pytest.raises(ValueError, match="pard drafter proposes at most 3 tokens a step:"
+                                       " num_draft_tokens must be <= 3, got 4"):
+    speculative_decode(tiny_target, d, ids, lens, 0, max_new_tokens=4, num_draft_tokens=4)
+  with pytest.raises(ValueError, match=r"use AutoK\(k_max=3\)"):
+    speculative_decode(tiny_target, d, ids, lens, 0, max_new_tokens=4,
+                       num_draft_tokens="auto", auto=AutoK(k_max=5))
+  # A vocabulary other than the target's.
+  cfg = tiny_config(vocab_size=v + 8)
+  other = ParallelDraft(Model(cfg, init_params(cfg, jax.random.key(1))), mask_id=MASK)
+  with pytest.raises(ValueError, match=f"draft vocab {v + 8} != target vocab {v}"):
+    speculative_decode(tiny_target, other, ids, lens, 0, max_new_tokens=4, num_draft_tokens=2)
+  assert functional._speculative_jit._cache_size() == before  # nothing was compiled
+  # Checkpoints: a mask outside the vocabulary, another vocabulary, a malformed key.
+  with pytest.raises(ValueError, match=r"PARD mask id must be an integer in \[0, 127\]"):
+    load_pard(_hf_draft(tmp_path / "out", pard_token=v), tiny_target)
+  with pytest.raises(ValueError, match=f"draft vocab {v + 8} != target vocab {v}: a PARD"):
+    load_pard(_hf_draft(tmp_path / "vocab", vocab=v + 8, pard_token=MASK), tiny_target)
+  with pytest.raises(CheckpointError, match="pard_trained_k must be an integer >= 1"):
+    load_pard(_hf_draft(tmp_path / "k", pard_token=MASK, pard_trained_k="8"), tiny_target)
