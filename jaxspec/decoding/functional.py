@@ -388,8 +388,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
       an int).
     num_draft_tokens: k drafts per step, or "auto" (k chosen per step among `auto`'s buckets
       from the acceptance model and `cost`, which "auto" requires here: a `CostModel`, e.g.
-      `CostModel.from_ratios(stats["cost_model"], stats["cost_model_per_token"],
-      stats["cost_model_length"])` from a `jaxspec.speculative_generate(...)` run's `stats`, or
+      a `jaxspec.speculative_generate(...)` run's `stats["cost_model"]`, or
       `CostModel.from_ratios({0: 1.0, 1: 1.3, 2: 1.5, 4: 1.9})` of relative step times).
     sampling: `Sampling` (one value or one per row), `SamplingArrays` ([B] each), or None
       (greedy).
@@ -422,12 +421,13 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   if policy.auto and cost is None:
     raise ValueError("num_draft_tokens=\"auto\" inside a trace needs cost=CostModel(...) (the step"
                      " costs it weighs; the host wrapper measures one:"
-                     " CostModel.from_ratios(speculative_generate(...).stats['cost_model'])), or"
+                     " speculative_generate(...).stats['cost_model']), or"
                      " pass an integer num_draft_tokens")
   if cost is not None and not isinstance(cost, CostModel):
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}"
-                     + (": wrap a dict of step times (such as stats['cost_model']) as"
-                        " CostModel.from_ratios(d)" if isinstance(cost, dict) else ""))
+                     + (": wrap a dict of step times as CostModel.from_ratios(d), or what"
+                        " CostModel.to_dict wrote as CostModel.from_dict(d)"
+                        if isinstance(cost, dict) else ""))
   drafter = resolve_coupled(drafter, policy.auto)
   sp = _tile_sampling(sampling, b, n)
   stops = check_stop_ids(stop_ids)

@@ -254,7 +254,10 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
   # it says otherwise), so a timed k schedule cannot change the text.
   drafter = resolve_coupled(drafter, policy.auto)
   if cost is not None and not isinstance(cost, CostModel):
-    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
+    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}"
+                     + (": wrap a dict of step times as CostModel.from_ratios(d), or what"
+                        " CostModel.to_dict wrote as CostModel.from_dict(d)"
+                        if isinstance(cost, dict) else ""))
   try:
     prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
                            max_len=max_len, held=held)

@@ -182,11 +182,8 @@ class SpecRun:
     if self.drafter.tree is not None:
       out["tree"] = self.drafter.tree.describe()
       out["tree_nodes"] = self.drafter.tree.num_nodes - 1
-    if self.policy.auto:  # CostModel.from_ratios(these three) is the same model
-      out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
-      out["cost_model_per_token"] = (None if self.cost.per_token is None else
-                                     dict(zip(map(str, self.cost.ks), self.cost.per_token)))
-      out["cost_model_length"] = self.cost.length
+    if self.policy.auto:  # the model itself: `cost=` of a later call (`to_dict` for JSON)
+      out["cost_model"] = self.cost
     if self.placement is not None:
       out.update(placement=self.placement.describe(),
                  failover=None if self.failover is None else dataclasses.asdict(self.failover))
