@@ -107,7 +107,8 @@ def part2(model, rows, batch_sizes, n, repeats, max_prompt_tokens=256):
           best[m] = o.stats["seconds"]
           stats[m] = dict(tokens_per_second=tps, tokens=int(o.lengths.sum()),
                           mean_k=o.stats.get("mean_k"), tau=o.stats.get("tau"),
-                          cost_model=o.stats.get("cost_model"))
+                          cost_model=(None if o.stats.get("cost_model") is None
+                                      else o.stats["cost_model"].to_dict()))
       paired.append(secs["plain"] / secs["auto"])  # same tokens (greedy): a throughput ratio
     out[b] = dict(stats, ratio=stats["auto"]["tokens_per_second"] /
                   stats["plain"]["tokens_per_second"],

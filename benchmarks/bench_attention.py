@@ -61,16 +61,18 @@ def make_run(model, batch: int, prompt_len: int, new: int, max_len: int, spec: b
   if spec:
     # The oracle proposes the target's own greedy continuation, every draft kept: every draft
     # is accepted, each step verifies k + 1 = 5 positions and emits 5 tokens.
-    ref = decode(model, ids, lens, 0, max_new_tokens=new + 8, logprobs=False).tokens
+    ref = decode(model, ids, lens, 0, max_new_tokens=new + 8, logprobs=False,
+                 stop_ids=()).tokens
     drafter = Oracle(reference=ref, alpha=1.0, vocab=CFG["vocab_size"])
     fn = jax.jit(lambda params, dp, ids, lens, n: speculative_decode(
         model, drafter, ids, lens, 0, max_new_tokens=n, capacity=new, num_draft_tokens=4,
-        max_len=max_len, logprobs=False, target_params=params, drafter_params=dp).lengths)
+        max_len=max_len, logprobs=False, target_params=params, drafter_params=dp,
+        stop_ids=()).lengths)
     args = (model.params, drafter.params, ids, lens)
   else:
     fn = jax.jit(lambda params, ids, lens, n: decode(
         model, ids, lens, 0, max_new_tokens=n, capacity=new, max_len=max_len, logprobs=False,
-        target_params=params).lengths)
+        target_params=params, stop_ids=()).lengths)
     args = (model.params, ids, lens)
   return lambda n: fn(*args, jnp.int32(n))
 

@@ -89,8 +89,8 @@ def main():
       st = last[m].stats
       row[m] = dict(ratio=row["seconds"]["plain"] / row["seconds"][m], mean_k=st["mean_k"],
                     plain_steps=st["plain_steps"], target_passes=st["target_passes"],
-                    acceptance_rate=st["acceptance_rate"], cost_model=st["cost_model"],
-                    cost_model_per_token=st.get("cost_model_per_token"),
+                    acceptance_rate=st["acceptance_rate"],
+                    cost_model=st["cost_model"].to_dict(),
                     same_tokens=bool(np.array_equal(last[m].tokens, last["plain"].tokens)))
     rows.append(row)
     print(f"{cat:13s} q{qid:<4d} {len(ids):5d} tok  plain {row['seconds']['plain']:.2f}s  "

@@ -36,7 +36,7 @@ PROMPT = "Write a Python function that checks whether a number is prime, then ex
 
 def _variants(loop, tgt, ids, lens, samples, new, sampling):
   """name -> a function of (params, key) giving tokens [samples, new]."""
-  kw = dict(max_new_tokens=new, sampling=sampling)
+  kw = dict(max_new_tokens=new, sampling=sampling, stop_ids=())  # every row `new` tokens
   if loop == "spec":
     call = lambda p, i, l, k, **x: speculative_decode(tgt, NGram(), i, l, k, target_params=p,
                                                       num_draft_tokens=4, **kw, **x)

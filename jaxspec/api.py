@@ -13,6 +13,7 @@ import jax
 
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import Drafter
+from jaxspec.decoding.protocol import Target
 from jaxspec.engine import DEFAULT, GenerateOutput
 from jaxspec.models import loading as models_loading
 from jaxspec.models.model import Model
@@ -23,104 +24,155 @@ __all__ = ["GenerateOutput", "generate", "generate_stream", "load", "speculative
            "speculative_stream"]
 
 
-def generate(model: Model, prompts, *, max_new_tokens: int = 128,
+def generate(model: Model | Target, prompts, *, max_new_tokens: int = 128,
              sampling: Sampling | None = None, key: jax.Array | int | None = None,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-             temperature: float | None = None, logprobs: bool = False) -> GenerateOutput:
+             temperature: float | None = None, logprobs: bool = False, tokenizer=None,
+             chat: bool | None = None, prompt_lengths=None, n: int = 1) -> GenerateOutput:
   """Plain autoregressive decoding of a batch of prompts, entirely on device.
 
   Args:
-    model: a loaded `Model` (see `jaxspec.models.load`).
-    prompts: a string, list of strings, or list of token-id lists (rows may differ in length).
+    model: a loaded `Model` (see `jaxspec.models.load`), or your own model: a
+      `jaxspec.decoding.Target(lm, params)` binding any `CausalLM` to its weights (the same
+      loop as `jaxspec.decoding.decode`, which takes it too).
+    prompts: a string, list of strings, list of token-id lists (rows may differ in length), or
+      an integer array ([P] one prompt, [B, P] a batch, right-padded when `prompt_lengths`
+      is given). Strings need a tokenizer: the model's, or `tokenizer`.
     max_new_tokens: tokens to generate per row.
     sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy. Values are passed as
       arrays, so changing them does not recompile.
     key: PRNG key or int seed for sampling (row b's randomness depends only on key and b),
-      or one key per row (a key array [B]): `jaxspec.sampling.row_keys(key, N)[i:j]` for
-      prompts i..j-1 of N gives them the texts they get in one N-row call.
-    stop_ids: tokens that end a row (included in the output); default the model's EOS ids.
+      one key per row (a key array [B]: `jaxspec.sampling.row_keys(key, N)[i:j]` for prompts
+      i..j-1 of N gives them the texts they get in one N-row call), or one integer seed per
+      prompt (a list of ints, or an int array [B]): a prompt with seed s draws what it draws
+      alone with key=s, whatever the batch and its position in it. With n > 1 these are the
+      prompts' keys (or give B * n, one per row).
+    stop_ids: tokens that end a row (included in the output); default the model's EOS ids
+      (a jaxspec Model's configuration and tokenizer; an own `CausalLM`'s optional
+      `eos_token_ids`), as `jaxspec.decoding.decode`'s default; () runs to max_new_tokens.
     max_len: KV-cache size; default just enough for the longest prompt plus max_new_tokens.
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
+    logprobs: also return each new token's log-probability under the sampling parameters.
+    tokenizer: what strings are encoded and texts decoded with (default the Model's own; an own
+      model has none): anything with `encode(text) -> list[int]` (or an object with `.ids`, as
+      the `tokenizers` library returns) and `decode(ids) -> str`, such as a jaxspec or Hugging
+      Face tokenizer. For `chat`, a `chat_template` with jaxspec's `encode_chat(text)` or
+      Hugging Face's `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`.
+    chat: how a string prompt is encoded: None (default) renders it as one user message through
+      the tokenizer's chat template where it has one, else encodes it as it is (what
+      `jaxspec generate` does); True requires a template; False encodes the text as it is.
+      Token-id prompts are never changed.
+    prompt_lengths: [B] tokens of each token-id prompt (a list or an array; the rest of the row
+      is padding), for a padded [B, P] array; default every token of every row.
+    n: samples per prompt, as `jaxspec.decoding.decode`'s `n`: prompt b's row repeated n times,
+      output rows prompt-major (row b * n + i is sample i of prompt b); sample 0 draws as with
+      n = 1 and sample i from fold_in(prompt b's key, i), so a prompt's samples depend on its
+      own key only (its seed, or fold_in(key, b)).
   Returns:
-    `GenerateOutput` with tokens [B, max_new_tokens], lengths [B], texts and stats (seconds,
-    compile seconds, tokens/s).
+    `GenerateOutput` with tokens [B * n, max_new_tokens] (-1 past each row's length), lengths,
+    texts (with a tokenizer) and stats (seconds, compile seconds, tokens/s).
+  Raises:
+    ValueError: a bad argument (named, with the fix), before anything compiles.
   """
   return DEFAULT.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                           key=key, stop_ids=stop_ids, max_len=max_len, temperature=temperature,
-                          logprobs=logprobs)
+                          logprobs=logprobs, tokenizer=tokenizer, chat=chat,
+                          prompt_lengths=prompt_lengths, n=n)
 
 
-def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
+def generate_stream(model: Model | Target, prompt, *, max_new_tokens: int = 128,
                     sampling: Sampling | None = None, key=None,
-                    stop_ids: Sequence[int] | None = None, chunk: int = 8,
+                    stop_ids: Sequence[int] | None = None, chunk: int = 8, tokenizer=None,
+                    chat: bool | None = None, prompt_lengths=None,
                     ) -> Iterator[tuple[list[int], dict[str, Any]]]:
   """Plain decoding of one batch, yielding (new tokens of row 0, stats) every `chunk` steps.
 
   The loop runs on device between yields (a `lax.while_loop` bounded by a traced step count), so
-  streaming costs one host round-trip per chunk, not per token.
+  streaming costs one host round-trip per chunk, not per token. `model`, `tokenizer`, `chat`,
+  `prompt_lengths` and the defaults are `generate`'s.
   """
   return DEFAULT.generate_stream(model, prompt, max_new_tokens=max_new_tokens, chunk=chunk,
-                                 sampling=sampling, key=key, stop_ids=stop_ids)
+                                 sampling=sampling, key=key, stop_ids=stop_ids,
+                                 tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths)
 
 
-def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
-                         sampling: Sampling | None = None, num_draft_tokens: int | str = "auto",
+def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
+                         max_new_tokens: int = 128, sampling: Sampling | None = None,
+                         num_draft_tokens: int | str = "auto",
                          key: jax.Array | int | None = None,
                          stop_ids: Sequence[int] | None = None, max_len: int | None = None,
                          temperature: float | None = None, auto: AutoK | None = None,
                          cost: CostModel | None = None, placement=None,
-                         logprobs: bool = False) -> GenerateOutput:
+                         logprobs: bool = False, tokenizer=None, chat: bool | None = None,
+                         prompt_lengths=None, n: int = 1) -> GenerateOutput:
   """Speculative decoding whose output distribution is exactly the target's.
 
   Prefill and the whole draft -> verify -> accept -> roll back loop run as one jitted
   `lax.while_loop`; rows accept different numbers of tokens.
 
   Args:
-    target: the target `Model`.
+    target: the target `Model`, or your own model as a `jaxspec.decoding.Target(lm, params)`
+      (any `CausalLM`, as `jaxspec.decoding.speculative_decode` takes it).
     drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, `load_head(dir, target)`), or
-      a name: "ngram", "eagle" / "medusa" / "mlp" (the heads bundled for SmolLM2), a head
-      directory or a draft model's path (see `jaxspec.drafters.resolve_drafter`).
-    prompts: a string, list of strings, or list of token-id lists.
+      a name: "ngram", "suffix", "eagle" / "medusa" / "mlp" (the heads bundled for SmolLM2), a
+      head directory or a draft model's path (see `jaxspec.drafters.resolve_drafter`). An own
+      model takes "ngram", "suffix" or a `Drafter` (`NGram()`, `SuffixDecoding(...)`,
+      `DraftModel(Target(draft_lm, draft_params))`); the other names need a jaxspec Model
+      (ValueError).
+    prompts: a string, list of strings, list of token-id lists, or an integer array (see
+      `generate`).
     max_new_tokens: tokens to generate per row.
     sampling: `Sampling(temperature, top_k, top_p, min_p)`; default greedy.
     num_draft_tokens: k, drafts per step, or "auto" (default): every step chooses k in
       0..k_max from the measured acceptance and step costs (k = 0 is a plain decode step).
-    key: PRNG key or int seed, or one key per row (a key array [B]; see `generate`).
-    stop_ids: tokens that end a row; default the target's EOS ids.
+    key: PRNG key or int seed, one key per row (a key array [B]) or one seed per prompt (see
+      `generate`).
+    stop_ids: tokens that end a row; default the target's EOS ids (see `generate`).
     max_len: cache size; default just enough (prompt + max_new_tokens + k + 1).
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
     auto: `AutoK(k_max, buckets, decay, prior, margin)` for num_draft_tokens="auto".
-    cost: a `CostModel` of step time per k; with "auto" and none given, it is measured once
-      for this batch, cache size and drafter (cached for later calls).
+    cost: a `CostModel` of step time per k, such as an earlier run's `stats["cost_model"]`;
+      with "auto" and none given, it is measured once for this batch, cache size and drafter
+      (cached for later calls).
     placement: a `jaxspec.sharding.Placement(target=mesh_a, drafter=mesh_b)`. The target is
       laid out on mesh_a; with mesh_b the same mesh the fused loop runs there, otherwise the
       host-orchestrated loop (draft on mesh_b, verify on mesh_a, small arrays handed across).
       Default: the fused loop where the target's weights are (on their mesh when the target
-      was sharded with `jaxspec.sharding.shard_model`).
+      was sharded with `jaxspec.sharding.shard_model`). A jaxspec Model only.
+    logprobs, tokenizer, chat, prompt_lengths, n: as `generate`'s (n samples per prompt, rows
+      prompt-major, each sample's text the one `generate(..., n=n)` samples).
   Returns:
     `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
-    the bonus token) and the k chosen at every step.
+    the bonus token), the k chosen at every step and, with "auto", `cost_model`: the
+    `CostModel` it weighed (pass it as `cost=` to skip the timing; `to_dict()` for JSON).
+  Raises:
+    ValueError: a bad argument (named, with the fix), before anything compiles.
   """
   return DEFAULT.speculative_generate(
       target, drafter, prompts, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
       placement=placement, sampling=sampling, temperature=temperature, auto=auto, cost=cost,
-      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs)
+      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs, tokenizer=tokenizer,
+      chat=chat, prompt_lengths=prompt_lengths, n=n)
 
 
-def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_tokens: int = 128,
-                       sampling: Sampling | None = None, num_draft_tokens: int | str = "auto",
-                       key=None, stop_ids: Sequence[int] | None = None, chunk: int = 4,
-                       auto: AutoK | None = None, cost: CostModel | None = None):
+def speculative_stream(target: Model | Target, drafter: Drafter, prompt, *,
+                       max_new_tokens: int = 128, sampling: Sampling | None = None,
+                       num_draft_tokens: int | str = "auto", key=None,
+                       stop_ids: Sequence[int] | None = None, chunk: int = 4,
+                       auto: AutoK | None = None, cost: CostModel | None = None, tokenizer=None,
+                       chat: bool | None = None, prompt_lengths=None):
   """Speculative decoding of one prompt, yielding (new tokens, info) every `chunk` verify steps.
 
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
-  text as it is produced; `info["stats"]` holds the statistics once the row is done.
+  text as it is produced; `info["stats"]` holds the statistics once the row is done. `target`,
+  `tokenizer`, `chat`, `prompt_lengths` and the defaults are `speculative_generate`'s.
   """
   return DEFAULT.speculative_stream(target, drafter, prompt, max_new_tokens=max_new_tokens,
                                     num_draft_tokens=num_draft_tokens, chunk=chunk,
                                     sampling=sampling, auto=auto, cost=cost, stop_ids=stop_ids,
-                                    key=key)
+                                    key=key, tokenizer=tokenizer, chat=chat,
+                                    prompt_lengths=prompt_lengths)
 
 
 def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,

@@ -31,7 +31,10 @@ class Hidden:
 
 @runtime_checkable
 class CausalLM(Protocol):
-  """A causal language model the decoding loop can run (see `jaxspec.decoding.protocol`)."""
+  """A causal language model the decoding loop can run (see `jaxspec.decoding.protocol`).
+
+  Optionally it declares `eos_token_ids` (a tuple of ints): `decode`, `speculative_decode` and
+  the host wrappers then stop a row at them unless given other `stop_ids`."""
 
   @property
   def vocab_size(self) -> int: ...

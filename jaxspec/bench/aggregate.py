@@ -56,8 +56,9 @@ def predicted_times(run: dict[str, Any], prefill_s: float | None) -> dict[str, f
   if not cm or not ks:
     return None
   from jaxspec.decoding.adaptive import CostModel
-  order = sorted(cm, key=int)
-  model = CostModel(tuple(int(k) for k in order), tuple(float(cm[k]) for k in order))
+  # `CostModel.to_dict`'s form; results written before it hold {k: seconds}.
+  model = CostModel.from_dict(cm) if "ks" in cm else CostModel.from_ratios(
+      {int(k): float(v) for k, v in cm.items()})
   alpha = st.get("conditional_acceptance_per_position") or []
   c = model.at(list(ks))
   c0 = float(model.at([0])[0])

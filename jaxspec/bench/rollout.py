@@ -111,12 +111,10 @@ def _cost(target, drafter, ids, b: int, s: RolloutSettings, sampling):
   if s.num_draft_tokens != "auto":
     return None
   from jaxspec.api import speculative_generate
-  from jaxspec.decoding.adaptive import AutoK, CostModel
+  from jaxspec.decoding.adaptive import AutoK
   out = speculative_generate(target, drafter, [ids] * b, max_new_tokens=8, sampling=sampling,
                              auto=AutoK(k_max=s.k_max))
-  st = out.stats
-  return CostModel.from_ratios({int(k): v for k, v in st["cost_model"].items()},
-                               st.get("cost_model_per_token"), st.get("cost_model_length"))
+  return out.stats["cost_model"]
 
 
 def run_rollout(s: RolloutSettings, argv: Sequence[str] | None = None, *, target=None,
@@ -232,8 +230,7 @@ def run_rollout(s: RolloutSettings, argv: Sequence[str] | None = None, *, target
           cell = dict(temperature=temp, batch_size=b, method=m, tokens_per_second=tps, **r)
           cell["tau"] = r["emitted"] / r["row_steps"] if r["row_steps"] else None
           cell["acceptance_rate"] = r["accepted"] / r["drafted"] if r["drafted"] else None
-          cell["cost_model"] = (None if costs[m] is None else
-                                dict(zip(map(str, costs[m].ks), costs[m].seconds)))
+          cell["cost_model"] = None if costs[m] is None else costs[m].to_dict()
           cells.append(cell)
         by = {c["method"]: c for c in cells if c["temperature"] == temp
               and c["batch_size"] == b}

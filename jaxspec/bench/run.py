@@ -67,6 +67,8 @@ def _run_jaxspec(target, drafter, method: Method, prompts, s: Settings) -> dict[
             "acceptance_rate", "acceptance_per_position", "conditional_acceptance_per_position",
             "cost_model", "num_draft_tokens", "drafter")
     rec["stats"] = {k: st[k] for k in keep if k in st}
+    if rec["stats"].get("cost_model") is not None:  # JSON holds plain data
+      rec["stats"]["cost_model"] = rec["stats"]["cost_model"].to_dict()
   else:
     rec["stats"] = dict(target_passes=st.get("target_passes"))
   if s.latency:

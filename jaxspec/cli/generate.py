@@ -58,7 +58,13 @@ def add_generate_parser(sub) -> None:
   g.add_argument("--model", default=None,
                  help="a .gguf file, a Hugging Face directory, or a bundled name"
                       " (default: the bundled SmolLM2-135M-Instruct)")
-  g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+  chat = g.add_mutually_exclusive_group()
+  chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
+                    help="render each prompt as a user message through the model's chat"
+                         " template (an error without one); by default the template is used"
+                         " where the model has one, as jaxspec.generate(chat=None) does")
+  chat.add_argument("--no-chat", dest="chat", action="store_const", const=False,
+                    help="encode each prompt as it is (jaxspec.generate(chat=False))")
   g.add_argument("--max-new-tokens", type=count, default=128)
   g.add_argument("--draft", default="default",
                  help=f"{' | '.join(DRAFT_NAMES)} | a head directory | PATH of a draft model"
@@ -306,8 +312,11 @@ def _generate(args, prompts, sampling, status) -> int:
   if tok is None:
     raise SystemExit(f"error: {args.model} has no tokenizer (tokenizer.json or GGUF tokenizer"
                      " metadata): the CLI takes text; use the Python API with token ids")
-  ids = [p if not isinstance(p, str) else tok.encode(p) if args.no_chat else tok.encode_chat(p)
-         for p in prompts]
+  from jaxspec.engine.io import encode_text
+  try:  # the Python wrappers' rule for strings (`chat=`), so both give the same ids
+    ids = [p if not isinstance(p, str) else encode_text(tok, p, args.chat) for p in prompts]
+  except ValueError as e:
+    raise SystemExit(f"error: --chat: {e}")
   auto = None
   if drafter is not None and args.num_draft_tokens == "auto" and args.k_max is not None:
     from jaxspec.decoding.adaptive import AutoK

@@ -173,13 +173,16 @@ class CostModel:
   @classmethod
   def from_ratios(cls, ratios, per_token=None, length: int = 0) -> CostModel:
     """A cost model from {k: step time} (seconds, or any unit: only ratios matter to the
-    controller), with string or integer keys, such as a run's `stats["cost_model"]`; with
-    `per_token` ({k: seconds per cached position}, as `stats["cost_model_per_token"]`) and
-    `length` (as `stats["cost_model_length"]`), its growth with the cache too."""
+    controller), with string or integer keys, such as {0: 1.0, 1: 1.3, 2: 1.6}; with
+    `per_token` ({k: seconds per cached position}) and `length` (the cache positions `ratios`
+    hold at), its growth with the cache too. A run's `stats["cost_model"]` is a `CostModel`
+    already (pass it as it is; `to_dict` / `from_dict` for JSON)."""
     def items(d, what):
       if not isinstance(d, dict) or not d:
         raise ValueError(f"CostModel.from_ratios takes a non-empty dict {{k: {what}}}, such as"
-                         f" stats[\"cost_model\"], got {type(d).__name__}")
+                         f" {{0: 1.0, 1: 1.3}}, got {type(d).__name__}"
+                         + (": a CostModel is passed as it is" if isinstance(d, CostModel)
+                            else ""))
       try:
         return sorted((int(k), v) for k, v in d.items())
       except (TypeError, ValueError):
@@ -194,6 +197,32 @@ class CostModel:
       slope = tuple(v for _, v in sp)
     return cls(tuple(k for k, _ in pairs), tuple(v for _, v in pairs), per_token=slope,
                length=length, source="given")
+
+  def to_dict(self) -> dict:
+    """Plain data (lists, numbers, strings) for a JSON file; `from_dict` rebuilds the same
+    model."""
+    def floats(v):
+      return None if v is None else [float(x) for x in v]
+    return dict(ks=[int(k) for k in self.ks], seconds=floats(self.seconds),
+                per_token=floats(self.per_token), length=int(self.length),
+                batch_size=None if self.batch_size is None else int(self.batch_size),
+                source=self.source, raw=floats(self.raw))
+
+  @classmethod
+  def from_dict(cls, d) -> CostModel:
+    """The model `to_dict` wrote (as read back from JSON); keys it does not name are refused,
+    so a dict of step times {k: seconds} is pointed to `from_ratios`."""
+    fields = ("ks", "seconds", "per_token", "length", "batch_size", "source", "raw")
+    if not isinstance(d, dict) or "ks" not in d or "seconds" not in d \
+        or not set(d) <= set(fields):
+      got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
+      raise ValueError(f"CostModel.from_dict takes what CostModel.to_dict wrote (keys {fields},"
+                       f" ks and seconds required), got {got}: for a dict of step times {{k:"
+                       " seconds}} use CostModel.from_ratios")
+    opt = lambda v: None if v is None else tuple(v)  # noqa: E731
+    return cls(tuple(d["ks"]), tuple(d["seconds"]), per_token=opt(d.get("per_token")),
+               length=d.get("length", 0), batch_size=d.get("batch_size"),
+               source=d.get("source", "given"), raw=opt(d.get("raw")))
 
   @classmethod
   def from_measurements(cls, ks: Sequence[int], seconds: Sequence[float], *,

@@ -45,7 +45,8 @@ class DecodeOutput:
   """What `speculative_decode` and `decode` return (a pytree of arrays).
 
   Attributes:
-    tokens: [B, capacity] int32 new tokens; `pad_id` past each row's length.
+    tokens: [B, capacity] int32 new tokens; `pad_id` (default -1, as the host wrappers'
+      outputs: never a real token) past each row's length.
     lengths: [B] int32 new tokens per row (a stop token, when hit, is included).
     logprobs: [B, capacity] float32 the target's log-probability of each new token under the
       sampling parameters (`log_softmax` of the processed logits; greedy rows unscaled); 0 past
@@ -270,6 +271,24 @@ def _short(treedef, limit: int = 200) -> str:
   return s if len(s) <= limit else s[:limit] + "..."
 
 
+def eos_ids_of(target) -> tuple[int, ...]:
+  """The end-of-sequence ids a target declares, sorted: a jaxspec `Model`'s (its
+  configuration's and its tokenizer's), or the optional `eos_token_ids` of a `CausalLM` (a
+  `Target`'s `lm`; jaxspec's Llama declares its configuration's); () where it declares none.
+  Decoding stops at them unless given other `stop_ids`."""
+  ids: set[int] = set()
+  if isinstance(target, protocol.Target):
+    target = target.lm
+  lm = protocol.as_lm(target)
+  cfg = getattr(target, "cfg", None)
+  if hasattr(target, "tokenizer") and hasattr(target, "params") and cfg is not None:  # a Model
+    ids |= set(getattr(cfg, "eos_token_ids", ()))
+    ids |= set(getattr(target.tokenizer, "eos_token_ids", ()) or ())
+  else:
+    ids |= set(getattr(lm, "eos_token_ids", ()) or ())
+  return check_stop_ids(sorted(ids))
+
+
 def check_stop_ids(stop_ids) -> tuple[int, ...]:
   """Stop ids as a tuple of ints in [0, 2**31) (None: none; one int: that one)."""
   if stop_ids is None:
@@ -367,7 +386,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                        num_draft_tokens: int | str = 4, auto: AutoK | None = None,
                        cost: CostModel | None = None, sampling=None,
                        stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-                       pad_id: int = 0, logprobs: bool = True, target_params=None,
+                       pad_id: int = -1, logprobs: bool = True, target_params=None,
                        drafter_params=None, n: int = 1) -> DecodeOutput:
   """Exact speculative decoding as one pure, traceable function.
 
@@ -388,14 +407,17 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
       an int).
     num_draft_tokens: k drafts per step, or "auto" (k chosen per step among `auto`'s buckets
       from the acceptance model and `cost`, which "auto" requires here: a `CostModel`, e.g.
-      `CostModel.from_ratios(stats["cost_model"], stats["cost_model_per_token"],
-      stats["cost_model_length"])` from a `jaxspec.speculative_generate(...)` run's `stats`, or
+      a `jaxspec.speculative_generate(...)` run's `stats["cost_model"]`, or
       `CostModel.from_ratios({0: 1.0, 1: 1.3, 2: 1.5, 4: 1.9})` of relative step times).
     sampling: `Sampling` (one value or one per row), `SamplingArrays` ([B] each), or None
       (greedy).
-    stop_ids: tokens that end a row (included in its output); default none.
+    stop_ids: tokens that end a row (included in its output); default None: the target's EOS
+      ids where it declares them (`eos_ids_of`: a jaxspec `Model`'s configuration and
+      tokenizer, a `CausalLM`'s optional `eos_token_ids`), as the host wrappers stop; () runs
+      every row to max_new_tokens.
     max_len: the target cache's positions; default P + capacity + k_max + 1.
-    pad_id: the token written past each row's length in `tokens`.
+    pad_id: the token written past each row's length in `tokens`; default -1, as the host
+      wrappers write (0 is a real token of most vocabularies).
     logprobs: compute `DecodeOutput.logprobs` (costs a log-softmax over the vocabulary per
       verified position).
     target_params / drafter_params: weights to use instead of the target's / `drafter.params`
@@ -422,15 +444,16 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   if policy.auto and cost is None:
     raise ValueError("num_draft_tokens=\"auto\" inside a trace needs cost=CostModel(...) (the step"
                      " costs it weighs; the host wrapper measures one:"
-                     " CostModel.from_ratios(speculative_generate(...).stats['cost_model'])), or"
+                     " speculative_generate(...).stats['cost_model']), or"
                      " pass an integer num_draft_tokens")
   if cost is not None and not isinstance(cost, CostModel):
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}"
-                     + (": wrap a dict of step times (such as stats['cost_model']) as"
-                        " CostModel.from_ratios(d)" if isinstance(cost, dict) else ""))
+                     + (": wrap a dict of step times as CostModel.from_ratios(d), or what"
+                        " CostModel.to_dict wrote as CostModel.from_dict(d)"
+                        if isinstance(cost, dict) else ""))
   drafter = resolve_coupled(drafter, policy.auto)
   sp = _tile_sampling(sampling, b, n)
-  stops = check_stop_ids(stop_ids)
+  stops = eos_ids_of(target) if stop_ids is None else check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
   if max_len is None:
     max_len = p + capacity + policy.k_max + 1
@@ -498,7 +521,7 @@ def _speculative_jit(target, dparams, prompt, lengths, key, max_new, sp, costs, 
 
 def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
            capacity: int | None = None, sampling=None, stop_ids: Sequence[int] | None = None,
-           max_len: int | None = None, pad_id: int = 0, logprobs: bool = True,
+           max_len: int | None = None, pad_id: int = -1, logprobs: bool = True,
            target_params=None, n: int = 1) -> DecodeOutput:
   """Plain autoregressive decoding as one pure, traceable function: `speculative_decode`'s
   arguments without the drafter (max_len default P + capacity), `n` samples per prompt
@@ -509,7 +532,7 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   key = rollout_keys(key, b, n)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   sp = _tile_sampling(sampling, b, n)
-  stops = check_stop_ids(stop_ids)
+  stops = eos_ids_of(target) if stop_ids is None else check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
   if max_len is None:
     max_len = p + capacity

@@ -28,7 +28,7 @@ from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.loop import SpecState
 from jaxspec.engine import io
 from jaxspec.engine.runs import SpecRun, placed_run
-from jaxspec.models.llama import LlamaLM, init_cache
+from jaxspec.models.llama import init_cache
 from jaxspec.models.model import Model
 from jaxspec.sampling import resolve_sampling
 from jaxspec.sharding.rules import place_drafter
@@ -269,24 +269,29 @@ class Engine:
 
   # -- the calls (`jaxspec.api` documents their arguments)
 
-  def generate(self, model: Model, prompts, *, max_new_tokens: int, sampling=None, key=None,
+  def generate(self, model, prompts, *, max_new_tokens: int, sampling=None, key=None,
                stop_ids=None, max_len: int | None = None, temperature: float | None = None,
-               logprobs: bool = False) -> GenerateOutput:
-    """`jaxspec.generate`: plain decoding of a batch, one compiled program."""
+               logprobs: bool = False, tokenizer=None, chat: bool | None = None,
+               prompt_lengths=None, n: int = 1) -> GenerateOutput:
+    """`jaxspec.generate`: plain decoding of a batch, one compiled program. `model`: a jaxspec
+    `Model` or a `Target` of an own `CausalLM`."""
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
     sp_user = resolve_sampling(sampling)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
-                              held=self.held_bytes())
+                              held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
+                              prompt_lengths=prompt_lengths, n=n)
     stops = io.stop_ids_for(model, stop_ids)
+    tgt = io.as_host_target(model)
     b = prep.tokens.shape[0]
-    args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-            sp_user.arrays(b), as_key(key, b))
-    static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len,
+    args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
+            io.sampling_rows(sp_user, prep), as_key(io.key_rows(key, prep), b))
+    static = dict(lm=tgt.lm, max_len=prep.max_len,
                   max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=bool(logprobs))
-    sh = model.sharding
-    if sh is None:  # the cache in the previous call's buffers (`take_cache_buffers`)
-      args += (self.take_cache_buffers(model.cfg, b, prep.max_len),)
+    sh = io.sharding_of(model)
+    if sh is None:  # a Model's cache in the previous call's buffers (`take_cache_buffers`)
+      args += (self.take_cache_buffers(model.cfg, b, prep.max_len)
+               if isinstance(model, Model) else None,)
       exe, compile_s = self.compile(plain.generate_jit, None, *args, **static)
     else:  # the weights' mesh: batch rows data-parallel, outputs batch-sharded
       sh.check_batch(b)
@@ -309,33 +314,37 @@ class Engine:
                  tokens_per_second=new / dt if dt > 0 else float("inf"),
                  target_passes=int(steps) + 1, batch_size=b)
     return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths,
-                          logprobs=lp, texts=io.decode_texts(model, tokens, n_out), stats=stats)
+                          logprobs=lp, stats=stats,
+                          texts=io.decode_texts(io.tokenizer_of(model, tokenizer), tokens, n_out))
 
-  def generate_stream(self, model: Model, prompt, *, max_new_tokens: int, chunk: int,
-                      sampling=None, key=None,
-                      stop_ids=None) -> Iterator[tuple[list[int], dict[str, Any]]]:
+  def generate_stream(self, model, prompt, *, max_new_tokens: int, chunk: int,
+                      sampling=None, key=None, stop_ids=None, tokenizer=None,
+                      chat: bool | None = None, prompt_lengths=None,
+                      ) -> Iterator[tuple[list[int], dict[str, Any]]]:
     """`jaxspec.generate_stream`: plain decoding, yielding row 0's new tokens every `chunk`
     steps."""
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
-    prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes())
+    prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes(),
+                              tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths)
     stops = io.stop_ids_for(model, stop_ids)
+    tgt = io.as_host_target(model)
     b = prep.tokens.shape[0]
     sp = sp_user.arrays(b)
-    init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
-                 as_key(key, b), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
+    init_args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
+                 as_key(key, b), tgt.lm, prep.max_len, int(max_new_tokens), stops)
     init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args)
     state0 = jax.eval_shape(plain.init_decode_jit, *init_args)
-    loop_exe, c2 = self.compile(plain.decode_loop_jit, "stream-loop", model.params, state0, sp,
-                                jnp.int32(0), LlamaLM(model.cfg), int(max_new_tokens), stops)
+    loop_exe, c2 = self.compile(plain.decode_loop_jit, "stream-loop", tgt.params, state0, sp,
+                                jnp.int32(0), tgt.lm, int(max_new_tokens), stops)
     t0 = time.perf_counter()
     state = jax.block_until_ready(init_exe(*init_args[:5]))
-    for new, info in _stream(lambda s, until: loop_exe(model.params, s, sp, until),
+    for new, info in _stream(lambda s, until: loop_exe(tgt.params, s, sp, until),
                              _view_decode, state, chunk, t0):
       info["compile_seconds"] = c1 + c2
       yield new, info
 
-  def speculative_generate(self, target: Model, drafter, prompts, *, max_new_tokens: int,
+  def speculative_generate(self, target, drafter, prompts, *, max_new_tokens: int,
                            num_draft_tokens, placement=None, **options) -> GenerateOutput:
     """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`.
     `options` are `io.prepare_spec`'s."""
@@ -354,10 +363,10 @@ class Engine:
     stats.update(seconds=dt, new_tokens=new,
                  tokens_per_second=new / dt if dt > 0 else float("inf"))
     return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=req.prep.lengths,
-                          texts=io.decode_texts(target, toks, n_out), stats=stats,
+                          texts=io.decode_texts(req.tokenizer, toks, n_out), stats=stats,
                           logprobs=lp[0] if lp else None)
 
-  def speculative_stream(self, target: Model, drafter, prompt, *, max_new_tokens: int,
+  def speculative_stream(self, target, drafter, prompt, *, max_new_tokens: int,
                          num_draft_tokens, chunk: int, **options):
     """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps.
     `options` are `io.prepare_spec`'s."""

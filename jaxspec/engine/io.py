@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checks import check_int, is_int
 from jaxspec.decoding import limits
 from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
-from jaxspec.decoding.functional import check_drafter_for, check_stop_ids, working_set
+from jaxspec.decoding.functional import (check_drafter_for, check_stop_ids, eos_ids_of,
+                                        rollout_keys, working_set)
 from jaxspec.decoding.limits import MAX_POSITIONS
 from jaxspec.decoding.loop import Policy, resolve_policy
+from jaxspec.decoding.protocol import Target, as_target
 from jaxspec.drafters import resolve_drafter
-from jaxspec.models.llama import LlamaLM
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, resolve_sampling
 
@@ -33,26 +36,106 @@ def round_up(n: int, m: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedPrompts:
-  tokens: np.ndarray  # [B, P] int32, right-padded with 0
-  lengths: np.ndarray  # [B] int32
+  tokens: np.ndarray  # [B * n, P] int32, right-padded with 0; rows prompt-major
+  lengths: np.ndarray  # [B * n] int32
   max_len: int
+  n: int = 1  # samples per prompt: prompt b's row repeated n times (rows b * n .. b * n + n - 1)
 
 
-def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 0,
-                    max_len: int | None = None, held: int = 0) -> PreparedPrompts:
+def as_host_target(model) -> Target:
+  """`Target(lm, params)` of what a host wrapper was given: a jaxspec `Model` (its Llama and
+  weights) or a `Target` binding any `CausalLM` to its weights. Raises ValueError otherwise."""
+  if isinstance(model, (Model, Target)):
+    return as_target(model)
+  hint = (": bind it to its weights, Target(lm, params)" if hasattr(model, "forward")
+          and hasattr(model, "init_cache") else "")
+  raise ValueError(f"the model must be a jaxspec Model (jaxspec.load(path) or Model(cfg, params))"
+                   f" or a jaxspec.decoding.Target(lm, params) of your own CausalLM, got"
+                   f" {type(model).__name__}{hint}")
+
+
+def sharding_of(target):
+  """The `ModelSharding` of a jaxspec Model laid out on a mesh; None otherwise (an own model's
+  weights stay where the caller put them)."""
+  return getattr(target, "sharding", None) if isinstance(target, Model) else None
+
+
+def tokenizer_of(model, tokenizer=None):
+  """The tokenizer a host call encodes strings and decodes texts with: `tokenizer` when given
+  (checked: it needs `encode` and `decode`), else a jaxspec Model's own; None for an own model
+  without one."""
+  if tokenizer is not None:
+    missing = [m for m in ("encode", "decode") if not callable(getattr(tokenizer, m, None))]
+    if missing:
+      raise ValueError(f"tokenizer= must have encode(text) -> token ids and decode(ids) -> text"
+                       f" (a jaxspec or Hugging Face tokenizer), got {type(tokenizer).__name__}"
+                       f" without {' and '.join(missing)}")
+    return tokenizer
+  return model.tokenizer if isinstance(model, Model) else None
+
+
+def check_chat(chat) -> bool | None:
+  if chat is not None and not isinstance(chat, bool):
+    raise ValueError(f"chat must be None (the chat template where the tokenizer has one), True or"
+                     f" False, got {chat!r}")
+  return chat
+
+
+def has_chat_template(tok) -> bool:
+  """Whether `tok` renders a chat template: jaxspec's (`encode_chat`) or Hugging Face's
+  (`apply_chat_template`), with a template set."""
+  return getattr(tok, "chat_template", None) is not None and (
+      hasattr(tok, "encode_chat") or hasattr(tok, "apply_chat_template"))
+
+
+def _ids(encoded) -> list[int]:
+  """Token ids from what a tokenizer's encode returns: a list, or an object with `.ids` (the
+  `tokenizers` library's Encoding)."""
+  return list(getattr(encoded, "ids", encoded))
+
+
+def encode_text(tok, text: str, chat: bool | None) -> list[int]:
+  """A string prompt's ids: through the chat template as one user message (chat=None where the
+  tokenizer has a template, as the CLI does; chat=True requires one), or the text as it is
+  (chat=False)."""
+  template = has_chat_template(tok)
+  if chat is True and not template:
+    raise ValueError("chat=True renders the chat template, but the tokenizer has none: pass"
+                     " chat=False to encode the text as it is")
+  if chat is False or not template:
+    return _ids(tok.encode(text))
+  if hasattr(tok, "encode_chat"):  # jaxspec's Tokenizer
+    return _ids(tok.encode_chat(text))
+  # A Hugging Face tokenizer: the rendered template carries its own special tokens.
+  rendered = tok.apply_chat_template([{"role": "user", "content": text}],
+                                     add_generation_prompt=True, tokenize=False)
+  return _ids(tok.encode(rendered, add_special_tokens=False))
+
+
+def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
+                    max_len: int | None = None, held: int = 0, tokenizer=None,
+                    chat: bool | None = None, prompt_lengths=None, n: int = 1) -> PreparedPrompts:
   """Validates and pads prompts; sizes the cache. Raises ValueError before anything compiles.
 
   Args:
-    prompts: a string, a list of strings (encoded with the model's tokenizer, no chat template:
-      use `model.tokenizer.encode_chat` for that), or a list of token-id lists.
+    model: a jaxspec `Model` or a `Target(lm, params)` (`as_host_target`).
+    prompts: a string, a list of strings (encoded with the tokenizer: `encode_text`), a list of
+      token-id lists, or an integer array ([P] one prompt, [B, P] a batch).
     max_new_tokens: new tokens per row.
     extra: cache slots needed beyond prompt + max_new_tokens (speculative verification writes
       up to k + 1 positions ahead).
     max_len: cache size; by default the padded prompt length plus what decoding needs, rounded
-      up to a multiple of 64.
+      up to a multiple of 128.
     held: bytes of buffers the run reuses or frees (`check_cache_fits`).
+    tokenizer, chat: see `tokenizer_of` and `encode_text`.
+    prompt_lengths: [B] tokens of each token-id prompt (the rest of its row is padding).
+    n: samples per prompt; each prompt's row is repeated n times, prompt-major.
   """
-  check_model(model)
+  tgt = as_host_target(model)
+  tok = tokenizer_of(model, tokenizer)
+  chat = check_chat(chat)
+  check_int("n", n, 1, 2**31 - 1, why="samples per prompt: each prompt's row is repeated n"
+            " times")
   check_int("max_new_tokens", max_new_tokens, 1, MAX_POSITIONS)
   if max_len is not None:
     check_int("max_len", max_len, 1, MAX_POSITIONS)
@@ -66,17 +149,21 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
     arr = np.asarray(prompts)
     if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"an array of prompts must hold integer token ids, [P] for one prompt or"
-                       f" [B, P] for a batch (every column a token), got {arr.dtype}{arr.shape}")
+                       f" [B, P] for a batch (every column a token unless prompt_lengths says"
+                       f" otherwise), got {arr.dtype}{arr.shape}")
     prompts = [arr.tolist()] if arr.ndim == 1 else [list(r) for r in arr.tolist()]
   if not isinstance(prompts, Sequence) or len(prompts) == 0:
     raise ValueError("prompts must be a string, a non-empty list of strings or of token-id"
                      " lists, or an integer array of token ids ([P] or [B, P])")
+  keep = _check_prompt_lengths(prompt_lengths, prompts)
   rows = []
   for i, p in enumerate(prompts):
     if isinstance(p, str):
-      if model.tokenizer is None:
-        raise ValueError(f"prompt {i} is a string but the model has no tokenizer: pass token ids")
-      p = model.tokenizer.encode(p)
+      if tok is None:
+        raise ValueError(f"prompt {i} is a string but there is no tokenizer: pass token ids, or"
+                         " tokenizer= (anything with encode(text) -> ids and decode(ids) ->"
+                         " text, such as a Hugging Face tokenizer)")
+      p = encode_text(tok, p, chat)
     try:
       arr = np.asarray(p)
     except (ValueError, TypeError):  # ragged nesting, or items numpy cannot hold
@@ -88,10 +175,15 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
       raise ValueError(f"prompt {i} must be a string or a list of integer token ids, got"
                        f" {what} ({str(p)[:40]}): token ids are ints, not floats or None")
     p = [int(t) for t in arr.reshape(-1)]
-    bad = [t for t in p if not 0 <= t < model.cfg.vocab_size]
+    if keep is not None:
+      if keep[i] > len(p):
+        raise ValueError(f"prompt_lengths[{i}] = {keep[i]} is longer than prompt {i}'s"
+                         f" {len(p)} tokens: each length counts the row's real tokens")
+      p = p[: keep[i]]
+    bad = [t for t in p if not 0 <= t < tgt.vocab_size]
     if bad:
       raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary"
-                       f" [0, {model.cfg.vocab_size})")
+                       f" [0, {tgt.vocab_size})")
     rows.append(p)
   longest = max(len(p) for p in rows)
   padded_len = round_up(longest, 64)  # coarse buckets: fewer compilations across prompts
@@ -105,37 +197,76 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
         f" {max_len - max_new_tokens - extra}; shorten the prompt, lower max_new_tokens or raise"
         " max_len")
   padded_len = min(padded_len, max_len)
-  if max_len > model.cfg.max_position_embeddings:
-    pass  # rotary extrapolates; Hugging Face does not refuse either
-  check_cache_fits(model, len(rows), int(max_len), prompt_len=padded_len,
+  rows = [p for p in rows for _ in range(n)]  # prompt-major: the n samples of a prompt together
+  check_cache_fits(tgt, len(rows), int(max_len), prompt_len=padded_len,
                    verify_tokens=max(extra, 1), held=held)
   toks = np.zeros((len(rows), padded_len), np.int32)
   for i, p in enumerate(rows):
     toks[i, : len(p)] = p
-  return PreparedPrompts(toks, np.array([len(p) for p in rows], np.int32), int(max_len))
+  return PreparedPrompts(toks, np.array([len(p) for p in rows], np.int32), int(max_len), int(n))
 
 
-def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...]:
+def _check_prompt_lengths(prompt_lengths, prompts) -> list[int] | None:
+  """prompt_lengths as a list of ints, one per prompt, each >= 1; None when not given."""
+  if prompt_lengths is None:
+    return None
+  if any(isinstance(p, str) for p in prompts):
+    raise ValueError("prompt_lengths goes with token-id prompts (a padded [B, P] array or lists"
+                     " of ids): a string's length is what it encodes to; drop prompt_lengths")
+  if isinstance(prompt_lengths, jax.core.Tracer):
+    raise ValueError("prompt_lengths is traced: the host wrappers take concrete lengths")
+  arr = np.asarray(prompt_lengths) if not is_int(prompt_lengths) else None
+  if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    raise ValueError(f"prompt_lengths must be one integer per prompt ([B], a list or an array),"
+                     f" got {type(prompt_lengths).__name__}"
+                     f"{tuple(getattr(prompt_lengths, 'shape', ()))}")
+  if arr.shape[0] != len(prompts):
+    raise ValueError(f"prompt_lengths has {arr.shape[0]} lengths for {len(prompts)} prompts: give"
+                     " one per prompt")
+  if arr.min() < 1:
+    raise ValueError(f"prompt_lengths must be >= 1 (every row needs a token to condition on),"
+                     f" got {int(arr.min())}")
+  return [int(x) for x in arr]
+
+
+def stop_ids_for(model, stop_ids: Sequence[int] | None) -> tuple[int, ...]:
+  """Stop ids as given, or (None) the target's EOS ids, as the functional API's default
+  (`jaxspec.decoding.functional.eos_ids_of`)."""
   if stop_ids is None:
-    ids = set(model.cfg.eos_token_ids)
-    if model.tokenizer is not None:
-      ids |= set(getattr(model.tokenizer, "eos_token_ids", ()))
-    return tuple(sorted(ids))
+    return eos_ids_of(model)
   if isinstance(stop_ids, (int, np.integer)):
     raise ValueError(f"stop_ids must be a list of token ids, got {type(stop_ids).__name__}")
   return check_stop_ids(stop_ids)
 
 
-def check_cache_fits(model: Model, batch: int, max_len: int, *, prompt_len: int = 1,
+def sampling_rows(sp: Sampling, prep: PreparedPrompts):
+  """`SamplingArrays` for the prepared rows: one value, or one per prompt (each prompt's n
+  samples share its settings)."""
+  b = prep.tokens.shape[0] // prep.n
+  if prep.n == 1:
+    return sp.arrays(b)
+  return jax.tree.map(lambda x: jnp.repeat(x, prep.n, axis=0), sp.arrays(b))
+
+
+def key_rows(key, prep: PreparedPrompts):
+  """The key argument for the prepared rows: as given for n = 1 (`as_key` reads it), else the
+  [B * n] sample keys `decode(..., n=n)` draws with (`rollout_keys`)."""
+  if prep.n == 1:
+    return key
+  return rollout_keys(key, prep.tokens.shape[0] // prep.n, prep.n)
+
+
+def check_cache_fits(model, batch: int, max_len: int, *, prompt_len: int = 1,
                      verify_tokens: int = 1, held: int = 0) -> None:
   """Raises ValueError (before anything compiles) when a run of `batch` rows with a [batch,
   max_len] KV cache cannot be held: past `MAX_POSITIONS` positions, or its estimated working
   set (`decoding.functional.working_set`: the cache, the loop's buffers, and the larger of the
   prefill's activations over `prompt_len` padded tokens and a step's logits over
   `verify_tokens`) larger than the device's free memory plus `held` (the bytes of the engine's
-  kept cache buffers, which the run reuses or frees)."""
+  kept cache buffers, which the run reuses or frees). `model`: a `Model` or `Target`."""
   limits.check_positions(max_len)
-  ws = working_set(LlamaLM(model.cfg), model.params, batch, prompt_len, max_len,
+  tgt = as_host_target(model)
+  ws = working_set(tgt.lm, tgt.params, batch, prompt_len, max_len,
                    verify_tokens=verify_tokens,
                    state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len))
   limits.check_working_set(ws, batch, max_len, "generating", held=held)
@@ -148,10 +279,8 @@ def check_chunk(chunk) -> int:
 
 
 def check_model(model) -> None:
-  """Raises ValueError unless `model` is a jaxspec `Model`."""
-  if not isinstance(model, Model):
-    raise ValueError(f"the model must be a jaxspec Model (jaxspec.load(path) or"
-                     f" Model(cfg, params)), got {type(model).__name__}")
+  """Raises ValueError unless `model` is a jaxspec `Model` or a `Target` (`as_host_target`)."""
+  as_host_target(model)
 
 
 def _describe(model: Model) -> str:
@@ -195,14 +324,14 @@ def _first_different_id(ta, tb) -> int | None:
   return min(differ) if differ else None
 
 
-def check_drafter(target: Model, drafter: Drafter) -> None:
-  """Raises ValueError for a drafter that cannot serve this target."""
+def check_drafter(target, drafter: Drafter) -> None:
+  """Raises ValueError for a drafter that cannot serve this target (a `Model` or `Target`)."""
   draft = getattr(drafter, "model", None)
-  if isinstance(draft, Model):
+  if isinstance(draft, Model) and isinstance(target, Model):
     check_draft_vocabulary(target, draft)
-  check_drafter_for(target.cfg.vocab_size, drafter)
+  check_drafter_for(as_host_target(target).vocab_size, drafter)
   dparams = drafter.params
-  if dparams is not None and target.sharding is None:  # a sharded target gets them copied
+  if dparams is not None and sharding_of(target) is None:  # a sharded target gets them copied
     tdev = _devices(target.params)
     ddev = _devices(dparams)
     if tdev and ddev and tdev != ddev:
@@ -224,7 +353,9 @@ def _devices(tree) -> set:
 class SpecRequest:
   """A checked speculative call, before anything compiles: what its run is built from."""
 
-  target: Model
+  target: Model | Target  # as given: a jaxspec Model, or a Target of an own CausalLM
+  lm: Any  # the target's CausalLM (static in the compiled loop)
+  tokenizer: Any  # what texts are decoded with; None: no texts
   drafter: Drafter  # resolved by name; coupled under "auto" where it samples its drafts
   sampling: Sampling
   policy: Policy
@@ -235,15 +366,23 @@ class SpecRequest:
   cost: CostModel | None  # given by the caller; None measures it under "auto"
 
 
-def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_draft_tokens,
+def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tokens,
                  sampling: Sampling | None = None, temperature: float | None = None,
                  auto=None, cost: CostModel | None = None, max_len: int | None = None,
                  stop_ids: Sequence[int] | None = None, key=None,
-                 logprobs: bool = False, held: int = 0) -> SpecRequest:
+                 logprobs: bool = False, held: int = 0, tokenizer=None,
+                 chat: bool | None = None, prompt_lengths=None, n: int = 1) -> SpecRequest:
   """Everything a speculative call checks before compiling (the arguments of
   `speculative_generate`), the drafter resolved by name."""
-  check_model(target)
-  drafter = resolve_drafter(target, drafter)
+  tgt = as_host_target(target)
+  if not isinstance(target, Model) and isinstance(drafter, str) \
+      and drafter not in ("ngram", "suffix"):
+    raise ValueError(
+        f"the drafter {drafter!r} is built from a jaxspec Model (a bundled or saved head reads"
+        " its hidden states and weights; a draft model's path is loaded in its dtype): with your"
+        " own model pass \"ngram\", \"suffix\" or a Drafter: NGram(), SuffixDecoding(vocab=...),"
+        " DraftModel(Target(draft_lm, draft_params))")
+  drafter = resolve_drafter(tgt if not isinstance(target, Model) else target, drafter)
   if temperature is not None:
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
   sp_user = resolve_sampling(sampling)
@@ -254,24 +393,49 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
   # it says otherwise), so a timed k schedule cannot change the text.
   drafter = resolve_coupled(drafter, policy.auto)
   if cost is not None and not isinstance(cost, CostModel):
-    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
+    raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}"
+                     + (": wrap a dict of step times as CostModel.from_ratios(d), or what"
+                        " CostModel.to_dict wrote as CostModel.from_dict(d)"
+                        if isinstance(cost, dict) else ""))
   try:
     prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
-                           max_len=max_len, held=held)
+                           max_len=max_len, held=held, tokenizer=tokenizer, chat=chat,
+                           prompt_lengths=prompt_lengths, n=n)
   except ValueError as e:
     if policy.auto and "does not fit" in str(e):
       raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="
                        f" {policy.k_max} drafts: lower AutoK(k_max=...))") from None
     raise
-  return SpecRequest(target=target, drafter=drafter, sampling=sp_user, policy=policy, prep=prep,
+  if prep.n > 1:  # each prompt's settings for its n rows
+    sp_user.arrays(prep.tokens.shape[0] // prep.n)  # one value, or one per prompt (checked)
+    sp_user = dataclasses.replace(sp_user, **{
+        f.name: tuple(v for v in getattr(sp_user, f.name) for _ in range(prep.n))
+        for f in dataclasses.fields(sp_user) if isinstance(getattr(sp_user, f.name), tuple)})
+  return SpecRequest(target=target, lm=tgt.lm, tokenizer=tokenizer_of(target, tokenizer),
+                     drafter=drafter, sampling=sp_user, policy=policy, prep=prep,
                      stop_ids=stop_ids_for(target, stop_ids), max_new_tokens=int(max_new_tokens),
-                     key=key, cost=cost)
+                     key=key_rows(key, prep), cost=cost)
 
 
-def decode_texts(model: Model, tokens: np.ndarray, lengths: np.ndarray) -> list[str] | None:
-  if model.tokenizer is None:
+def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str] | None:
+  """Each row's new text (special tokens, a stop token among them, skipped where the tokenizer's
+  decode can skip them); None without a tokenizer. `tok`: a tokenizer, or a `Model` (its own)."""
+  if isinstance(tok, Model):
+    tok = tok.tokenizer
+  if tok is None:
     return None
-  return [model.tokenizer.decode(tokens[b, : lengths[b]].tolist()) for b in range(len(lengths))]
+  kw = dict(skip_special_tokens=True) if _takes(tok.decode, "skip_special_tokens") else {}
+  return [tok.decode(tokens[b, : lengths[b]].tolist(), **kw) for b in range(len(lengths))]
+
+
+def _takes(fn, name: str) -> bool:
+  """Whether `fn` accepts the keyword `name` (Hugging Face's decode keeps special tokens unless
+  told to skip them; a plain decode(ids) takes no keywords)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # a builtin without a signature
+    return False
+  return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def to_host(tree):

@@ -22,8 +22,9 @@ from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
 from jaxspec.engine.costs import MIN_COST_SPAN, longest, measure_costs, state_at_length
-from jaxspec.engine.io import SpecRequest, put_global, shardings_of, to_host
-from jaxspec.models.llama import LlamaLM, init_cache
+from jaxspec.engine.io import SpecRequest, put_global, sharding_of, shardings_of, to_host
+from jaxspec.models.llama import init_cache
+from jaxspec.models.model import Model
 from jaxspec.sharding import placement as placement_lib
 from jaxspec.sharding.placement import Placement
 from jaxspec.sharding.rules import ModelSharding, place_drafter
@@ -35,6 +36,10 @@ def placed_run(engine, req: SpecRequest, placement: Placement) -> SpecRun:
   if not isinstance(placement, Placement):
     raise ValueError(f"placement must be a jaxspec.sharding.Placement, got"
                      f" {type(placement).__name__}")
+  if not isinstance(req.target, Model):
+    raise ValueError("placement= lays a jaxspec Model's weights out on a mesh by its sharding"
+                     " rules; an own model's weights stay where you put them: drop placement=,"
+                     " and jax.device_put its params (the fused loop runs where they are)")
   if req.drafter.tree is not None and not placement.fused:
     raise ValueError(f"the {req.drafter.name} drafter drafts a tree, which runs in the fused loop"
                      " only: place the drafter on the target's mesh (Placement(target=mesh,"
@@ -69,19 +74,19 @@ class SpecRun:
     self.profile_seconds = 0.0
     self.failover: Failover | None = None  # a two-mesh run's fall back to plain steps
     self.static = dict(cfg=StepConfig(
-        lm=LlamaLM(req.target.cfg), drafter=req.drafter, policy=req.policy,
+        lm=req.lm, drafter=req.drafter, policy=req.policy,
         max_new_tokens=req.max_new_tokens, stop_ids=req.stop_ids, max_len=req.prep.max_len,
         max_steps=self.max_steps))
     # The cost models measured for "auto" are kept per these shapes and layouts.
-    self.cost_key = (req.target.cfg, req.drafter, self.batch, req.prep.tokens.shape[1],
+    self.cost_key = (req.lm, req.drafter, self.batch, req.prep.tokens.shape[1],
                      req.prep.max_len, req.policy.buckets, repr(req.sampling),
-                     req.target.sharding)
+                     sharding_of(req.target))
     self.compile_seconds = self._compile(req)
 
   def _compile(self, req: SpecRequest) -> float:
     """Compiles the fused prefill and loop; returns the seconds spent compiling."""
     target, prep, b = req.target, req.prep, self.batch
-    sh = target.sharding
+    sh = sharding_of(target)
     self.sp = req.sampling.arrays(b)
     self.tparams = target.params
     # Sharded, the drafter's weights are copied onto the target's mesh (once, by the engine).
@@ -91,7 +96,7 @@ class SpecRun:
                       jnp.asarray(prep.lengths), self.sp, as_key(req.key, b))
     # Unsharded, the target's cache is written into the previous call's buffers (donated):
     # `take_cache_buffers` at start, `keep_cache_buffers` when the call ends.
-    self.pooled = sh is None
+    self.pooled = sh is None and isinstance(target, Model)
     bufs = None
     if self.pooled:
       c = jax.eval_shape(functools.partial(init_cache, target.cfg, b, prep.max_len))
@@ -129,6 +134,8 @@ class SpecRun:
     if self.pooled:
       state = self.init_exe(*self.init_args, self.engine.take_cache_buffers(
           self.target.cfg, self.batch, self.prep.max_len))
+    elif sharding_of(self.target) is None:  # an own model: compiled with no buffers
+      state = self.init_exe(*self.init_args, None)
     else:
       state = self.init_exe(*self.init_args)
     if self.policy.auto and self.cost is None:
@@ -162,7 +169,7 @@ class SpecRun:
     for the difference to show (`measure_costs`). Unsharded runs only: the compiled loop of a
     sharded one takes its state in the layout it was compiled for."""
     short = self.policy.k_max + 2
-    if self.target.sharding is not None or longest(state) - short < MIN_COST_SPAN:
+    if sharding_of(self.target) is not None or longest(state) - short < MIN_COST_SPAN:
       return None
     return state_at_length(state, short)
 
@@ -182,11 +189,8 @@ class SpecRun:
     if self.drafter.tree is not None:
       out["tree"] = self.drafter.tree.describe()
       out["tree_nodes"] = self.drafter.tree.num_nodes - 1
-    if self.policy.auto:  # CostModel.from_ratios(these three) is the same model
-      out["cost_model"] = dict(zip(map(str, self.cost.ks), self.cost.seconds))
-      out["cost_model_per_token"] = (None if self.cost.per_token is None else
-                                     dict(zip(map(str, self.cost.ks), self.cost.per_token)))
-      out["cost_model_length"] = self.cost.length
+    if self.policy.auto:  # the model itself: `cost=` of a later call (`to_dict` for JSON)
+      out["cost_model"] = self.cost
     if self.placement is not None:
       out.update(placement=self.placement.describe(),
                  failover=None if self.failover is None else dataclasses.asdict(self.failover))

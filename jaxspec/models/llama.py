@@ -1076,6 +1076,11 @@ class LlamaLM:
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
 
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    """The protocol's optional end-of-sequence ids: decoding stops at them by default."""
+    return self.cfg.eos_token_ids
+
   def init_cache(self, params, batch_size: int, max_len: int) -> KVCache:
     del params
     return init_cache(self.cfg, batch_size, max_len)

@@ -231,6 +231,10 @@ def test_latency_and_prediction_arithmetic():
   assert p["plain"] == pytest.approx(0.1 + 6 * 0.01)
   assert p["spec"] == pytest.approx(0.1 + 7 * (0.05 / 3) / (7 / 3))
   assert p["decode"] == pytest.approx(0.01 * (7 / 3) / (0.05 / 3))
+  # A run written since stats["cost_model"] is a CostModel holds its to_dict(): the same times.
+  from jaxspec.decoding.adaptive import CostModel
+  run["stats"]["cost_model"] = CostModel((0, 2), (0.01, 0.02)).to_dict()
+  assert predicted_times(run, 0.1) == p
 
 
 def test_llama_cpp_peers_on_the_bundled_gguf(smollm2):

@@ -3,6 +3,7 @@ the measured cost model, bad input."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -168,10 +169,17 @@ def test_cost_model_growth_from_two_lengths_and_ratios():
   np.testing.assert_allclose(cm.at(ks), cm.seconds, rtol=1e-6)
   base, slope = cm.arrays(ks)
   np.testing.assert_allclose(base + slope * 600, cm.at(ks, 600), rtol=1e-6)
-  # A run's stats round-trip through from_ratios (string keys, as stats["cost_model"] has).
+  # Ratios with string keys (as JSON gives them back) and its growth make the same costs.
   again = CostModel.from_ratios({str(k): v for k, v in zip(cm.ks, cm.seconds)},
                                 {str(k): v for k, v in zip(cm.ks, cm.per_token)}, cm.length)
   np.testing.assert_allclose(again.at(ks, 900), cm.at(ks, 900), rtol=1e-6)
+  # to_dict is plain data; through JSON, from_dict rebuilds the same model.
+  text = json.dumps(cm.to_dict())
+  assert CostModel.from_dict(json.loads(text)) == cm
+  with pytest.raises(ValueError, match="from_ratios"):
+    CostModel.from_dict({"0": 1.0, "1": 1.3})  # step times: from_ratios's form
+  with pytest.raises(ValueError, match="passed as it is"):
+    CostModel.from_ratios(cm)
   rel = CostModel.from_ratios({0: 1.0, 4: 1.9, 1: 1.3})
   assert rel.ks == (0, 1, 4) and rel.seconds == (1.0, 1.3, 1.9) and rel.per_token is None
   for bad in ({}, [1.0, 2.0], {"a": 1.0}):
@@ -278,7 +286,8 @@ def test_auto_measures_costs_once(tiny_target, reference):
                              num_draft_tokens="auto", auto=auto, stop_ids=())
   np.testing.assert_array_equal(out.tokens, reference.tokens)
   cm = out.stats["cost_model"]
-  assert list(cm) == ["0", "1", "2", "3", "4"] and all(v > 0 for v in cm.values())
+  assert isinstance(cm, CostModel) and cm.source == "measured"
+  assert cm.ks == (0, 1, 2, 3, 4) and all(v > 0 for v in cm.seconds)
   assert out.stats["profile_seconds"] > 0
   again = speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=N_NEW,
                                num_draft_tokens="auto", auto=auto, stop_ids=())
@@ -406,10 +415,14 @@ def test_auto_times_the_costs_at_two_cache_lengths(tiny_target):
   out = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
                              num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=())
   np.testing.assert_array_equal(out.tokens, ref.tokens)
-  st = out.stats
-  assert st["cost_model_length"] == 2 + 2  # k_max + 2 positions
-  assert list(st["cost_model_per_token"]) == ["0", "1", "2"]
-  assert all(v >= 0 for v in st["cost_model_per_token"].values())
-  cm = CostModel.from_ratios(st["cost_model"], st["cost_model_per_token"],
-                             st["cost_model_length"])
-  np.testing.assert_allclose(cm.at((0, 1, 2)), list(st["cost_model"].values()), rtol=1e-6)
+  cm = out.stats["cost_model"]
+  assert cm.length == 2 + 2  # k_max + 2 positions
+  assert cm.ks == (0, 1, 2) and len(cm.per_token) == 3 and all(v >= 0 for v in cm.per_token)
+  np.testing.assert_allclose(cm.at((0, 1, 2)), cm.seconds, rtol=1e-6)
+  # The measured model passed back as cost= (no timing again) chooses the same k every step.
+  again = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
+                               num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=(),
+                               cost=cm)
+  assert again.stats["profile_seconds"] == 0.0
+  assert again.stats["k_per_step"] == out.stats["k_per_step"]
+  np.testing.assert_array_equal(again.tokens, out.tokens)

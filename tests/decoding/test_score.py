@@ -59,10 +59,11 @@ def test_score_equals_the_loops_logprobs(target, draft, sampling):
   sp2 = jax.tree.map(lambda x: _tiled(x, 2), sampling_arrays(sampling, 2))
   ids2, lens2 = _tiled(IDS, 2), _tiled(LENS, 2)
   runs = {
-      "decode": decode(target, IDS, LENS, 4, max_new_tokens=N_NEW, sampling=sampling, n=2),
+      "decode": decode(target, IDS, LENS, 4, max_new_tokens=N_NEW, sampling=sampling, n=2,
+                       stop_ids=()),
       "speculative": speculative_decode(target, DraftModel(draft), IDS, LENS, 4,
                                         max_new_tokens=N_NEW, num_draft_tokens=3,
-                                        sampling=sampling, n=2),
+                                        sampling=sampling, n=2, stop_ids=()),
   }
   for name, out in runs.items():
     assert int(out.lengths.min()) == N_NEW
