@@ -295,11 +295,18 @@ def test_speculative_equals_plain_at_the_smallest_slack(tree, gemma3):
     assert int(out.stats.accepted.sum()) > 10
 
 
-def test_engine_buffers_hold_the_full_layers_and_fresh_rings(gemma3):
+def test_engine_buffers_hold_the_full_layers_and_fresh_rings(gemma3, long_plain):
   """The engine keeps a finished call's (k, v) buffers for the next; with rings those are the
   global layers' (the rings, window-sized, come fresh), and the next call equals the first."""
   from jaxspec.engine.core import Engine
+  ids, lens, plain = long_plain
   eng = Engine()
+  prompts = [list(np.asarray(r[:n])) for r, n in zip(ids, lens)]
+  for _ in range(2):  # the second call prefills into the first one's kept buffers
+    out = eng.generate(gemma3, prompts, max_new_tokens=N_NEW, stop_ids=())
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+  kept = [a for bufs in eng.buffers.values() for a in bufs]
+  assert [a.shape[0] for a in kept] == [1, 1]  # the global layer's k and v only
   k, v = eng.take_cache_buffers(gemma3.cfg, 2, LONG + 40)
   assert k.shape == (1, 2, 2, LONG + 40, 16)
   lm = LlamaLM(gemma3.cfg)
@@ -307,3 +314,19 @@ def test_engine_buffers_hold_the_full_layers_and_fresh_rings(gemma3):
   assert c.k_ring.shape == (2, 2, 2, 4 + RING_SLACK, 16) and c.ring_layers == (0, 1)
   with pytest.raises(ValueError, match="full-attention layers"):
     lm.cache_from_buffers((jnp.zeros((3, 2, 2, LONG + 40, 16)),) * 2, 2)
+
+
+def test_sharded_ring_equals_unsharded():
+  """On a data x model mesh (8 fake devices) the rings are laid out by the cache's axes
+  (`sharding.rules.state_shardings`) and the tokens are the unsharded model's."""
+  from jaxspec.api import generate, speculative_generate
+  from jaxspec.sharding import make_mesh, shard_model
+  cfg = _cfg(num_heads=8, num_kv_heads=4, head_dim=8)
+  model = Model(cfg=cfg, params=init_params(cfg, jax.random.key(7), scale=0.2), name="g3")
+  ids, lens = _prompts([LONG, LONG - 30], seed=5)
+  prompts = [list(np.asarray(r[:n])) for r, n in zip(ids, lens)]
+  want = generate(model, prompts, max_new_tokens=16, stop_ids=())
+  sharded = shard_model(model, make_mesh({"data": 2, "model": 4}))
+  out = speculative_generate(sharded, NGram(max_ngram=3), prompts, max_new_tokens=16,
+                             num_draft_tokens=3, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, want.tokens)
