@@ -12,7 +12,9 @@ XLA's CPU matmul multiplies by a few rows without repacking the weight.
 
 The KV cache holds a *per-row* length: speculative decoding accepts a different number of
 tokens in every row, so every row writes at, and attends up to, its own position. Rolling a row
-back is moving its length back; entries past the length are never read.
+back is moving its length back; entries past the length are never read. Sliding-window layers
+keep ring buffers of window + `RING_SLACK` slots where that is less than the cache's positions
+(`KVCache`, `ring_size`), so their memory follows the window rather than max_len.
 """
 
 from __future__ import annotations
@@ -696,8 +698,10 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
     if ring:
       # The position a ring slot holds: the latest p < length with p = slot (mod W); negative
       # where the row never reached it. Its window decides, as for any cached position.
-      last = length[:, None] - 1
-      held = last - jnp.mod(last - pos[None, :], s_len)  # [B, n]
+      # With r = length mod W, slots below r hold length - r + s, the others one turn earlier
+      # (a select per slot, no division).
+      r = jnp.mod(length, s_len)[:, None]
+      held = (length[:, None] - r) + pos[None, :] - jnp.where(pos[None, :] < r, 0, s_len)
       return (held >= 0)[:, None, :] & (held[:, None, :] > positions[:, :, None] - w)
     m = pos[None, None, :] < length[:, None, None]
     if windowed:
@@ -1132,12 +1136,22 @@ def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
   full = [i for i in range(k_new.shape[0]) if i not in cache.ring_layers]
   k, v = cache.k, cache.v
   if full:
-    k, v = _write_linear(k, v, k_new[jnp.array(full)], v_new[jnp.array(full)],
-                         positions_start)
-  kr, vr = _write_ring(cache.k_ring, cache.v_ring, k_new[jnp.array(ring)],
-                       v_new[jnp.array(ring)], positions_start, valid_end)
+    k, v = _write_linear(k, v, _layers(k_new, full), _layers(v_new, full), positions_start)
+  kr, vr = _write_ring(cache.k_ring, cache.v_ring, _layers(k_new, ring), _layers(v_new, ring),
+                       positions_start, valid_end)
   return dataclasses.replace(cache, k=k, v=v, k_ring=kr, v_ring=vr,
                              length=positions_start + k_new.shape[2])
+
+
+def _layers(x: jax.Array, idx: list[int]) -> jax.Array:
+  """x[idx] for static layer indices, as static slices of their consecutive runs (Gemma 3's
+  five sliding layers between global ones), not a gather."""
+  runs, first = [], 0
+  for n in range(1, len(idx) + 1):
+    if n == len(idx) or idx[n] != idx[n - 1] + 1:
+      runs.append(x[idx[first]:idx[n - 1] + 1])
+      first = n
+  return runs[0] if len(runs) == 1 else jnp.concatenate(runs)
 
 
 def _write_linear(k, v, k_new, v_new, positions_start):
@@ -1203,6 +1217,11 @@ def _write_ring(k, v, k_new, v_new, positions_start, valid_end):
     return lax.dynamic_update_slice(buf, val, at)
 
   for b in range(b_size):
+    if t == 1:  # one token never wraps: a plain in-place update at its slot
+      at = (zero, jnp.int32(b), zero, jnp.mod(start[b], w_len), zero)
+      k = lax.dynamic_update_slice(k, kn[:, b:b + 1], at)
+      v = lax.dynamic_update_slice(v, vn[:, b:b + 1], at)
+      continue
     for a in (jnp.minimum(jnp.mod(start[b], w_len), w_len - t), zero):
       k, v = window(k, kn, b, a), window(v, vn, b, a)
   return k, v
