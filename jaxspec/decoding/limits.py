@@ -63,7 +63,8 @@ class WorkingSet:
 
   Attributes:
     cache: the target's KV cache (and the drafter's state: a draft model's cache), allocated
-      once to max_len.
+      once to max_len, as the model's `init_cache` shapes it: a jaxspec model's sliding-window
+      layers keep rings of window + slack slots there, not max_len positions.
     state: the loop's sequence, log-probability and output buffers.
     prefill: the prefill's peak: its attention scores [B, H, P, P], activations [B, P, D + F]
       and one layer's weights sliced from stacked ones; or its first token's

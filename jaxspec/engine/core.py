@@ -210,7 +210,10 @@ class Engine:
 
   def take_cache_buffers(self, cfg, batch_size: int, max_len: int) -> tuple[jax.Array, jax.Array]:
     """(k, v) buffers [L, B, G, max_len, K] for a prefill to donate: the kept ones of the last
-    call when the shapes match, else `init_cache`'s zeros (the kept ones are freed first)."""
+    call when the shapes match, else `init_cache`'s zeros (the kept ones are freed first).
+    Where sliding-window layers keep rings (`jaxspec.models.llama.ring_size`), L counts the
+    full-attention layers only; the window-sized rings are made fresh by
+    `LlamaLM.cache_from_buffers`."""
     bufs = self.buffers.pop((cfg, batch_size, max_len, str(cfg.act_dtype)), None)
     self.buffers.clear()
     if bufs is not None and not any(b.is_deleted() for b in bufs):

@@ -6,6 +6,7 @@ Axis letters used in einsum strings and shape comments across jaxspec:
   D  model (embed) width       F  MLP (ffw) width             V  vocabulary
   H  query heads               G  key/value heads (groups)    R  query heads per group (H // G)
   K  head dimension            L  layers                      N  draft tokens / tree nodes
+  W  ring slots of a sliding-window layer's cache (window + slack; `llama.ring_size`)
 """
 
 from jaxspec.models.config import LlamaConfig, RopeScaling, tiny_config

@@ -12,7 +12,9 @@ XLA's CPU matmul multiplies by a few rows without repacking the weight.
 
 The KV cache holds a *per-row* length: speculative decoding accepts a different number of
 tokens in every row, so every row writes at, and attends up to, its own position. Rolling a row
-back is moving its length back; entries past the length are never read.
+back is moving its length back; entries past the length are never read. Sliding-window layers
+keep ring buffers of window + `RING_SLACK` slots where that is less than the cache's positions
+(`KVCache`, `ring_size`), so their memory follows the window rather than max_len.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxspec.checks import check_int
 from jaxspec.lm import Hidden, register_config
 from jaxspec.models.config import ATTENTION_KERNELS, LlamaConfig
 from jaxspec.models.weights import LAYER_WEIGHTS, WEIGHT, WEIGHTS, QArray
@@ -73,18 +76,32 @@ class Params:
   lm_head: jax.Array | QArray | None = None  # None when tied to `embed`.
 
 
-@_pytree
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "length", "k_ring", "v_ring"],
+                   meta_fields=["ring_layers"])
 @dataclasses.dataclass
 class KVCache:
   """Preallocated keys and values with a per-row length.
 
   Row b holds valid entries at positions [0, length[b]); everything past is garbage that is
   never attended to, which is what makes `length = length - n` a complete rollback.
+
+  Sliding-window layers may keep a ring buffer instead (`init_cache`, `ring_size`): W =
+  window + slack slots, position p in slot p mod W, so their memory follows the window, not
+  max_len. Then `k`/`v` stack only the full-attention layers and `k_ring`/`v_ring` the sliding
+  ones (`ring_layers`, in layer order). A ring slot holds the latest position written to it;
+  attention maps slot s of a row of length n to the position n - 1 - ((n - 1 - s) mod W) and
+  masks by that. The slack keeps rollback a matter of the length alone: a rejected write at
+  position q >= n overwrote position q - W, which lies before every window still read as long
+  as no write reaches further than the slack past the kept length (`RING_SLACK`).
   """
 
   k: jax.Array  # [L, B, G, S, K]; heads before positions so attention is a plain batched matmul
-  v: jax.Array  # [L, B, G, S, K]
+  v: jax.Array  # [L, B, G, S, K] (L: the full-attention layers only when there is a ring)
   length: jax.Array  # [B] int32
+  k_ring: jax.Array | None = None  # [Lr, B, G, W, K] the sliding layers' rings, or None
+  v_ring: jax.Array | None = None  # [Lr, B, G, W, K]
+  ring_layers: tuple[int, ...] = ()  # the layers held in the rings (static)
 
   @property
   def max_len(self) -> int:
@@ -93,6 +110,17 @@ class KVCache:
   @property
   def batch_size(self) -> int:
     return self.k.shape[1]
+
+  @property
+  def ring_len(self) -> int | None:
+    """W, the slots of each sliding layer's ring; None without rings."""
+    return None if self.k_ring is None else self.k_ring.shape[3]
+
+  def slot(self, layer: int) -> tuple[bool, int]:
+    """(in the ring, index in its stack) of decoder layer `layer`."""
+    if layer in self.ring_layers:
+      return True, self.ring_layers.index(layer)
+    return False, layer - sum(1 for r in self.ring_layers if r < layer)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["n_out"])
@@ -370,13 +398,46 @@ def default_scan_layers(backend: str | None = None) -> bool:
   return DEFAULT_SCAN_LAYERS.get(backend or jax.default_backend(), True)
 
 
-def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+# Ring slots a sliding layer keeps beyond its window (`init_cache`): at least the widest write
+# the decoding loop makes past a row's kept length (a verify of k + 1 <= 257 tokens, a tree of
+# at most 256 nodes, a draft model's k + 1 positions past its length), so that a rolled-back
+# write never overwrites a position some window still reads. A multiple of 32 past 257.
+RING_SLACK = 288
+
+
+def ring_size(cfg: LlamaConfig, max_len: int, slack: int | None = RING_SLACK) -> int | None:
+  """The slots W of each sliding layer's ring buffer in a cache of `max_len` positions:
+  window + slack when that is smaller than max_len, else None (every layer keeps max_len
+  positions, as without windows). slack None: no rings."""
+  if slack is None or cfg.sliding_window is None:
+    return None
+  if not any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+    return None
+  size = cfg.sliding_window + slack
+  return size if size < max_len else None
+
+
+def init_cache(cfg: LlamaConfig, batch_size: int, max_len: int, dtype=None, *,
+               ring_slack: int | None = RING_SLACK) -> KVCache:
   """An empty cache for `batch_size` rows of up to `max_len` positions, in the compute dtype
-  (`LlamaConfig.act_dtype`) unless `dtype` is given."""
+  (`LlamaConfig.act_dtype`) unless `dtype` is given. Sliding-window layers keep rings of
+  window + `ring_slack` slots where that is less than max_len (`ring_size`; `ring_slack`
+  must cover the widest write past a row's kept length: `RING_SLACK`); None: never."""
   dtype = cfg.act_dtype if dtype is None else dtype
-  shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 length=jnp.zeros((batch_size,), jnp.int32))
+  length = jnp.zeros((batch_size,), jnp.int32)
+  if ring_slack is not None:
+    check_int("ring_slack", ring_slack, 1, 1 << 24)
+  size = ring_size(cfg, max_len, ring_slack)
+  dims = (batch_size, cfg.num_kv_heads)
+  if size is None:
+    shape = (cfg.num_layers, *dims, max_len, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=length)
+  ring = tuple(i for i in range(cfg.num_layers) if cfg.is_sliding(i))
+  full = (cfg.num_layers - len(ring), *dims, max_len, cfg.head_dim)
+  rshape = (len(ring), *dims, size, cfg.head_dim)
+  return KVCache(k=jnp.zeros(full, dtype), v=jnp.zeros(full, dtype), length=length,
+                 k_ring=jnp.zeros(rshape, dtype), v_ring=jnp.zeros(rshape, dtype),
+                 ring_layers=ring)
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params:
@@ -545,7 +606,7 @@ ATTENTION_BLOCK = 512
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
-              sliding=None, layer=None, kernel: str | None = None):
+              sliding=None, layer=None, kernel: str | None = None, ring: bool = False):
   """Attention of T new queries over the row's cached prefix plus the new block.
 
   The cached part ([0, length[b])) and the new block are scored separately and normalised by one
@@ -573,13 +634,19 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
       (that kernel whatever the platform), "triton_interpret" or "mosaic_interpret" (that
       kernel in Pallas' interpreter, on any backend); None: `cfg.attention_kernel`. A shape a
       kernel does not take (`attention_kernels.SUPPORTS`) is read by the XLA blocks.
+    ring: the cache is a sliding layer's ring buffer (`KVCache.k_ring`: slot s of a row of
+      length n holds position n - 1 - ((n - 1 - s) mod W)); `sliding` must be True. Read by
+      the XLA blocks (the kernels assume slot = position), every slot up to min(longest row, W).
   Returns:
     [B, T, H, K]
   """
   impl = cfg.attention_kernel if kernel is None else kernel
-  if k_cache is None or impl == "xla":
+  if ring and sliding is not True:
+    raise ValueError(f"a ring-buffer cache belongs to a sliding-window layer, but sliding is"
+                     f" {sliding!r}: pass sliding=True with ring=True")
+  if k_cache is None or impl == "xla" or ring:
     return _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
-                      sliding, layer, impl)
+                      sliding, layer, "xla" if ring else impl, ring=ring)
   # A Pallas kernel has no differentiation rule: the derivative is XLA's read's, which computes
   # the same function, so `jax.grad` through a model works whatever the platform's kernel. The
   # traced arguments go through the custom_jvp explicitly (it may not close over tracers);
@@ -601,7 +668,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
 
 
 def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, cfg,
-               sliding=None, layer=None, kernel: str | None = None):
+               sliding=None, layer=None, kernel: str | None = None, ring: bool = False):
   """`attention`'s body (the kernel chosen, no derivative rule of its own)."""
   b, t, h, kd = q.shape
   g = cfg.num_kv_heads
@@ -627,7 +694,15 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
   w = cfg.sliding_window
 
   def cache_mask(pos):
-    """[B, T or 1, n] which of the cache positions `pos` [n] each query may see."""
+    """[B, T or 1, n] which of the cache slots `pos` [n] each query may see."""
+    if ring:
+      # The position a ring slot holds: the latest p < length with p = slot (mod W); negative
+      # where the row never reached it. Its window decides, as for any cached position.
+      # With r = length mod W, slots below r hold length - r + s, the others one turn earlier
+      # (a select per slot, no division).
+      r = jnp.mod(length, s_len)[:, None]
+      held = (length[:, None] - r) + pos[None, :] - jnp.where(pos[None, :] < r, 0, s_len)
+      return (held >= 0)[:, None, :] & (held[:, None, :] > positions[:, :, None] - w)
     m = pos[None, None, :] < length[:, None, None]
     if windowed:
       inside = pos[None, None, :] > positions[:, :, None] - w
@@ -673,10 +748,13 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
       p_new = jnp.exp(s_new - m)
       init = (m, p_new.sum(-1, keepdims=True), bdot(p_new.astype(vn.dtype), vn, 2, 1))
       # Blocks [first, last): up to the longest row, from the oldest position a sliding window
-      # of the batch still sees.
-      last = (jnp.max(length) + blk - 1) // blk
+      # of the batch still sees. A ring: every slot a row has reached, up to all W.
+      if ring:
+        last = (jnp.minimum(jnp.max(length), s_len) + blk - 1) // blk
+      else:
+        last = (jnp.max(length) + blk - 1) // blk
       first = jnp.int32(0)
-      if windowed:
+      if windowed and not ring:
         oldest = jnp.maximum(jnp.min(positions) - w + 1, 0) // blk
         first = oldest if sliding is True else jnp.where(sliding, oldest, 0)
 
@@ -961,8 +1039,19 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
         tab = jax.tree.map(lambda a, b_: jnp.where(sliding, a, b_), local_tables, tables)
       q = apply_rope(q, positions, None, tab)
       k = apply_rope(k, positions, None, tab)
-      attn = attention(q, k, v, None if fresh else cache.k, None if fresh else cache.v, length,
-                        positions, block_mask, cfg, sliding=sliding, layer=idx)
+      attend = functools.partial(attention, q, k, v, length=length, positions=positions,
+                                 block_mask=block_mask, cfg=cfg, layer=idx)
+      if fresh:
+        attn = attend(None, None, sliding=sliding)
+      elif cache.k_ring is None:
+        attn = attend(cache.k, cache.v, sliding=sliding)
+      elif isinstance(sliding, bool):  # `idx` indexes this layer's own stack
+        attn = (attend(cache.k_ring, cache.v_ring, sliding=True, ring=True) if sliding
+                else attend(cache.k, cache.v, sliding=False))
+      else:  # a scan over mixed layers: the layer's kind picks its stack at run time
+        attn = lax.cond(sliding,
+                        lambda: attend(cache.k_ring, cache.v_ring, sliding=True, ring=True),
+                        lambda: attend(cache.k, cache.v, sliding=False))
       o = _dense(attn, lp.wo, 2, "bthk,hkd->btd", dt)
       x = x + (o if lp.post_attn_norm is None else norm(o, lp.post_attn_norm))
     with jax.named_scope("mlp"):
@@ -980,7 +1069,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
       # On the CPU, reading the cache at an index computed after the layer's input keeps XLA
       # from copying out every layer's cache before the first layer (`_after`); elsewhere a
       # static index reads the cache in place.
-      j = _after(x, i) if on_cpu else i
+      i_stack = cache.slot(i)[1]  # the layer's index in its own stack (the ring's or not)
+      j = _after(x, i_stack) if on_cpu else i_stack
       x, outs[i] = layer(x, (lp, j), sliding=cfg.is_sliding(i))
     k_new, v_new, per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs)
     # The new keys and values as values computed after the last layer: writing them into the
@@ -992,7 +1082,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   else:
     # The cache is read inside each layer at the scan's layer index (not scanned over as a
     # per-layer input, which would copy each layer's whole cache out).
-    xs = (params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    xs = (params.layers, jnp.array([cache.slot(i)[1] for i in range(cfg.num_layers)],
+                                   jnp.int32))
     if cfg.mixed_layers:
       xs += (jnp.array([cfg.is_sliding(i) for i in range(cfg.num_layers)]),)
       x, (k_new, v_new, per_layer) = lax.scan(layer, x, xs)
@@ -1008,7 +1099,10 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   layers_out = None if layers_out is None else layers_out.astype(cfg.jnp_dtype)
   if not write:
     return out_logits, Hidden(final=final, layers=layers_out), (k_new, v_new)
-  new_cache = write_cache(cache, k_new, v_new, positions_start=length)
+  # A prefill keeps each row's prompt: a ring longer prompt keeps its last W positions.
+  new_cache = write_cache(cache, k_new, v_new, positions_start=length,
+                          valid_end=length + seq_lengths if fresh and seq_lengths is not None
+                          else None)
   return out_logits, Hidden(final=final, layers=layers_out), new_cache
 
 
@@ -1025,32 +1119,112 @@ def _check_params_match(params: Params, cfg: LlamaConfig) -> None:
 
 
 def write_cache(cache: KVCache, k_new: jax.Array, v_new: jax.Array,
-                positions_start: jax.Array) -> KVCache:
+                positions_start: jax.Array, valid_end: jax.Array | None = None) -> KVCache:
   """Writes k/v [L, B, T, G, K] at per-row offsets; length becomes positions_start + T.
 
   Every write must fit: `max_len` >= positions_start + T (callers size the cache for the
-  prompt, the new tokens and the verify width; an out-of-range start would be clamped).
+  prompt, the new tokens and the verify width; an out-of-range start would be clamped). The
+  sliding layers' rings (`KVCache.k_ring`) take position p at slot p mod W; a write of more
+  than W tokens keeps the last W of each row's positions before `valid_end` [B] (default:
+  all T; a prefill passes each row's prompt end, so right padding does not push the prompt's
+  own positions out).
   """
-  t = k_new.shape[2]
+  if cache.k_ring is None:
+    k, v = _write_linear(cache.k, cache.v, k_new, v_new, positions_start)
+    return KVCache(k=k, v=v, length=positions_start + k_new.shape[2])
+  ring = list(cache.ring_layers)
+  full = [i for i in range(k_new.shape[0]) if i not in cache.ring_layers]
   k, v = cache.k, cache.v
+  if full:
+    k, v = _write_linear(k, v, _layers(k_new, full), _layers(v_new, full), positions_start)
+  kr, vr = _write_ring(cache.k_ring, cache.v_ring, _layers(k_new, ring), _layers(v_new, ring),
+                       positions_start, valid_end)
+  return dataclasses.replace(cache, k=k, v=v, k_ring=kr, v_ring=vr,
+                             length=positions_start + k_new.shape[2])
+
+
+def _layers(x: jax.Array, idx: list[int]) -> jax.Array:
+  """x[idx] for static layer indices, as static slices of their consecutive runs (Gemma 3's
+  five sliding layers between global ones), not a gather."""
+  runs, first = [], 0
+  for n in range(1, len(idx) + 1):
+    if n == len(idx) or idx[n] != idx[n - 1] + 1:
+      runs.append(x[idx[first]:idx[n - 1] + 1])
+      first = n
+  return runs[0] if len(runs) == 1 else jnp.concatenate(runs)
+
+
+def _write_linear(k, v, k_new, v_new, positions_start):
+  """k/v [L, B, G, S, K] with k_new/v_new [L, B, T, G, K] at per-row positions."""
+  t = k_new.shape[2]
+  b_size = k.shape[1]
   kn = jnp.swapaxes(k_new, 2, 3).astype(k.dtype)  # [L, B, G, T, K]
   vn = jnp.swapaxes(v_new, 2, 3).astype(v.dtype)
-  if cache.batch_size <= 64:
+  if b_size <= 64:
     # One dynamic-update-slice per row: XLA updates those in place, where the equivalent
     # scatter became a pass over the whole cache every step on CPU.
     zero = jnp.int32(0)
-    for b in range(cache.batch_size):
+    for b in range(b_size):
       start = (zero, jnp.int32(b), zero, positions_start[b].astype(jnp.int32), zero)
       k = lax.dynamic_update_slice(k, kn[:, b:b + 1], start)
       v = lax.dynamic_update_slice(v, vn[:, b:b + 1], start)
   else:  # very large batches: one scatter rather than thousands of unrolled updates
-    rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
+    rows = jnp.arange(b_size)[:, None]  # [B, 1]
     pos = positions_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     # Advanced indices on axes 1 and 3 put their [B, T] shape first: updates are [B, T, L, G, K].
     upd = lambda x: jnp.transpose(x, (1, 3, 0, 2, 4))
     k = k.at[:, rows, :, pos].set(upd(kn), mode="promise_in_bounds")
     v = v.at[:, rows, :, pos].set(upd(vn), mode="promise_in_bounds")
-  return KVCache(k=k, v=v, length=positions_start + t)
+  return k, v
+
+
+def _write_ring(k, v, k_new, v_new, positions_start, valid_end):
+  """Rings k/v [Lr, B, G, W, K] with k_new/v_new [Lr, B, T, G, K] written at slots
+  (positions_start + t) mod W; see `write_cache`."""
+  t, w_len, b_size = k_new.shape[2], k.shape[3], k.shape[1]
+  start = positions_start.astype(jnp.int32)
+  kn = jnp.swapaxes(k_new, 2, 3).astype(k.dtype)  # [Lr, B, G, T, K]
+  vn = jnp.swapaxes(v_new, 2, 3).astype(v.dtype)
+  if t > w_len:
+    # More tokens than slots (a long prompt): slot s takes the row's latest token
+    # (before valid_end) that lands on it, or keeps what it held.
+    end = start + t if valid_end is None else valid_end.astype(jnp.int32)
+    n = jnp.clip(end - start, 0, t)[:, None]  # [B, 1]
+    slots = jnp.arange(w_len, dtype=jnp.int32)[None, :]
+    src = n - 1 - jnp.mod(start[:, None] + n - 1 - slots, w_len)  # [B, W]
+    take = (src >= 0)[None, :, None, :, None]
+    idx = jnp.maximum(src, 0)[None, :, None, :, None]
+    pick = lambda new, old: jnp.where(take, jnp.take_along_axis(new, idx, axis=3), old)
+    return pick(kn, k), pick(vn, v)
+  if b_size > 64:  # as `_write_linear`: one scatter; T <= W slots never collide
+    rows = jnp.arange(b_size)[:, None]
+    slots = jnp.mod(start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], w_len)
+    upd = lambda x: jnp.transpose(x, (1, 3, 0, 2, 4))
+    return (k.at[:, rows, :, slots].set(upd(kn), mode="promise_in_bounds"),
+            v.at[:, rows, :, slots].set(upd(vn), mode="promise_in_bounds"))
+  # Per row, two in-place updates of T slots: one ending by the ring's end, one from slot 0;
+  # each slot of a window takes the token landing on it, or keeps what it held. Without
+  # wrapping the first covers every token and the second rewrites what the first wrote.
+  zero = jnp.int32(0)
+  j = jnp.arange(t, dtype=jnp.int32)
+
+  def window(buf, new, b, a):
+    src = jnp.mod(a + j - start[b], w_len)  # the token landing on slot a + j
+    at = (zero, jnp.int32(b), zero, a, zero)
+    old = lax.dynamic_slice(buf, at, (buf.shape[0], 1, buf.shape[2], t, buf.shape[4]))
+    val = jnp.where((src < t)[None, None, None, :, None],
+                    jnp.take(new[:, b:b + 1], jnp.minimum(src, t - 1), axis=3), old)
+    return lax.dynamic_update_slice(buf, val, at)
+
+  for b in range(b_size):
+    if t == 1:  # one token never wraps: a plain in-place update at its slot
+      at = (zero, jnp.int32(b), zero, jnp.mod(start[b], w_len), zero)
+      k = lax.dynamic_update_slice(k, kn[:, b:b + 1], at)
+      v = lax.dynamic_update_slice(v, vn[:, b:b + 1], at)
+      continue
+    for a in (jnp.minimum(jnp.mod(start[b], w_len), w_len - t), zero):
+      k, v = window(k, kn, b, a), window(v, vn, b, a)
+  return k, v
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -1071,6 +1245,8 @@ class LlamaLM:
   """
 
   cfg: LlamaConfig
+  # Ring slots of the sliding layers beyond their window (`init_cache`); None: no rings.
+  ring_slack: int | None = RING_SLACK
 
   @property
   def vocab_size(self) -> int:
@@ -1083,7 +1259,7 @@ class LlamaLM:
 
   def init_cache(self, params, batch_size: int, max_len: int) -> KVCache:
     del params
-    return init_cache(self.cfg, batch_size, max_len)
+    return init_cache(self.cfg, batch_size, max_len, ring_slack=self.ring_slack)
 
   def forward(self, params, tokens, cache: KVCache, lengths, *, hidden_layers=()):
     """The protocol's forward: tokens [B, T] at positions lengths[b] + t, written there."""
@@ -1091,10 +1267,24 @@ class LlamaLM:
                    hidden_layers=hidden_layers)
 
   # The block interface: the cache carries its own per-row length.
-  @staticmethod
-  def cache_from_buffers(buffers, batch_size: int) -> KVCache:
-    """A cache over donated (k, v) buffers of an earlier call, with every row empty."""
-    return KVCache(k=buffers[0], v=buffers[1], length=jnp.zeros((batch_size,), jnp.int32))
+  def cache_from_buffers(self, buffers, batch_size: int) -> KVCache:
+    """A cache over donated (k, v) buffers of an earlier call (`KVCache.k`, `.v`: the
+    full-attention layers' when the sliding layers keep rings), with every row empty; the
+    rings, small, come fresh (or from buffers[2:4] where given)."""
+    k, v = buffers[0], buffers[1]
+    cache = KVCache(k=k, v=v, length=jnp.zeros((batch_size,), jnp.int32))
+    if ring_size(self.cfg, k.shape[3], self.ring_slack) is None:
+      return cache
+    shape = jax.eval_shape(lambda: init_cache(self.cfg, batch_size, k.shape[3], k.dtype,
+                                              ring_slack=self.ring_slack))
+    if k.shape != shape.k.shape:
+      raise ValueError(f"cache buffers of shape {k.shape} do not hold this model's"
+                       f" full-attention layers {shape.k.shape}: take them from"
+                       " `init_cache` of the same configuration and ring_slack")
+    rings = buffers[2:4] if len(buffers) >= 4 else (
+        jnp.zeros(shape.k_ring.shape, k.dtype), jnp.zeros(shape.v_ring.shape, v.dtype))
+    return dataclasses.replace(cache, k_ring=rings[0], v_ring=rings[1],
+                               ring_layers=shape.ring_layers)
 
   def forward_block(self, params, tokens, cache: KVCache, *, hidden_layers=(), logits=True,
                     fresh=False, write=True, positions=None, block_mask=None,

@@ -244,8 +244,12 @@ def state_shardings(tree, batch_size: int, mesh: Mesh, rules: ShardingRules = DE
   def one(x):
     if isinstance(x, KVCache):
       kv = NamedSharding(mesh, fit_spec(x.k.shape, rules.spec(CACHE_AXES, mesh), mesh))
-      return KVCache(k=kv, v=kv, length=NamedSharding(mesh, fit_spec(
-          x.length.shape, rules.spec(("batch",), mesh), mesh)))
+      # Sliding layers' rings (`KVCache.k_ring`) by the same axes, their slots as cache_seq.
+      ring = None if x.k_ring is None else NamedSharding(
+          mesh, fit_spec(x.k_ring.shape, rules.spec(CACHE_AXES, mesh), mesh))
+      return dataclasses.replace(x, k=kv, v=kv, k_ring=ring, v_ring=ring,
+                                 length=NamedSharding(mesh, fit_spec(
+                                     x.length.shape, rules.spec(("batch",), mesh), mesh)))
     if hasattr(x, "shape") and len(x.shape) >= 1 and x.shape[0] == batch_size:
       return NamedSharding(mesh, fit_spec(x.shape, batch_sharding(mesh, len(x.shape),
                                                                   rules).spec, mesh))

@@ -355,6 +355,37 @@ def test_speculative_equals_plain(case, model, plain, workdir):
     np.testing.assert_array_equal(out.tokens, case.ref["greedy"], err_msg=drafter.name)
 
 
+# -- Sliding layers in ring buffers, past the window ---------------------------------------------
+
+RING_SLACK = K + 1  # the widest write of the speculative loop below (k + 1 tokens)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gemma3-linear"])
+def test_ring_cache_past_the_window(name, cases):
+  """The sliding layers in ring buffers of window + k + 1 slots (`init_cache(ring_slack=)`):
+  the prompt (longer than the ring, so its write wraps), HF's greedy continuation token for
+  token with its log-probabilities, and greedy speculative decoding with NGram, 28 positions
+  in all against a window of 6 (`families.py`)."""
+  from jaxspec.decoding import protocol
+  from jaxspec.decoding.functional import decode, speculative_decode
+  from jaxspec.models.llama import LlamaLM
+  case = cases(name)
+  m = load(case.hf, "float32", scan_layers=True)
+  w = m.cfg.sliding_window
+  cache = init_cache(m.cfg, B, MAX_LEN, ring_slack=RING_SLACK)
+  assert cache.ring_len == w + RING_SLACK < T < T + N_NEW  # the prompt wraps the ring
+  logits = forward_jit(m.params, jnp.asarray(PROMPTS, jnp.int32), cache, m.cfg)[0]
+  np.testing.assert_allclose(np.asarray(logits), case.ref["logits"], atol=ATOL, rtol=0)
+  target = protocol.Target(LlamaLM(m.cfg, ring_slack=RING_SLACK), m.params)
+  ids, lens = jnp.asarray(PROMPTS, jnp.int32), jnp.full((B,), T, jnp.int32)
+  out = decode(target, ids, lens, jax.random.key(0), max_new_tokens=N_NEW, stop_ids=())
+  np.testing.assert_array_equal(out.tokens, case.ref["greedy"])
+  np.testing.assert_allclose(out.logprobs, case.ref["greedy_logprobs"], atol=ATOL, rtol=0)
+  spec = speculative_decode(target, NGram(), ids, lens, jax.random.key(0),
+                            max_new_tokens=N_NEW, num_draft_tokens=K, stop_ids=())
+  np.testing.assert_array_equal(spec.tokens, case.ref["greedy"])
+
+
 # -- LongRoPE past the original context -----------------------------------------------------------
 
 LONG_T = 136  # > original_max_position_embeddings 128 of the longrope families
