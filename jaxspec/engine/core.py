@@ -281,7 +281,7 @@ class Engine:
     stops = io.stop_ids_for(model, stop_ids)
     b = prep.tokens.shape[0]
     args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-            sp_user.arrays(b), as_key(key, b))
+            sp_user.arrays(b, model.cfg.vocab_size, max_new_tokens), as_key(key, b))
     static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len,
                   max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=bool(logprobs))
     sh = model.sharding
@@ -321,7 +321,7 @@ class Engine:
     prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes())
     stops = io.stop_ids_for(model, stop_ids)
     b = prep.tokens.shape[0]
-    sp = sp_user.arrays(b)
+    sp = sp_user.arrays(b, model.cfg.vocab_size, max_new_tokens)
     init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
                  as_key(key, b), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
     init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args)
