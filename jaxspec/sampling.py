@@ -51,7 +51,7 @@ def _is_traced(v) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-  """User-facing sampling settings (Python numbers, validated before anything compiles).
+  """User-facing sampling settings (numbers, or arrays: validated before anything compiles).
 
   Each field is one value for every row, or a sequence of one value per row (rows with
   different settings in one batch; its length must be the batch size).
