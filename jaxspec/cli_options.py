@@ -109,6 +109,34 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
 
 
+def add_penalties(p: argparse.ArgumentParser) -> None:
+  """--repetition-penalty, --presence-penalty, --frequency-penalty, --min-new-tokens and
+  --logit-bias (`jaxspec.sampling.Sampling`'s)."""
+  p.add_argument("--repetition-penalty", type=float, default=1.0,
+                 help="> 0; divides the logits of the context's tokens (1 = off)")
+  p.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="subtracted from the logits of generated tokens (0 = off)")
+  p.add_argument("--frequency-penalty", type=float, default=0.0,
+                 help="times a generated token's count, subtracted from its logit (0 = off)")
+  p.add_argument("--min-new-tokens", type=lambda t: parse_int(
+      t, 0, error=argparse.ArgumentTypeError), default=0,
+                 help="no stop token (EOS) before this many new tokens (0 = off)")
+  p.add_argument("--logit-bias", type=token_bias, action="append", default=[],
+                 metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable; -inf bans it)")
+
+
+def token_bias(text: str) -> tuple[int, float]:
+  """An argparse type: 'ID=BIAS' (a token id and the bias added to its logit)."""
+  tok, sep, bias = text.partition("=")
+  try:
+    if not sep:
+      raise ValueError
+    return parse_int(tok.strip(), 0), float(bias)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id >= 0 and a number, e.g."
+                                     f" 13=-5.0), got {text!r}") from None
+
+
 def draft_count(text: str):
   """An argparse type: 'auto' or an integer >= 1 (drafts per step)."""
   if text == "auto":

@@ -5,6 +5,13 @@ Plain decoding, the drafters and the target's verification all call `process_log
 same code with the same temperature, top-k, top-p and min-p — which the exactness of rejection
 sampling depends on.
 
+Before them, on the raw logits, the context-dependent adjustments (`adjust`), in vLLM v1's
+order: `logit_bias` added, stop ids masked while a row is short of `min_new_tokens`, then the
+repetition penalty (Hugging Face's rule, over prompt and generated tokens), then the presence
+and frequency penalties (OpenAI's and vLLM's rule, over generated tokens only). They read the
+row's context at the position being processed (`TokenHistory`), so a verify pass adjusts each
+of its k + 1 positions with the drafts before it counted, as plain decoding would have.
+
 Order of the filters: temperature, then top-k, then top-p over what top-k kept, then min-p, as
 Hugging Face's warpers and vLLM v0 apply them (vLLM v1 applies min-p first; min-p compares
 with the most likely token, which every filter keeps, so the order changes only what top-p
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +35,23 @@ from jaxspec.checks import check_int  # noqa: E402
 from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
 
 
+# The fields holding one number per row, with the value that turns each off (None: always on).
+_SCALARS = {"temperature": None, "top_k": None, "top_p": None, "min_p": None,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "min_new_tokens": 0}
+_INTEGER = ("top_k", "min_new_tokens")
+# The context-dependent adjustments (`adjust`), in the order `SamplingArrays` holds them.
+_ADJUSTMENTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens",
+                "logit_bias")
+
+
+def _is_traced(v) -> bool:
+  return isinstance(v, jax.core.Tracer)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-  """User-facing sampling settings (Python numbers, validated before anything compiles).
+  """User-facing sampling settings (numbers, or arrays: validated before anything compiles).
 
   Each field is one value for every row, or a sequence of one value per row (rows with
   different settings in one batch; its length must be the batch size).
@@ -39,16 +62,44 @@ class Sampling:
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1 keeps all.
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 keeps all.
+    repetition_penalty: > 0: the logit of every token present in the row's context (prompt and
+      generated tokens) is divided by it where positive and multiplied by it where negative
+      (Hugging Face's rule); 1 is off.
+    presence_penalty: subtracted from the logit of every token generated at least once (the
+      OpenAI / vLLM rule: the prompt does not count); 0 is off.
+    frequency_penalty: times the number of times a token was generated, subtracted from its
+      logit (OpenAI / vLLM); 0 is off.
+    min_new_tokens: the call's stop ids (its EOS) get probability 0 until a row has generated
+      this many tokens; at most the call's max_new_tokens; 0 is off.
+    logit_bias: added to the logits before the rest: a {token id: bias} mapping, a [V]
+      sequence or array of biases, or one of those per row (a [B, V] array); each bias finite,
+      or -inf (never drawn). None (or {}) is off.
+
+  The adjustments (the last five) act on the raw logits, before temperature and the filters
+  (`adjust`); greedy rows take the argmax of the adjusted logits. One left at its off value in
+  every row compiles nothing: the program is the one without it.
+
+  A value may also be a JAX array, traced included (a `Sampling` built inside your own jit): a
+  scalar or one per row [B] ([V] or [B, V] for logit_bias). Concrete arrays are checked as
+  numbers are; traced ones only by shape and dtype (their values exist when the program runs).
   """
 
-  temperature: float | tuple[float, ...] = 0.0
-  top_k: int | tuple[int, ...] = 0
-  top_p: float | tuple[float, ...] = 1.0
-  min_p: float | tuple[float, ...] = 0.0
+  temperature: Any = 0.0
+  top_k: Any = 0
+  top_p: Any = 1.0
+  min_p: Any = 0.0
+  repetition_penalty: Any = 1.0
+  presence_penalty: Any = 0.0
+  frequency_penalty: Any = 0.0
+  min_new_tokens: Any = 0
+  logit_bias: Any = None
 
   def __post_init__(self):
-    for name in ("temperature", "top_k", "top_p", "min_p"):
+    for name in _SCALARS:
       v = getattr(self, name)
+      if _is_traced(v):
+        _check_traced(f"Sampling.{name}", v, 1, integer=name in _INTEGER)
+        continue
       if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or getattr(v, "ndim", 1) == 0:
         _check_value(name, v)
         continue
@@ -58,32 +109,81 @@ class Sampling:
       for x in vals:
         _check_value(name, x, per_row=True)
       object.__setattr__(self, name, vals)
+    object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
 
   @property
   def per_row(self) -> bool:
     """Whether some field holds one value per row."""
-    return any(isinstance(getattr(self, f), tuple) for f in ("temperature", "top_k", "top_p",
-                                                              "min_p"))
+    def rows(v):
+      return isinstance(v, tuple) or (_is_traced(v) and v.ndim == 1)
+    bias = self.logit_bias
+    return any(rows(getattr(self, f)) for f in _SCALARS) or (
+        bias is not None and (bias.ndim == 2 if _is_traced(bias) else bias.per_row))
 
   @property
   def greedy(self) -> bool:
+    """Whether every row decodes greedily (False where the temperature is traced: unknown)."""
     t = self.temperature
+    if _is_traced(t):
+      return False
     return all(x == 0 for x in t) if isinstance(t, tuple) else t == 0
 
-  def arrays(self, batch_size: int) -> SamplingArrays:
-    """Per-row arrays, so a change of value does not recompile. Raises ValueError when a
-    per-row field's length is not `batch_size`."""
+  def arrays(self, batch_size: int, vocab_size: int | None = None,
+             max_new_tokens=None) -> SamplingArrays:
+    """Per-row arrays, so a change of value does not recompile; an adjustment off in every row
+    stays None (nothing compiled for it). vocab_size is needed by a `logit_bias` (checked: every
+    token id below it) and max_new_tokens, when given, bounds `min_new_tokens`. Raises
+    ValueError when a per-row field's length is not `batch_size`."""
     def full(name, dt):
       v = getattr(self, name)
+      if _is_traced(v):
+        if v.ndim == 1 and v.shape[0] != batch_size:
+          raise ValueError(f"Sampling.{name} has {v.shape[0]} values for a batch of"
+                           f" {batch_size} rows: give one value, or exactly one per row")
+        return jnp.broadcast_to(jnp.asarray(v, dt), (batch_size,))
       if isinstance(v, tuple):
         if len(v) != batch_size:
           raise ValueError(f"Sampling.{name} has {len(v)} values for a batch of {batch_size}"
                            f" rows: give one value, or exactly one per row")
         return jnp.asarray(v, dt)
       return jnp.full((batch_size,), v, dt)
-    return SamplingArrays(temperature=full("temperature", jnp.float32),
-                          top_k=full("top_k", jnp.int32), top_p=full("top_p", jnp.float32),
-                          min_p=full("min_p", jnp.float32))
+
+    out = {}
+    for name, off in _SCALARS.items():
+      v = getattr(self, name)
+      if off is not None and not _is_traced(v) and all(
+          x == off for x in (v if isinstance(v, tuple) else (v,))):
+        continue  # off in every row: nothing compiled for it
+      out[name] = full(name, jnp.int32 if name in _INTEGER else jnp.float32)
+    if self.logit_bias is not None:
+      out["logit_bias"] = _bias_array(self.logit_bias, batch_size, vocab_size)
+    m = self.min_new_tokens
+    if max_new_tokens is not None and not _is_traced(m) and _is_concrete(max_new_tokens):
+      _check_min_new(max(m) if isinstance(m, tuple) else m, int(max_new_tokens))
+    return SamplingArrays(**out)
+
+
+def _is_concrete(x) -> bool:
+  return not _is_traced(x) and (not hasattr(x, "ndim") or x.ndim == 0)
+
+
+def _check_min_new(min_new: int, max_new: int, where: str = "") -> None:
+  if min_new > max_new:
+    raise ValueError(f"min_new_tokens{where} is {min_new} but max_new_tokens is {max_new}: a"
+                     f" row must be allowed to stop within its budget; lower min_new_tokens to"
+                     f" at most {max_new} (or raise max_new_tokens)")
+
+
+def _check_traced(name: str, v, max_ndim: int, integer: bool = False) -> None:
+  """Raises ValueError for a traced value of the wrong rank or dtype (its values are unknown)."""
+  if v.ndim > max_ndim:
+    shapes = "a scalar or [B]" if max_ndim == 1 else "[V] or [B, V]"
+    raise ValueError(f"{name} must be {shapes}, got a traced array of shape {tuple(v.shape)}")
+  ok = jnp.issubdtype(v.dtype, jnp.integer) if integer else (
+      jnp.issubdtype(v.dtype, jnp.integer) or jnp.issubdtype(v.dtype, jnp.floating))
+  if v.dtype == jnp.bool_ or not ok:
+    raise ValueError(f"{name} must hold {'integers' if integer else 'numbers'}, got a traced"
+                     f" array of dtype {v.dtype}")
 
 
 def _check_value(name: str, v, per_row: bool = False) -> None:
@@ -91,19 +191,135 @@ def _check_value(name: str, v, per_row: bool = False) -> None:
   if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:
     v = v.item()
   where = " (each row's)" if per_row else ""
+  number = not isinstance(v, bool) and isinstance(v, (int, float))
   if name == "temperature":
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+    if not number or not math.isfinite(v) or v < 0:
       raise ValueError(f"temperature{where} must be a finite number >= 0 (0 means greedy), got"
                        f" {v!r}")
-  elif name == "top_k":
-    check_int(f"top_k{where}", v, 0, 2**31 - 1, numpy=False,
-              why="0 disables it; a value past the vocabulary keeps all")
+  elif name in _INTEGER:
+    why = ("0 disables it; a value past the vocabulary keeps all" if name == "top_k" else
+           "new tokens before a stop id may be drawn; 0 disables it")
+    check_int(f"{name}{where}", v, 0, 2**31 - 1, numpy=False, why=why)
   elif name == "top_p":
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not 0 < v <= 1:
+    if not number or math.isnan(v) or not 0 < v <= 1:
       raise ValueError(f"top_p{where} must be in (0, 1] (1 disables it), got {v!r}")
-  elif isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) \
-      or not 0 <= v <= 1:
-    raise ValueError(f"min_p{where} must be in [0, 1] (0 disables it), got {v!r}")
+  elif name == "min_p":
+    if not number or math.isnan(v) or not 0 <= v <= 1:
+      raise ValueError(f"min_p{where} must be in [0, 1] (0 disables it), got {v!r}")
+  elif name == "repetition_penalty":
+    if not number or not math.isfinite(v) or v <= 0:
+      raise ValueError(f"repetition_penalty{where} must be a finite number > 0 (1 disables it;"
+                       f" > 1 discourages repeating the context), got {v!r}")
+  elif not number or not math.isfinite(v):  # presence_penalty, frequency_penalty
+    raise ValueError(f"{name}{where} must be a finite number (0 disables it; > 0 discourages"
+                     f" repeating generated tokens), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogitBias:
+  """`Sampling.logit_bias`, checked: sorted (token id, bias) pairs for every row, or one tuple
+  of them per row; width: the length of a dense [V] form (checked against the vocabulary)."""
+
+  rows: tuple
+  per_row: bool
+  width: int | None = None
+
+  def __repr__(self):
+    show = lambda r: "{" + ", ".join(f"{t}: {b!r}" for t, b in r) + "}"
+    return "[" + ", ".join(map(show, self.rows)) + "]" if self.per_row else show(self.rows)
+
+
+def _bias_pairs(items, where: str) -> tuple:
+  """Checked, sorted (token id, bias) pairs."""
+  out = {}
+  for tok, bias in items:
+    if hasattr(tok, "item") and getattr(tok, "ndim", 0) == 0:
+      tok = tok.item()
+    check_int(f"logit_bias{where} token id", tok, 0, 2**31 - 1, numpy=False,
+              why="a logit_bias maps token ids to the bias added to their logits")
+    if hasattr(bias, "item") and getattr(bias, "ndim", 0) == 0:
+      bias = bias.item()
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
+        or bias == math.inf:
+      raise ValueError(f"logit_bias{where}[{tok}] must be a finite number or -inf (never"
+                       f" drawn), got {bias!r}")
+    out[int(tok)] = float(bias)
+  return tuple(sorted(out.items()))
+
+
+def _dense_pairs(a: np.ndarray, where: str) -> tuple:
+  """The nonzero entries of a dense [V] bias row as pairs (checked)."""
+  if not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)) \
+      or a.dtype == np.bool_:
+    raise ValueError(f"logit_bias{where} must hold numbers, got dtype {a.dtype}")
+  bad = np.isnan(a) | (a == np.inf)
+  if bad.any():
+    t = int(np.argmax(bad))
+    raise ValueError(f"logit_bias{where}[{t}] must be a finite number or -inf (never drawn),"
+                     f" got {a[t]!r}")
+  nz = np.flatnonzero(a)
+  return tuple((int(t), float(a[t])) for t in nz)
+
+
+def _normalize_bias(v):
+  """`Sampling.logit_bias` as None (off), a `_LogitBias`, or a traced array ([V] / [B, V])."""
+  if v is None or isinstance(v, _LogitBias):
+    return v
+  if _is_traced(v):
+    if v.ndim not in (1, 2):
+      raise ValueError(f"Sampling.logit_bias must be [V] or [B, V] when it is an array, got a"
+                       f" traced array of shape {tuple(v.shape)}")
+    _check_traced("Sampling.logit_bias", v, 2)
+    return v
+  if isinstance(v, Mapping):
+    pairs = _bias_pairs(v.items(), "")
+    return _LogitBias(pairs, per_row=False) if pairs else None
+  if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+    raise ValueError(f"logit_bias must be a {{token id: bias}} mapping, a [V] array of biases"
+                     f" or one of them per row, got {type(v).__name__}")
+  if not hasattr(v, "shape") and len(v) and all(isinstance(r, Mapping) for r in v):
+    rows = tuple(_bias_pairs(r.items(), f" (row {i})") for i, r in enumerate(v))
+    return _LogitBias(rows, per_row=True) if any(rows) else None
+  try:
+    a = np.asarray(v)
+  except ValueError:
+    a = np.asarray(v, dtype=object)
+  if a.ndim == 1 and a.size:
+    pairs = _dense_pairs(a, "")
+    return _LogitBias(pairs, per_row=False, width=a.shape[0]) if pairs else None
+  if a.ndim == 2 and a.size:
+    rows = tuple(_dense_pairs(r, f" (row {i})") for i, r in enumerate(a))
+    return _LogitBias(rows, per_row=True, width=a.shape[1]) if any(rows) else None
+  raise ValueError(f"logit_bias must be a {{token id: bias}} mapping, a [V] array of biases or"
+                   f" one of them per row ([B, V]), got shape {a.shape}")
+
+
+def _bias_array(bias, batch_size: int, vocab_size: int | None) -> jax.Array:
+  """logit_bias as [B, V] float32 (checked against the vocabulary and the batch)."""
+  if vocab_size is None:
+    raise ValueError("Sampling.logit_bias needs the vocabulary size: pass"
+                     " arrays(batch_size, vocab_size=...) (the loops' entry points do)")
+  if _is_traced(bias):
+    if bias.shape[-1] != vocab_size or (bias.ndim == 2 and bias.shape[0] != batch_size):
+      raise ValueError(f"Sampling.logit_bias must be [V] or [B, V] = [{batch_size},"
+                       f" {vocab_size}], got shape {tuple(bias.shape)}")
+    return jnp.broadcast_to(jnp.asarray(bias, jnp.float32), (batch_size, vocab_size))
+  if bias.width is not None and bias.width != vocab_size:
+    raise ValueError(f"logit_bias has {bias.width} entries per row but the vocabulary has"
+                     f" {vocab_size}: give one bias per token (or a {{token id: bias}} mapping)")
+  rows = bias.rows if bias.per_row else (bias.rows,) * batch_size
+  if len(rows) != batch_size:
+    raise ValueError(f"Sampling.logit_bias has {len(rows)} rows for a batch of {batch_size}"
+                     f" rows: give one mapping, or exactly one per row")
+  out = np.zeros((batch_size, vocab_size), np.float32)
+  for r, pairs in enumerate(rows):
+    for tok, b in pairs:
+      if tok >= vocab_size:
+        where = f" (row {r})" if bias.per_row else ""
+        raise ValueError(f"logit_bias{where} has token id {tok}, outside the vocabulary [0,"
+                         f" {vocab_size}): bias only the model's tokens")
+      out[r, tok] = b
+  return jnp.asarray(out)
 
 
 GREEDY = Sampling()
@@ -118,6 +334,139 @@ class SamplingArrays:
   top_k: jax.Array  # [B] int32, 0 = off
   top_p: jax.Array  # [B] float32, 1 = off
   min_p: jax.Array  # [B] float32, 0 = off
+  # The context-dependent adjustments (`adjust`); None: off, and nothing compiled for it.
+  repetition_penalty: jax.Array | None = None  # [B] float32 > 0, 1 = no change
+  presence_penalty: jax.Array | None = None  # [B] float32
+  frequency_penalty: jax.Array | None = None  # [B] float32
+  min_new_tokens: jax.Array | None = None  # [B] int32
+  logit_bias: jax.Array | None = None  # [B, V] float32
+
+  @property
+  def adjusts(self) -> bool:
+    """Whether some adjustment is on (static: the pytree's structure), so the loops keep a
+    `TokenHistory`."""
+    return any(getattr(self, f) is not None for f in _ADJUSTMENTS)
+
+  @property
+  def counts_tokens(self) -> bool:
+    """Whether a penalty reads how often each token occurs (the history's [B, V] counts)."""
+    return any(getattr(self, f) is not None for f in _ADJUSTMENTS[:3])
+
+
+@_pytree
+@dataclasses.dataclass
+class TokenHistory:
+  """What the adjustments read of each row's context before the position they process: kept by
+  the loops beside their token buffer (only when `SamplingArrays.adjusts`), and extended by the
+  drafts inside a step, so every position is adjusted with the context it would have."""
+
+  n_new: jax.Array  # [B] int32 tokens generated so far
+  stop_ids: jax.Array  # [S] int32 the ids `min_new_tokens` holds back (the call's stop ids)
+  counts: jax.Array | None = None  # [B, V] int32 times each token was generated (penalties)
+  in_prompt: jax.Array | None = None  # [B, V] bool the prompt's tokens (repetition penalty)
+
+
+def start_history(sp: SamplingArrays, prompt: jax.Array, prompt_len: jax.Array,
+                  vocab_size: int, stop_ids) -> TokenHistory | None:
+  """The history after the prompt [B, P] (right-padded, prompt_len [B]) with nothing generated;
+  None when `sp` adjusts nothing (the loops then carry nothing)."""
+  if not sp.adjusts:
+    return None
+  b, pw = prompt.shape
+  counts = in_prompt = None
+  if sp.counts_tokens:
+    counts = jnp.zeros((b, vocab_size), jnp.int32)
+  if sp.repetition_penalty is not None:
+    keep = (jnp.arange(pw)[None, :] < prompt_len[:, None]) & (prompt >= 0) & (prompt < vocab_size)
+    in_prompt = jnp.zeros((b, vocab_size), bool).at[
+        jnp.arange(b)[:, None], jnp.where(keep, prompt, vocab_size)].set(True, mode="drop")
+  return TokenHistory(n_new=jnp.zeros((b,), jnp.int32),
+                      stop_ids=jnp.asarray(tuple(stop_ids), jnp.int32).reshape(-1),
+                      counts=counts, in_prompt=in_prompt)
+
+
+def extend_history(h: TokenHistory | None, tokens: jax.Array, n: jax.Array | None = None):
+  """h with each row's tokens[:, :n] generated (tokens [B, T], or [B]: one each; n [B] int or
+  bool, 0 for a row that emitted nothing; None: all T). None for h None (nothing is traced
+  then)."""
+  if h is None:
+    return None
+  tokens = tokens[:, None] if tokens.ndim == 1 else tokens
+  b, t = tokens.shape
+  n = jnp.full((b,), t, jnp.int32) if n is None else n.astype(jnp.int32)
+  counts = h.counts
+  if counts is not None:
+    v = counts.shape[1]
+    take = (jnp.arange(t)[None, :] < n[:, None]) & (tokens >= 0) & (tokens < v)
+    counts = counts.at[jnp.arange(b)[:, None], jnp.where(take, tokens, v)].add(1, mode="drop")
+  return dataclasses.replace(h, n_new=h.n_new + n, counts=counts)
+
+
+def adjust(logits: jax.Array, sp: SamplingArrays, h: TokenHistory | None,
+           added: jax.Array | None = None, n_added: jax.Array | None = None) -> jax.Array:
+  """The logits [B, ..., V] with the context-dependent adjustments applied (float32), in vLLM
+  v1's order: logit_bias added; stop ids masked (-inf) while fewer than min_new_tokens are
+  generated; the repetition penalty on every token of the context (logit / r where positive,
+  logit * r otherwise); presence and frequency penalties subtracted per generated token. The
+  logits come back as they are when nothing is on (no program change).
+
+  Position i of the logits has the context of `h` plus, where given, the tokens generated after
+  it: added [B, ..., V] int32 their counts and n_added [B, ...] int32 their number (a verify
+  pass's drafts before position i: `chain_context`, `tree_context`)."""
+  if h is None or not sp.adjusts:
+    return logits
+  x = logits.astype(jnp.float32)
+  nd = x.ndim
+  b, v = x.shape[0], x.shape[-1]
+  row = lambda a: a.reshape((b,) + (1,) * (nd - 2) + (v,))  # [B, V] -> [B, 1.., V]
+  if sp.logit_bias is not None:
+    x = x + row(sp.logit_bias)
+  if sp.min_new_tokens is not None and h.stop_ids.shape[0]:
+    n_new = _expand(h.n_new, nd - 1) + (0 if n_added is None else n_added)
+    held = n_new < _expand(sp.min_new_tokens, nd - 1)  # [B, ...]
+    stop = jnp.zeros((v,), bool).at[h.stop_ids].set(True, mode="drop")
+    x = jnp.where(held[..., None] & stop, -jnp.inf, x)
+  if not sp.counts_tokens:
+    return x
+  counts = row(h.counts) + (0 if added is None else added)
+  if sp.repetition_penalty is not None:
+    seen = (counts > 0) | row(h.in_prompt)
+    r = _expand(sp.repetition_penalty, nd)
+    x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+  if sp.frequency_penalty is not None:
+    x = x - _expand(sp.frequency_penalty, nd) * counts
+  if sp.presence_penalty is not None:
+    x = x - _expand(sp.presence_penalty, nd) * (counts > 0)
+  return x
+
+
+def chain_context(sp: SamplingArrays, drafts: jax.Array, vocab_size: int):
+  """(added, n_added) of `adjust` for a verify pass over [last, drafts [B, k]]: position i
+  follows drafts[:, :i]. (None, None) when nothing is on."""
+  if not sp.adjusts:
+    return None, None
+  b, k = drafts.shape
+  n_added = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  if not sp.counts_tokens:
+    return None, n_added
+  one = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.int32)  # an id outside counts nothing
+  added = jnp.concatenate([jnp.zeros((b, 1, vocab_size), jnp.int32), jnp.cumsum(one, axis=1)],
+                          axis=1)
+  return added, n_added
+
+
+def tree_context(sp: SamplingArrays, tokens: jax.Array, ancestors: jax.Array, depth: jax.Array,
+                 vocab_size: int):
+  """(added, n_added) of `adjust` for a tree pass: node i (tokens [B, N], node 0 the root,
+  already in the history) follows the nodes on its path, itself included (ancestors [B, N, N]
+  bool: node j is i or an ancestor of i), depth [B, N] of them."""
+  if not sp.adjusts:
+    return None, None
+  if not sp.counts_tokens:
+    return None, depth
+  on_path = (ancestors & (jnp.arange(tokens.shape[1]) > 0)[None, None, :]).astype(jnp.int32)
+  one = jax.nn.one_hot(tokens, vocab_size, dtype=jnp.int32)
+  return jnp.einsum("bij,bjv->biv", on_path, one), depth
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:
@@ -293,7 +642,7 @@ def resolve_sampling(sampling) -> Sampling:
     unknown = set(sampling) - {f.name for f in dataclasses.fields(Sampling)}
     if unknown:
       raise ValueError(f"sampling has unknown fields {sorted(map(str, unknown))}: Sampling takes"
-                       " temperature, top_k, top_p and min_p")
+                       f" {', '.join(f.name for f in dataclasses.fields(Sampling))}")
     return Sampling(**sampling)
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a jaxspec Sampling (or, inside jit,"
@@ -301,24 +650,39 @@ def resolve_sampling(sampling) -> Sampling:
   return sampling
 
 
-def sampling_arrays(sampling, batch_size: int) -> SamplingArrays:
+def sampling_arrays(sampling, batch_size: int, vocab_size: int | None = None,
+                    max_new_tokens=None) -> SamplingArrays:
   """`SamplingArrays` [B] from a `Sampling` (one value, or one per row), a dict or None
-  (`resolve_sampling`), or from `SamplingArrays` (checked: every field [B], and, where an array
-  is concrete, every row's value in the range `Sampling` allows). Raises ValueError naming a
-  field of the wrong shape or dtype, or the row whose value is out of range; works on traced
-  arrays (only their shapes can be checked before the program runs)."""
+  (`resolve_sampling`), or from `SamplingArrays` (checked: every field [B], logit_bias [B, V],
+  and, where an array is concrete, every row's value in the range `Sampling` allows).
+  vocab_size: the model's (a logit_bias needs it); max_new_tokens (an int, when known) bounds
+  min_new_tokens. Raises ValueError naming a field of the wrong shape or dtype, or the row
+  whose value is out of range; works on traced arrays (only their shapes can be checked before
+  the program runs)."""
   if not isinstance(sampling, SamplingArrays):
-    return resolve_sampling(sampling).arrays(batch_size)
+    return resolve_sampling(sampling).arrays(batch_size, vocab_size, max_new_tokens)
   out = {}
   for f in dataclasses.fields(SamplingArrays):
     x = getattr(sampling, f.name)
-    if not hasattr(x, "shape") or tuple(x.shape) != (batch_size,):
-      raise ValueError(f"SamplingArrays.{f.name} must have shape [{batch_size}] (one value per"
-                       f" row of the batch), got {getattr(x, 'shape', type(x).__name__)}")
+    if x is None and f.name in _ADJUSTMENTS:
+      continue
+    if f.name == "logit_bias":
+      shape = f"[{batch_size}, {'V' if vocab_size is None else vocab_size}] (one bias per token"
+      ok = getattr(x, "ndim", 0) == 2 and x.shape[0] == batch_size and (
+          vocab_size is None or x.shape[1] == vocab_size)
+    else:
+      shape, ok = f"[{batch_size}] (one value", tuple(getattr(x, "shape", ())) == (batch_size,)
+    if not hasattr(x, "shape") or not ok:
+      raise ValueError(f"SamplingArrays.{f.name} must have shape {shape} per row of the batch),"
+                       f" got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(x, jax.core.Tracer):
       _check_rows(f.name, x)
-    want = jnp.int32 if f.name == "top_k" else jnp.float32
+    want = jnp.int32 if f.name in _INTEGER else jnp.float32
     out[f.name] = jnp.asarray(x, want)
+  m = out.get("min_new_tokens")
+  if m is not None and max_new_tokens is not None and _is_concrete(max_new_tokens) \
+      and not isinstance(sampling.min_new_tokens, jax.core.Tracer):
+    _check_min_new(int(np.max(np.asarray(m))), int(max_new_tokens), " (SamplingArrays)")
   return SamplingArrays(**out)
 
 
@@ -330,18 +694,27 @@ def _check_rows(name: str, x) -> None:
                                  or np.issubdtype(a.dtype, np.floating)):
     raise ValueError(f"SamplingArrays.{name} must hold numbers, got dtype {a.dtype}")
   f = a.astype(np.float64)
+  if name == "logit_bias":
+    bad = np.isnan(f) | (f == np.inf)
+    if bad.any():
+      r, t = np.argwhere(bad)[0]
+      raise ValueError(f"SamplingArrays.logit_bias, row {r}, token {t}: a bias must be a finite"
+                       f" number or -inf (never drawn), got {a[r, t]!r}")
+    return
   lo, hi = {"temperature": (0, np.inf), "top_k": (0, 2**31 - 1), "top_p": (0, 1),
-            "min_p": (0, 1)}[name]
+            "min_p": (0, 1), "repetition_penalty": (0, np.inf),
+            "presence_penalty": (-np.inf, np.inf), "frequency_penalty": (-np.inf, np.inf),
+            "min_new_tokens": (0, 2**31 - 1)}[name]
   ok = np.isfinite(f) & (f >= lo) & (f <= hi)
-  if name == "top_k":
+  if name in _INTEGER:
     ok &= f == np.round(f)
-  elif name == "top_p":
+  elif name in ("top_p", "repetition_penalty"):
     ok &= f > 0
   if ok.all():
     return
   # The first bad row, with `Sampling`'s message for its value.
   for r, v in enumerate(a.tolist()):
-    if name == "top_k" and isinstance(v, float) and v.is_integer():
+    if name in _INTEGER and isinstance(v, float) and v.is_integer():
       v = int(v)
     try:
       _check_value(name, v, per_row=True)

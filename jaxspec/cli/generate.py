@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cli_options import (CACHE_EVENTS, SCAN_LAYERS, add_compile_cache, add_sampling,
-                                 add_scan_layers, count, draft_count)
+from jaxspec.cli_options import (CACHE_EVENTS, SCAN_LAYERS, add_compile_cache, add_penalties,
+                                 add_sampling, add_scan_layers, count, draft_count)
 
 # The names --draft takes (besides a path). "eagle3" is the bundled EAGLE head under the name
 # its drafter reports (an EAGLE-3 head), so every drafter name the CLI prints is one it takes;
@@ -89,6 +89,7 @@ def add_generate_parser(sub) -> None:
                  help="decode steps between printed chunks (one prompt, text output)")
   add_compile_cache(g)
   add_sampling(g)
+  add_penalties(g)
 
 
 def read_prompt_lines(path: str) -> list:
@@ -260,7 +261,10 @@ def cmd_generate(args) -> int:
   prompts = read_prompt_lines(args.prompts) if args.prompts is not None else [args.prompt]
   try:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        min_p=args.min_p)
+                        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty,
+                        min_new_tokens=args.min_new_tokens, logit_bias=dict(args.logit_bias))
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   from jaxspec import engine

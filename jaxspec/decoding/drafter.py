@@ -64,6 +64,12 @@ class DraftContext:
   # with fold_in(row_keys[b], j) by the target, so a drafter can draw its draft of token j
   # with the same noise (`DraftModel(coupled=True)`).
   row_keys: jax.Array | None = None
+  # What the sampling's penalties, logit_bias and min_new_tokens read of the context at seq_len
+  # (`jaxspec.sampling.TokenHistory`; None when it has none): a drafter adjusts its draft j's
+  # logits with it and drafts 1..j-1 appended (`sampling.adjust`, `sampling.extend_history`),
+  # so q is processed as the target's p is. Exactness does not depend on it (the rule only
+  # needs the q the drafts were drawn from); acceptance does.
+  history: Any = None
 
 
 @_pytree

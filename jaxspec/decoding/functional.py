@@ -210,10 +210,13 @@ def _tile(x, n: int):
   return x if n == 1 else jnp.repeat(x, n, axis=0)
 
 
-def _tile_sampling(sampling, b: int, n: int) -> sampling_lib.SamplingArrays:
+def _tile_sampling(sampling, b: int, n: int, vocab_size: int,
+                   max_new) -> sampling_lib.SamplingArrays:
   """SamplingArrays for B * n rows from settings for B prompts (each prompt's samples share
-  its settings)."""
-  return jax.tree.map(lambda x: _tile(x, n), sampling_lib.sampling_arrays(sampling, b))
+  its settings); a logit_bias checked against the vocabulary, min_new_tokens against max_new
+  (an int when concrete, else the capacity)."""
+  return jax.tree.map(lambda x: _tile(x, n), sampling_lib.sampling_arrays(
+      sampling, b, vocab_size, max_new))
 
 
 def _check_new_tokens(max_new_tokens, capacity) -> tuple[Any, int]:
@@ -452,7 +455,8 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                         " CostModel.to_dict wrote as CostModel.from_dict(d)"
                         if isinstance(cost, dict) else ""))
   drafter = resolve_coupled(drafter, policy.auto)
-  sp = _tile_sampling(sampling, b, n)
+  sp = _tile_sampling(sampling, b, n, tgt.vocab_size,
+                      max_new if is_int(max_new) else capacity)
   stops = eos_ids_of(target) if stop_ids is None else check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
   if max_len is None:
@@ -531,7 +535,8 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
   b, p = _check_prompts(prompt_ids, prompt_lengths, tgt.vocab_size)
   key = rollout_keys(key, b, n)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
-  sp = _tile_sampling(sampling, b, n)
+  sp = _tile_sampling(sampling, b, n, tgt.vocab_size,
+                      max_new if is_int(max_new) else capacity)
   stops = eos_ids_of(target) if stop_ids is None else check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
   if max_len is None:

@@ -181,6 +181,9 @@ class SpecState:
   # [B, S] float32 the target's log-probability of each emitted token, at its place in seq
   # (Policy.logprobs; None otherwise).
   logp: jax.Array | None = None
+  # What penalties, logit_bias and min_new_tokens read of the context (`TokenHistory`); None
+  # when the sampling has none of them, so the loop without them carries nothing more.
+  history: sampling_lib.TokenHistory | None = None
 
 
 @_pytree
@@ -309,11 +312,14 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
                     k_history=z(cfg.max_steps))
   # The cache holds the whole prompt; the step below keeps x_{P-1} as if a plain step had just
   # written it.
+  history = sampling_lib.start_history(sp, prompt, prompt_len, cfg.lm.vocab_size, cfg.stop_ids)
   s = SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
                 done=jnp.zeros((b,), bool),
                 cache=dataclasses.replace(cache, length=prompt_len - 1), draft_state=dstate,
                 keys=keys, counts=adaptive.init_counts(b, k), stats=stats,
-                logp=jnp.zeros((b, seq_cap), jnp.float32) if cfg.policy.logprobs else None)
+                logp=jnp.zeros((b, seq_cap), jnp.float32) if cfg.policy.logprobs else None,
+                history=history)
+  logits = sampling_lib.adjust(logits, sp, history)
   # New token 0 of every row, drawn with its position's key as `generate` draws it.
   first = sampling_lib.sample(position_keys(keys, jnp.zeros_like(prompt_len), 1)[:, 0], logits,
                               sp)
@@ -372,7 +378,8 @@ def choose_k(dparams, s: SpecState, sp, costs, force_idx, cfg: StepConfig) -> Ch
   # the choice of k knows which rows have real drafts; a model drafter drafts inside the branch.
   shadow = None
   if drafter.free_proposals:
-    ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys)
+    ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys,
+                       history=s.history)
     with jax.named_scope("draft"):
       prop, dstate = draft(drafter, dparams, s.draft_state, ctx, kmax, sp, draft_key)
     nv_all = full if prop.n_valid is None else prop.n_valid
@@ -400,11 +407,13 @@ def slice_proposal(prop: Proposal, k: int, n_valid_all: jax.Array) -> Proposal:
 
 
 def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys, live, forced,
-                  cfg: StepConfig, known_drafts: bool = False) -> StepOutcome:
+                  cfg: StepConfig, known_drafts: bool = False,
+                  history: sampling_lib.TokenHistory | None = None) -> StepOutcome:
   """Verifies k drafts (k = 0 or prop None: a plain one-token step) and rejection-samples.
 
   Reads the target cache only (the new block is in the outcome, written after the caller's
-  `lax.switch`). keys: [B, k_max + 1] the position keys of the step's tokens.
+  `lax.switch`). keys: [B, k_max + 1] the position keys of the step's tokens. history: the
+  state's `TokenHistory` (None: sp adjusts nothing).
   """
   greedy = sp.temperature == 0
   logprobs = cfg.policy.logprobs
@@ -413,6 +422,7 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
     with jax.named_scope("verify"):
       logits, hidden, block = protocol.forward(cfg.lm, tparams, last[:, None], cache,
                                                hidden_layers=cfg.hidden_layers, write=False)
+      logits = sampling_lib.adjust(logits, sp, history)
       tok = sampling_lib.sample(keys[:, 0], logits[:, 0], sp)
     lp = sampling_lib.token_logprobs(logits[:, 0], tok, sp)[:, None] if logprobs else None
     z = jnp.zeros((tok.shape[0],), jnp.int32)
@@ -428,7 +438,7 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
     with jax.named_scope("verify"):
       p, hidden, block, logits = verify(tparams, cache, last, prop.tokens, cfg.lm, sp,
                                         hidden_layers=cfg.hidden_layers, write=False,
-                                        return_logits=True)
+                                        return_logits=True, history=history)
     with jax.named_scope("accept"):
       n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, keys[:, :k + 1], n_valid, greedy)
     lp = None
@@ -474,6 +484,7 @@ def finish_step(s: SpecState, out: StepOutcome, cfg: StepConfig, shadow_draft=No
   n_emit = jnp.where(live, jnp.minimum(n_emit, left), 0)
   seq = write_tokens(s.seq, s.seq_len, emitted, n_emit)
   logp = s.logp if out.logp is None else write_tokens(s.logp, s.seq_len, out.logp, n_emit)
+  history = sampling_lib.extend_history(s.history, emitted, n_emit)
   seq_len = s.seq_len + n_emit
   # Roll back: the cache keeps every emitted token but the newest (the next pass's input).
   cache = dataclasses.replace(cache, length=jnp.where(live, old_len + n_emit, old_len))
@@ -504,7 +515,8 @@ def finish_step(s: SpecState, out: StepOutcome, cfg: StepConfig, shadow_draft=No
       reached_at=st.reached_at + jnp.sum(reached, 0),
       k_history=st.k_history.at[steps].set(k_used, mode="drop"))
   new = SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
-                  draft_state=s.draft_state, keys=s.keys, counts=counts, stats=stats, logp=logp)
+                  draft_state=s.draft_state, keys=s.keys, counts=counts, stats=stats, logp=logp,
+                  history=history)
   return new, ctx
 
 
@@ -564,7 +576,8 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
   and the accepted path committed as a chain of the same length would be."""
   drafter, depth = cfg.drafter, cfg.policy.k_max
   _, draft_key, keys, last = step_inputs(s, depth + 1)
-  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys,
+                     history=s.history)
   with jax.named_scope("draft"):
     prop, dstate = drafter.propose_tree(dparams, s.draft_state, ctx, sp, draft_key)
   # A node outside the vocabulary is never accepted, and runs through the target as token 0
@@ -574,7 +587,7 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
   with jax.named_scope("verify"):
     p, hidden, block, logits = tree_lib.verify_tree(
         tparams, s.cache, tokens, prop.parents, prop.depth, cfg.lm, sp, max_depth=depth,
-        hidden_layers=cfg.hidden_layers, return_logits=True)
+        hidden_layers=cfg.hidden_layers, return_logits=True, history=s.history)
   with jax.named_scope("accept"):
     n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, keys, depth,
                                                 greedy=sp.temperature == 0, valid=in_vocab,
@@ -601,7 +614,8 @@ def spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, cfg: StepCon
   if drafter.tree is not None:
     return tree_step(tparams, dparams, s, sp, cfg)
   live, draft_key, keys, last = step_inputs(s, policy.k_max + 1)
-  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys)
+  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys,
+                     history=s.history)
   choice = choose_k(dparams, s, sp, costs, force_idx, cfg)
   forced = force_idx >= 0
   known_drafts = drafter.free_proposals and not policy.auto
@@ -614,7 +628,8 @@ def spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, cfg: StepCon
     def run(cache):
       if k == 0:
         dstate = choice.dstate if drafter.free_proposals else own_state
-        return verify_branch(tparams, cache, last, None, 0, sp, keys, live, forced, cfg), dstate
+        return verify_branch(tparams, cache, last, None, 0, sp, keys, live, forced, cfg,
+                             history=s.history), dstate
       if drafter.free_proposals:
         prop, dstate = slice_proposal(choice.prop, k, choice.n_valid), choice.dstate
       else:
@@ -623,7 +638,7 @@ def spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, cfg: StepCon
         with jax.named_scope("draft"):
           prop, dstate = draft(drafter, dparams, current, ctx, k, sp, draft_key)
       return verify_branch(tparams, cache, last, prop, k, sp, keys, live, forced, cfg,
-                           known_drafts), dstate
+                           known_drafts, history=s.history), dstate
     return run
 
   out, dstate = lax.switch(choice.idx, [branch(k) for k in policy.buckets], s.cache)
@@ -640,6 +655,7 @@ def plain_step(tparams, dparams, s: SpecState, choice: Choice, sp, cfg: StepConf
   _, _, keys, last = step_inputs(s)
   logits, hidden, written = protocol.forward(cfg.lm, tparams, last[:, None], s.cache,
                                              hidden_layers=cfg.hidden_layers)
+  logits = sampling_lib.adjust(logits, sp, s.history)
   tok = sampling_lib.sample(keys[:, 0], logits[:, 0], sp)
   lp = sampling_lib.token_logprobs(logits[:, 0], tok, sp)[:, None] if cfg.policy.logprobs else None
   z = jnp.zeros((tok.shape[0],), jnp.int32)

@@ -33,6 +33,8 @@ class DecodeState:
   keys: jax.Array  # [B] per-row PRNG keys
   steps: jax.Array  # [] int32 decode forward passes so far
   logprobs: jax.Array | None = None  # [B, N] float32 (when asked for) the tokens' log-probs
+  # What penalties, logit_bias and min_new_tokens read (None when the sampling has none).
+  history: sampling_lib.TokenHistory | None = None
 
 
 def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -57,6 +59,8 @@ def init_decode(params, prompt, lengths, sp, key, lm, max_len, max_new_tokens, s
   b = prompt.shape[0]
   cap = max_new_tokens if capacity is None else capacity
   logits, _, cache = protocol.prefill(lm, params, prompt, lengths, max_len, buffers=buffers)
+  history = sampling_lib.start_history(sp, prompt, lengths, logits.shape[-1], stop_ids)
+  logits = sampling_lib.adjust(logits, sp, history)
   keys = sampling_lib.row_keys(key, b)
   first = sampling_lib.sample(jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
                               logits, sp)
@@ -67,11 +71,13 @@ def init_decode(params, prompt, lengths, sp, key, lm, max_len, max_new_tokens, s
         sampling_lib.token_logprobs(logits, first, sp))
   done = is_stop(first, stop_ids) | (max_new_tokens <= 1)
   return DecodeState(tokens=tokens, n_out=jnp.ones((b,), jnp.int32), done=done, last=first,
-                     cache=cache, keys=keys, steps=jnp.zeros((), jnp.int32), logprobs=lp)
+                     cache=cache, keys=keys, steps=jnp.zeros((), jnp.int32), logprobs=lp,
+                     history=sampling_lib.extend_history(history, first))
 
 
 def decode_step(params, s: DecodeState, sp: SamplingArrays, lm, max_new_tokens, stop_ids):
   logits, _, cache = protocol.forward(lm, params, s.last[:, None], s.cache)
+  logits = sampling_lib.adjust(logits, sp, s.history)
   tok = sampling_lib.sample(jax.vmap(jax.random.fold_in)(s.keys, s.n_out), logits[:, 0], sp)
   live = ~s.done
   rows = jnp.arange(tok.shape[0])
@@ -86,8 +92,9 @@ def decode_step(params, s: DecodeState, sp: SamplingArrays, lm, max_new_tokens, 
   cache = protocol.with_length(cache, length)
   full = length + 1 > cache.max_len
   done = s.done | (live & is_stop(tok, stop_ids)) | (n_out >= max_new_tokens) | full
+  history = sampling_lib.extend_history(s.history, tok, live)
   return DecodeState(tokens=tokens, n_out=n_out, done=done, last=jnp.where(live, tok, s.last),
-                     cache=cache, keys=s.keys, steps=s.steps + 1, logprobs=lp)
+                     cache=cache, keys=s.keys, steps=s.steps + 1, logprobs=lp, history=history)
 
 
 def decode_loop(params, s: DecodeState, sp, until, lm, max_new_tokens, stop_ids):

@@ -34,7 +34,7 @@ def draft(drafter: Drafter, params, state, ctx: DraftContext, k: int, sp: Sampli
 
 def verify(params, cache, last: jax.Array, drafts: jax.Array, lm, sp: SamplingArrays, *,
            hidden_layers: tuple[int, ...] = (), write: bool = True,
-           return_logits: bool = False):
+           return_logits: bool = False, history: sampling_lib.TokenHistory | None = None):
   """One target pass over [last, d_1 .. d_k] for every row.
 
   Args:
@@ -44,7 +44,12 @@ def verify(params, cache, last: jax.Array, drafts: jax.Array, lm, sp: SamplingAr
     drafts: [B, k] proposals.
     lm: the target model (`jaxspec.decoding.CausalLM`; a `LlamaConfig` means jaxspec's Llama).
     sp: sampling arrays; p is processed with them exactly as plain decoding would.
-    return_logits: also return the target's logits [B, k+1, V] (last), for log-probabilities.
+    return_logits: also return the target's logits [B, k+1, V] (last), for log-probabilities
+      (adjusted, with a history).
+    history: the rows' `TokenHistory` before `last`'s successor (the loop's), when `sp` has
+      penalties, a logit bias or min_new_tokens: position i is adjusted with drafts[:, :i]
+      counted as generated, the context plain decoding would have had there (`jaxspec.sampling.
+      adjust`), so p is the distribution the token at i is drawn from.
   Returns:
     p [B, k+1, V] float32 target distributions (p[:, i] is the distribution of the token after
     drafts[:, :i]), the target's Hidden states [B, k+1, D], and the cache with length + k + 1
@@ -55,6 +60,9 @@ def verify(params, cache, last: jax.Array, drafts: jax.Array, lm, sp: SamplingAr
   tokens = jnp.concatenate([last[:, None], drafts], axis=1)
   logits, hidden, cache = protocol.forward(lm, params, tokens, cache,
                                            hidden_layers=hidden_layers, write=write)
+  if history is not None:
+    added, n_added = sampling_lib.chain_context(sp, drafts, logits.shape[-1])
+    logits = sampling_lib.adjust(logits, sp, history, added, n_added)
   if return_logits:
     return sampling_lib.probs(logits, sp), hidden, cache, logits
   return sampling_lib.probs(logits, sp), hidden, cache

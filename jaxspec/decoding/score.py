@@ -10,8 +10,10 @@
 `decode` and `speculative_decode` run a `lax.while_loop`, which reverse-mode autodiff cannot
 go through; an RL or likelihood objective scores the sampled tokens again, teacher-forced, in
 one forward pass over each whole sequence, and differentiates that. `score` applies the
-loop's processing (`jaxspec.sampling.token_logprobs`: temperature, top-k, top-p, min-p;
-greedy rows unscaled), so its values equal the loop's `logprobs` up to float rounding.
+loop's processing (`jaxspec.sampling.adjust`: logit bias, min_new_tokens and the penalties,
+each position with the context before it; then `jaxspec.sampling.token_logprobs`:
+temperature, top-k, top-p, min-p; greedy rows unscaled), so its values equal the loop's
+`logprobs` up to float rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.decoding import protocol
-from jaxspec.decoding.functional import _is_concrete, first_out_of_vocabulary
+from jaxspec.decoding.functional import _is_concrete, check_stop_ids, first_out_of_vocabulary
 
 
 def _check_rows(name: str, x, b: int | None, nd: int, what: str):
@@ -73,7 +75,7 @@ def check_score_args(tokens, lengths, prompt_lengths, vocab_size: int) -> tuple[
 
 
 def score(target, tokens, lengths, *, sampling=None, prompt_lengths=None,
-          target_params=None) -> jax.Array:
+          target_params=None, stop_ids=None) -> jax.Array:
   """The log-probability the decoding loop assigns to each token of `tokens`, teacher-forced.
 
   One forward pass over each whole sequence (two for a model whose rotary scaling depends on
@@ -81,8 +83,10 @@ def score(target, tokens, lengths, *, sampling=None, prompt_lengths=None,
   then the rest on top, as the loop decodes it). Position t of row b holds
   log p(tokens[b, t] | tokens[b, :t]) under `sampling`'s processing, exactly what `decode` and
   `speculative_decode` report in `logprobs` for a token they emitted there (`log_softmax` of the
-  processed logits: temperature, then top-k, top-p and min-p; greedy rows unscaled). A token
-  the filters drop scores -inf.
+  processed logits: logit bias, min_new_tokens and penalties, then temperature, top-k, top-p
+  and min-p; greedy rows unscaled). A token the filters drop scores -inf. The penalties count
+  the tokens from prompt_lengths on as generated (the prompt's count only for
+  repetition_penalty), as the loop does: pass the loop's prompt lengths.
 
   Differentiable with respect to the target's weights (and the sampling temperatures): call it
   inside `jax.grad` with a `Target(lm, params)` built from the traced params, or pass them as
@@ -98,19 +102,22 @@ def score(target, tokens, lengths, *, sampling=None, prompt_lengths=None,
     prompt_lengths: [B] int, in [1, lengths]: position t of row b is scored when
       prompt_lengths[b] <= t < lengths[b]. Default 1 (every token after the first).
     target_params: weights to use instead of the target's.
+    stop_ids: the loop's stop ids: the ones `Sampling.min_new_tokens` holds back (default
+      none; needed only with min_new_tokens).
   Returns:
     [B, T] float32: the scored positions' log-probabilities, 0 at every other position (the
     prompt, the first token, padding), so `.sum(axis=1)` is each continuation's log-probability.
   """
   tgt = protocol.as_target(target, target_params)
   b, t = check_score_args(tokens, lengths, prompt_lengths, tgt.vocab_size)
-  sp = sampling_lib.sampling_arrays(sampling, b)
+  sp = sampling_lib.sampling_arrays(sampling, b, tgt.vocab_size)
+  stops = check_stop_ids(stop_ids)
   lengths = jnp.asarray(lengths, jnp.int32)
   if prompt_lengths is None:
     prompt_lengths = jnp.ones((b,), jnp.int32)
   return _score_jit(tgt, jnp.asarray(tokens, jnp.int32), lengths,
                     jnp.asarray(prompt_lengths, jnp.int32), sp,
-                    two_pass=_length_dependent_rotary(tgt.lm))
+                    two_pass=_length_dependent_rotary(tgt.lm), stop_ids=stops)
 
 
 def _length_dependent_rotary(lm) -> bool:
@@ -124,8 +131,8 @@ def _length_dependent_rotary(lm) -> bool:
   return getattr(s, "rope_type", None) in ("dynamic", "longrope")
 
 
-@functools.partial(jax.jit, static_argnames=("two_pass",))
-def _score_jit(target, tokens, lengths, prompt_lengths, sp, *, two_pass):
+@functools.partial(jax.jit, static_argnames=("two_pass", "stop_ids"))
+def _score_jit(target, tokens, lengths, prompt_lengths, sp, *, two_pass, stop_ids=()):
   lm, params = target.lm, target.params
   b, t = tokens.shape
   cols = jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -147,10 +154,28 @@ def _score_jit(target, tokens, lengths, prompt_lengths, sp, *, two_pass):
     later = jnp.take_along_axis(rest, back[:, :, None], axis=1)
     logits = jnp.where((cols < prompt_lengths[:, None])[:, :, None], first, later)
   nxt = jnp.clip(tokens[:, 1:], 0, lm.vocab_size - 1)  # padding may hold any id
-  lp = sampling_lib.token_logprobs(logits[:, :-1], nxt, sp)  # [B, T - 1]
+  logits = _adjusted(logits[:, :-1], tokens, prompt_lengths, sp, stop_ids, lm.vocab_size)
+  lp = sampling_lib.token_logprobs(logits, nxt, sp)  # [B, T - 1]
   lp = jnp.concatenate([jnp.zeros((b, 1), lp.dtype), lp], axis=1)
   scored = (cols >= prompt_lengths[:, None]) & (cols < lengths[:, None])
   return jnp.where(scored, lp, 0.0)
+
+
+def _adjusted(logits, tokens, prompt_lengths, sp, stop_ids, vocab_size):
+  """logits [B, T - 1, V] with the loop's context-dependent adjustments: column c follows
+  tokens[:, :c + 1], of which those from the prompt's end on count as generated (unchanged
+  when the sampling has no penalty, logit bias or min_new_tokens)."""
+  history = sampling_lib.start_history(sp, tokens, prompt_lengths, vocab_size, stop_ids)
+  if history is None:
+    return logits
+  cols = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  generated = cols >= prompt_lengths[:, None]  # [B, T]
+  n_added = jnp.cumsum(generated, axis=1, dtype=jnp.int32)[:, :-1]
+  added = None
+  if sp.counts_tokens:  # [B, T - 1, V]: how often each token was generated before column c + 1
+    one = jax.nn.one_hot(jnp.where(generated, tokens, -1), vocab_size, dtype=jnp.int32)
+    added = jnp.cumsum(one, axis=1)[:, :-1]
+  return sampling_lib.adjust(logits, sp, history, added, n_added)
 
 
 def join_tokens(prompt_ids, prompt_lengths, new_tokens, new_lengths):

@@ -219,13 +219,16 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
 
 def verify_tree(params, cache, tokens: jax.Array, parents: jax.Array, depth: jax.Array, lm,
                 sp, *, max_depth: int, hidden_layers: tuple[int, ...] = (),
-                return_logits: bool = False):
+                return_logits: bool = False, history=None):
   """One target pass over every row's tree.
 
   Args:
     tokens: [B, N] node tokens (node 0: the last accepted token).
     parents, depth: [B, N] the tree (see `TreeProposal`).
     max_depth: a static bound on depth.
+    history: the rows' `jaxspec.sampling.TokenHistory` (the loop's), when `sp` adjusts logits:
+      node j is adjusted with the tokens on its path (itself included, the root excluded)
+      counted as generated, the context plain decoding would have had after them.
   Returns:
     p [B, N, V] float32 (p[:, j] is the distribution of the token after node j's path), the
     Hidden states [B, N, D], and the new block's keys and values (k_new, v_new) [L, B, N, G, K]
@@ -236,6 +239,9 @@ def verify_tree(params, cache, tokens: jax.Array, parents: jax.Array, depth: jax
   logits, hidden, kv = protocol.forward(protocol.as_lm(lm), params, tokens, cache,
                                         positions=positions, block_mask=mask,
                                         hidden_layers=hidden_layers, write=False)
+  if history is not None:
+    added, n_added = sampling_lib.tree_context(sp, tokens, mask, depth, logits.shape[-1])
+    logits = sampling_lib.adjust(logits, sp, history, added, n_added)
   if return_logits:
     return sampling_lib.probs(logits, sp), hidden, kv, logits
   return sampling_lib.probs(logits, sp), hidden, kv

@@ -80,7 +80,8 @@ def host_verify(tparams, s, prop: Proposal, idx, sp, costs, force_idx, *, cfg: S
   def branch(k):
     def run(cache):
       p = None if k == 0 else slice_proposal(prop, k, prop.n_valid)
-      return verify_branch(tparams, cache, last, p, k, sp, keys, live, forced, cfg)
+      return verify_branch(tparams, cache, last, p, k, sp, keys, live, forced, cfg,
+                           history=s.history)
     return run
 
   def step(s):

@@ -126,8 +126,10 @@ class DraftModel(Drafter):
       step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
     v = lm.vocab_size
 
-    def pick(logits_i, key_i):
-      q = sampling_lib.probs(logits_i, sp)
+    def pick(logits_i, key_i, hist):
+      # q is processed as the target's p at this position: the penalties, logit bias and
+      # min_new_tokens read the context with the drafts before this one (`hist`).
+      q = sampling_lib.probs(sampling_lib.adjust(logits_i, sp, hist), sp)
       # Coupled, key_i is the target's key for this token: the same Gumbel-max draw then
       # shares the target's noise.
       tok = sampling_lib.sample_from_probs(key_i, q, sp.temperature == 0)
@@ -135,43 +137,45 @@ class DraftModel(Drafter):
       # top probability (llama.cpp's --draft-p-min), not the drawn token's, whose use would
       # select against unlikely draws and bias a sampled output. Greedy: the same value.
       conf = jnp.max(jax.nn.softmax(logits_i.astype(jnp.float32), -1), axis=-1)
-      return tok, q, conf >= self.p_min
+      hist = sampling_lib.extend_history(hist, tok)
+      return tok, q, conf >= self.p_min, hist
 
-    d0, q0, ok0 = pick(jnp.where(single[:, None], logits[:, 0], logits[:, 1]), step_keys[:, 0])
+    d0, q0, ok0, hist = pick(jnp.where(single[:, None], logits[:, 0], logits[:, 1]),
+                             step_keys[:, 0], ctx.history)
     drafts = jnp.zeros((b, k), jnp.int32).at[:, 0].set(d0)
     qs = jnp.zeros((b, k, v), jnp.float32).at[:, 0].set(q0)
     n_valid = ok0.astype(jnp.int32)
 
     def cond(c):
-      i, _, _, _, alive, _ = c
+      i, _, _, _, alive, _, _ = c
       return (i < k) & jnp.any(alive)
 
     def body(c):
-      i, drafts, qs, n_valid, alive, cache = c
+      i, drafts, qs, n_valid, alive, cache, hist = c
       tok = lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
       logits, _, cache = protocol.forward(lm, params, tok[:, None], cache)
       key_i = lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
-      nxt, q, ok = pick(logits[:, 0], key_i)
+      nxt, q, ok, hist = pick(logits[:, 0], key_i, hist)
       drafts = lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
       qs = lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
       alive = alive & ok
-      return i + 1, drafts, qs, n_valid + alive, alive, cache
+      return i + 1, drafts, qs, n_valid + alive, alive, cache, hist
 
     if self.p_min > 0:
-      _, drafts, qs, n_valid, _, cache = lax.while_loop(
-          cond, body, (jnp.int32(1), drafts, qs, n_valid, ok0, cache))
+      _, drafts, qs, n_valid, _, cache, _ = lax.while_loop(
+          cond, body, (jnp.int32(1), drafts, qs, n_valid, ok0, cache, hist))
       return Proposal(tokens=drafts, q=None if self.coupled else qs,
                       n_valid=n_valid), DraftModelState(cache)
 
     def scan_body(carry, key_i):  # a fixed trip count: outputs stacked, no early exit
-      tok, cache = carry
+      tok, cache, hist = carry
       logits, _, cache = protocol.forward(lm, params, tok[:, None], cache)
-      nxt, q, _ = pick(logits[:, 0], key_i)
-      return (nxt, cache), (nxt, q)
+      nxt, q, _, hist = pick(logits[:, 0], key_i, hist)
+      return (nxt, cache, hist), (nxt, q)
 
     if k > 1:
-      (_, cache), (toks, qs) = lax.scan(scan_body, (d0, cache),
-                                        jnp.swapaxes(step_keys[:, 1:], 0, 1))
+      (_, cache, _), (toks, qs) = lax.scan(scan_body, (d0, cache, hist),
+                                           jnp.swapaxes(step_keys[:, 1:], 0, 1))
       drafts = jnp.concatenate([d0[:, None], toks.T], axis=1)
       qs = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     else:

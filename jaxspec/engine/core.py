@@ -288,7 +288,8 @@ class Engine:
     tgt = io.as_host_target(model)
     b = prep.tokens.shape[0]
     args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-            io.sampling_rows(sp_user, prep), as_key(io.key_rows(key, prep), b))
+            io.sampling_rows(sp_user, prep, tgt.lm.vocab_size, max_new_tokens),
+            as_key(io.key_rows(key, prep), b))
     static = dict(lm=tgt.lm, max_len=prep.max_len,
                   max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=bool(logprobs))
     sh = io.sharding_of(model)
@@ -333,7 +334,7 @@ class Engine:
     stops = io.stop_ids_for(model, stop_ids)
     tgt = io.as_host_target(model)
     b = prep.tokens.shape[0]
-    sp = sp_user.arrays(b)
+    sp = sp_user.arrays(b, tgt.lm.vocab_size, max_new_tokens)
     init_args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
                  as_key(key, b), tgt.lm, prep.max_len, int(max_new_tokens), stops)
     init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args)

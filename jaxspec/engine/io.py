@@ -239,13 +239,15 @@ def stop_ids_for(model, stop_ids: Sequence[int] | None) -> tuple[int, ...]:
   return check_stop_ids(stop_ids)
 
 
-def sampling_rows(sp: Sampling, prep: PreparedPrompts):
+def sampling_rows(sp: Sampling, prep: PreparedPrompts, vocab_size: int | None = None,
+                  max_new_tokens=None):
   """`SamplingArrays` for the prepared rows: one value, or one per prompt (each prompt's n
-  samples share its settings)."""
+  samples share its settings); vocab_size and max_new_tokens as `Sampling.arrays` takes them."""
   b = prep.tokens.shape[0] // prep.n
+  arrays = sp.arrays(b, vocab_size, max_new_tokens)
   if prep.n == 1:
-    return sp.arrays(b)
-  return jax.tree.map(lambda x: jnp.repeat(x, prep.n, axis=0), sp.arrays(b))
+    return arrays
+  return jax.tree.map(lambda x: jnp.repeat(x, prep.n, axis=0), arrays)
 
 
 def key_rows(key, prep: PreparedPrompts):
@@ -407,7 +409,8 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                        f" {policy.k_max} drafts: lower AutoK(k_max=...))") from None
     raise
   if prep.n > 1:  # each prompt's settings for its n rows
-    sp_user.arrays(prep.tokens.shape[0] // prep.n)  # one value, or one per prompt (checked)
+    # one value, or one per prompt (checked)
+    sp_user.arrays(prep.tokens.shape[0] // prep.n, tgt.lm.vocab_size, max_new_tokens)
     sp_user = dataclasses.replace(sp_user, **{
         f.name: tuple(v for v in getattr(sp_user, f.name) for _ in range(prep.n))
         for f in dataclasses.fields(sp_user) if isinstance(getattr(sp_user, f.name), tuple)})

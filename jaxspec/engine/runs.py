@@ -22,7 +22,8 @@ from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
 from jaxspec.engine.costs import MIN_COST_SPAN, longest, measure_costs, state_at_length
-from jaxspec.engine.io import SpecRequest, put_global, sharding_of, shardings_of, to_host
+from jaxspec.engine.io import (SpecRequest, as_host_target, put_global, sharding_of, shardings_of,
+                               to_host)
 from jaxspec.models.llama import init_cache
 from jaxspec.models.model import Model
 from jaxspec.sharding import placement as placement_lib
@@ -87,7 +88,7 @@ class SpecRun:
     """Compiles the fused prefill and loop; returns the seconds spent compiling."""
     target, prep, b = req.target, req.prep, self.batch
     sh = sharding_of(target)
-    self.sp = req.sampling.arrays(b)
+    self.sp = req.sampling.arrays(b, as_host_target(target).lm.vocab_size, req.max_new_tokens)
     self.tparams = target.params
     # Sharded, the drafter's weights are copied onto the target's mesh (once, by the engine).
     self.dparams = (req.drafter.params if sh is None else
@@ -245,8 +246,9 @@ class HostRun(SpecRun):
     self.dsh.check_batch(b)
     self.tparams = target.params
     self.dparams = place_drafter(drafter, self.dsh)
-    self.sp_t = jax.device_put(req.sampling.arrays(b), self.tsh.state(req.sampling.arrays(b), b))
-    self.sp_d = jax.device_put(req.sampling.arrays(b), self.dsh.state(req.sampling.arrays(b), b))
+    sp = req.sampling.arrays(b, target.cfg.vocab_size, req.max_new_tokens)
+    self.sp_t = jax.device_put(sp, self.tsh.state(sp, b))
+    self.sp_d = jax.device_put(sp, self.dsh.state(sp, b))
     self.cost_key += ("host", self.dsh)
     compile = self.engine.compile
     tok, lens = jnp.asarray(prep.tokens), jnp.asarray(prep.lengths)

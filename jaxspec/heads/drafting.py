@@ -99,11 +99,29 @@ def _draw(key: jax.Array, q: jax.Array, sp) -> jax.Array:
 
 
 def _sample_steps(drafter, logits: jax.Array, sp, keys: jax.Array, ctx):
-  """logits [B, k, V] -> (tokens [B, k], q [B, k, V]) with q processed by `sp` like the target."""
-  q = sampling_lib.probs(logits, sp)
+  """logits [B, k, V] -> (tokens [B, k], q [B, k, V]) with q processed by `sp` like the target.
+  With context-dependent adjustments (`ctx.history`), q_j depends on the drafts before j, so
+  the k are drawn in turn."""
+  if ctx.history is None or not sp.adjusts:
+    q = sampling_lib.probs(logits, sp)
+    dk = _draft_keys(drafter, keys, ctx, logits.shape[1])
+    toks = jax.vmap(lambda kk, qq: _draw(kk, qq, sp), in_axes=(1, 1), out_axes=1)(dk, q)
+    return toks, q
   dk = _draft_keys(drafter, keys, ctx, logits.shape[1])
-  toks = jax.vmap(lambda kk, qq: _draw(kk, qq, sp), in_axes=(1, 1), out_axes=1)(dk, q)
-  return toks, q
+  hist, toks, qs = ctx.history, [], []
+  for j in range(logits.shape[1]):
+    q, tok, hist = _adjusted_draw(logits[:, j], sp, hist, dk, j)
+    toks.append(tok)
+    qs.append(q)
+  return jnp.stack(toks, 1), jnp.stack(qs, 1)
+
+
+def _adjusted_draw(logits: jax.Array, sp, hist, keys: jax.Array, j: int | None = None):
+  """(q [B, V], the draft [B], the history after it) from draft logits [B, V] at the position
+  `hist` describes (None: no adjustments), drawn with keys [B] (or keys[:, j])."""
+  q = sampling_lib.probs(sampling_lib.adjust(logits, sp, hist), sp)
+  tok = _draw(keys if j is None else keys[:, j], q, sp)
+  return q, tok, sampling_lib.extend_history(hist, tok)
 
 
 def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -234,11 +252,10 @@ class MLPDrafter(_FeatureDrafter):
     tok = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]  # x_{n-1}
     s = model.start(state.feat)
     step_keys = _draft_keys(self, keys, ctx, k)
-    toks, qs = [], []
+    toks, qs, hist = [], [], ctx.history
     for j in range(k):
       s, logits = model.stage(params.target, j, s, tok)
-      q = sampling_lib.probs(logits, sp)
-      tok = _draw(step_keys[:, j], q, sp)
+      q, tok, hist = _adjusted_draw(logits, sp, hist, step_keys, j)
       toks.append(tok)
       qs.append(q)
     return Proposal(tokens=jnp.stack(toks, 1), q=None if self.coupled else jnp.stack(qs, 1)), state
@@ -384,20 +401,20 @@ class EagleDrafter(HeadDrafter):
     model = self._model(params)
     frozen = params.target
     step_keys = _draft_keys(self, keys, ctx, k)
-    q0 = sampling_lib.probs(model.target_logits(frozen, state.feat), sp)  # [B, V]
-    d0 = _draw(step_keys[:, 0], q0, sp)
+    # [B, V] q of draft 1; each q adjusted with the drafts before it (`ctx.history`).
+    q0, d0, hist = _adjusted_draw(model.target_logits(frozen, state.feat), sp, ctx.history,
+                                  step_keys, 0)
     length = state.cache.length
 
     def body(carry, key_j):
-      feat, tok, cache = carry
+      feat, tok, cache, hist = carry
       h, cache = eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
-      q = sampling_lib.probs(model.target_logits(frozen, h[:, 0]), sp)
-      nxt = _draw(key_j, q, sp)
-      return (h[:, 0], nxt, cache), (nxt, q)
+      q, nxt, hist = _adjusted_draw(model.target_logits(frozen, h[:, 0]), sp, hist, key_j)
+      return (h[:, 0], nxt, cache, hist), (nxt, q)
 
     if k > 1:
-      (_, _, cache), (toks, qs) = lax.scan(body, (state.feat, d0, state.cache),
-                                           jnp.swapaxes(step_keys[:, 1:], 0, 1))
+      (_, _, cache, _), (toks, qs) = lax.scan(body, (state.feat, d0, state.cache, hist),
+                                              jnp.swapaxes(step_keys[:, 1:], 0, 1))
       drafts = jnp.concatenate([d0[:, None], toks.T], axis=1)
       q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     else:
