@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checks import check_int, is_int
@@ -31,15 +32,53 @@ def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def bucket_rows(n: int, multiple: int = 1) -> int:
+  """The rows a batch of `n` prompts is padded to in the host wrappers: the next power of two up
+  to 8, then the next multiple of 8 (pad rows cost compute every step, so large batches grow by
+  less than a power of two), rounded up to `multiple` (a sharded batch axis); `n` itself when
+  it is not a multiple of `multiple` (the mesh check then names the problem)."""
+  if n % multiple:
+    return n
+  b = 1 << (n - 1).bit_length() if n <= 8 else round_up(n, 8)
+  return round_up(b, multiple)
+
+
+def bucket_new_tokens(n: int) -> int:
+  """The output width (static) a call of `n` new tokens is compiled for, the true count being a
+  traced value below it: 16, then powers of two up to 256, then multiples of 256."""
+  return max(16, 1 << (n - 1).bit_length()) if n <= 256 else round_up(n, 256)
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedPrompts:
-  tokens: np.ndarray  # [B, P] int32, right-padded with 0
+  tokens: np.ndarray  # [B, P] int32, right-padded with 0; rows past `rows` are pad rows
   lengths: np.ndarray  # [B] int32
   max_len: int
+  # The caller's rows: the rest of B are copies of row 0 that generate nothing (budget 0,
+  # `row_budgets`), there so that batch sizes share a compiled program (`bucket_rows`).
+  rows: int = 0
+  capacity: int = 0  # the output width the programs are compiled for, >= max_new_tokens
+
+  def row_budgets(self, max_new_tokens: int) -> np.ndarray:
+    """[B] int32 new tokens per row: `max_new_tokens` for the caller's rows, 0 for pad rows."""
+    b = self.tokens.shape[0]
+    return np.where(np.arange(b) < self.rows, max_new_tokens, 0).astype(np.int32)
+
+
+def pad_rows(tree, rows: int):
+  """Every array of `tree` with its first axis padded to `rows` with copies of its row 0 (the
+  sampling values and per-row keys of pad rows, which only need to be valid); a scalar (one
+  key for all rows) as it is."""
+  def one(x):
+    if getattr(x, "ndim", 0) == 0 or x.shape[0] == rows:
+      return x
+    return jnp.concatenate([x, jnp.repeat(x[:1], rows - x.shape[0], axis=0)])
+  return jax.tree.map(one, tree)
 
 
 def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 0,
-                    max_len: int | None = None, held: int = 0) -> PreparedPrompts:
+                    max_len: int | None = None, held: int = 0, bucket: bool = False,
+                    rows_multiple: int = 1) -> PreparedPrompts:
   """Validates and pads prompts; sizes the cache. Raises ValueError before anything compiles.
 
   Args:
@@ -51,6 +90,10 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
     max_len: cache size; by default the padded prompt length plus what decoding needs, rounded
       up to a multiple of 64.
     held: bytes of buffers the run reuses or frees (`check_cache_fits`).
+    bucket: pad the batch to `bucket_rows(B, rows_multiple)` rows and size the output and the
+      default cache for `bucket_new_tokens(max_new_tokens)`, so that nearby batch sizes and
+      lengths share one compiled program; where the padded batch does not fit in memory, the
+      exact sizes are used.
   """
   check_model(model)
   check_int("max_new_tokens", max_new_tokens, 1, MAX_POSITIONS)
@@ -95,7 +138,11 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
     rows.append(p)
   longest = max(len(p) for p in rows)
   padded_len = round_up(longest, 64)  # coarse buckets: fewer compilations across prompts
-  need = longest + max_new_tokens + extra
+  n_rows, capacity = len(rows), int(max_new_tokens)
+  if bucket:
+    n_rows, capacity = bucket_rows(n_rows, rows_multiple), bucket_new_tokens(capacity)
+  given_max_len = max_len
+  need = longest + capacity + extra
   if max_len is None:
     max_len = round_up(max(need, padded_len), 128)
   elif longest > max_len - max_new_tokens - extra:
@@ -107,12 +154,19 @@ def prepare_prompts(model: Model, prompts, max_new_tokens: int, *, extra: int = 
   padded_len = min(padded_len, max_len)
   if max_len > model.cfg.max_position_embeddings:
     pass  # rotary extrapolates; Hugging Face does not refuse either
-  check_cache_fits(model, len(rows), int(max_len), prompt_len=padded_len,
-                   verify_tokens=max(extra, 1), held=held)
-  toks = np.zeros((len(rows), padded_len), np.int32)
-  for i, p in enumerate(rows):
+  try:
+    check_cache_fits(model, n_rows, int(max_len), prompt_len=padded_len,
+                     verify_tokens=max(extra, 1), held=held)
+  except ValueError:
+    if not bucket or (n_rows, capacity) == (len(rows), max_new_tokens):
+      raise
+    return prepare_prompts(model, rows, max_new_tokens, extra=extra, max_len=given_max_len,
+                           held=held)
+  toks = np.zeros((n_rows, padded_len), np.int32)
+  for i, p in enumerate(rows + [rows[0]] * (n_rows - len(rows))):
     toks[i, : len(p)] = p
-  return PreparedPrompts(toks, np.array([len(p) for p in rows], np.int32), int(max_len))
+  lengths = np.array([len(p) for p in rows] + [len(rows[0])] * (n_rows - len(rows)), np.int32)
+  return PreparedPrompts(toks, lengths, int(max_len), rows=len(rows), capacity=capacity)
 
 
 def stop_ids_for(model: Model, stop_ids: Sequence[int] | None) -> tuple[int, ...]:
@@ -239,9 +293,9 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
                  sampling: Sampling | None = None, temperature: float | None = None,
                  auto=None, cost: CostModel | None = None, max_len: int | None = None,
                  stop_ids: Sequence[int] | None = None, key=None,
-                 logprobs: bool = False, held: int = 0) -> SpecRequest:
+                 logprobs: bool = False, held: int = 0, bucket: bool = False) -> SpecRequest:
   """Everything a speculative call checks before compiling (the arguments of
-  `speculative_generate`), the drafter resolved by name."""
+  `speculative_generate`), the drafter resolved by name; `bucket` as `prepare_prompts`'s."""
   check_model(target)
   drafter = resolve_drafter(target, drafter)
   if temperature is not None:
@@ -256,8 +310,10 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
   if cost is not None and not isinstance(cost, CostModel):
     raise ValueError(f"cost must be a jaxspec CostModel, got {type(cost).__name__}")
   try:
+    sh = target.sharding
     prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
-                           max_len=max_len, held=held)
+                           max_len=max_len, held=held, bucket=bucket,
+                           rows_multiple=1 if sh is None else sh.data_size)
   except ValueError as e:
     if policy.auto and "does not fit" in str(e):
       raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="
