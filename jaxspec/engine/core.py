@@ -329,7 +329,7 @@ class Engine:
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
     sp_user = resolve_sampling(sampling)
-    sh = model.sharding
+    sh = getattr(model, "sharding", None)  # not a Model: prepare_prompts names the problem
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), bucket=self.buckets,
                               rows_multiple=1 if sh is None else sh.data_size)

@@ -116,7 +116,7 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   # Mappings that releasing cannot lower (held elsewhere): compile anyway, with a warning.
   monkeypatch.setattr(gen, "map_usage", lambda: (limit, limit))
   with pytest.warns(RuntimeWarning, match=f"vm.max_map_count={limit}"):
-    generate(tiny_target, PROMPTS[:1], max_new_tokens=8, stop_ids=())
+    generate(tiny_target, PROMPTS[:1], max_new_tokens=300, stop_ids=())
   assert len(DEFAULT.programs) == 1
 
 
