@@ -51,8 +51,8 @@ def add_generate_parser(sub) -> None:
                  help="print one JSON object per prompt (JSON Lines) on stdout instead of the"
                       " text: prompt, text, token_ids (the new tokens, a stop token included),"
                       " new_tokens, and stats (tokens_per_second, seconds, compile_seconds,"
-                      " cost_seconds, cost_source, load_seconds, model, drafter, batch_size; k, mean_k, plain_steps,"
-                      " target_passes, tau, drafted, accepted, acceptance when speculative, else"
+                      " cost_seconds, cost_source, load_seconds, model, drafter, batch_size; k,"
+                      " mean_k, plain_steps, target_passes, tau, drafted, accepted, acceptance when speculative, else"
                       " null; timings and tau are its batch's, drafted/accepted/acceptance the"
                       " prompt's own); the stats line still goes to stderr")
   g.add_argument("--model", default=None,

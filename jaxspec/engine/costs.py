@@ -147,7 +147,8 @@ def describe(obj, depth: int = 0) -> Any:
   if isinstance(obj, (list, tuple)):
     return [type(obj).__name__, [describe(x, depth + 1) for x in obj]]
   if isinstance(obj, dict):
-    return {str(k): describe(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    return {str(k): describe(v, depth + 1)
+            for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
   name = f"{type(obj).__module__}.{type(obj).__qualname__}"
   if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
     return [name, {f.name: describe(getattr(obj, f.name), depth + 1)
@@ -165,8 +166,8 @@ def cost_key(parts: dict[str, Any]) -> str:
   """The file name (a hash) a cost model is kept under: `parts` (the run's model, drafter,
   shapes, settings: `SpecRun.disk_key_parts`) with the software and devices that timed it."""
   dev = jax.devices()[0]
-  env = dict(jax=jax.__version__, jaxlib=_jaxlib_version(), backend=jax.default_backend(), device=dev.device_kind,
-             devices=jax.device_count(), processes=jax.process_count(), cpus=os.cpu_count(),
+  env = dict(jax=jax.__version__, jaxlib=_jaxlib_version(), backend=jax.default_backend(),
+             device=dev.device_kind, devices=jax.device_count(), processes=jax.process_count(), cpus=os.cpu_count(),
              xla_flags=os.environ.get("XLA_FLAGS", ""), jaxspec=_jaxspec_version())
   text = json.dumps(describe(dict(parts, environment=env)), sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:40]

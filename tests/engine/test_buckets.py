@@ -61,7 +61,8 @@ def test_plain_batches_and_lengths_share_one_program_per_bucket(tiny_target):
   # Seeded sampling: a row's keys do not depend on the padded batch size.
   sp = dict(sampling=Sampling(temperature=1.0, top_p=0.9), key=7, max_new_tokens=17,
             stop_ids=())
-  _same(engine.generate(tiny_target, PROMPTS[:3], **sp), exact.generate(tiny_target, PROMPTS[:3], **sp))
+  _same(engine.generate(tiny_target, PROMPTS[:3], **sp),
+        exact.generate(tiny_target, PROMPTS[:3], **sp))
   # Per-row seeds and per-row sampling values are padded with the rest.
   per_row = dict(sp, key=[3, 1, 4], sampling=Sampling(temperature=(1.0, 0.5, 0.8)))
   _same(engine.generate(tiny_target, PROMPTS[:3], **per_row),
