@@ -7,6 +7,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLI's persistent compilation cache stays off in tests that call it (a test that wants it
 # passes --compile-cache): a warm cache from an earlier run would change what they time.
 os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "none")
+# Likewise the cost models of "auto" kept on disk (a test that wants them names a directory).
+os.environ.setdefault("JAXSPEC_COST_CACHE", "none")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -54,7 +54,7 @@ def _run_jaxspec(target, drafter, method: Method, prompts, s: Settings) -> dict[
     return speculative_generate(target, drafter, prompts, **common, **kw)
 
   out = once()
-  compile_s = out.stats.get("compile_seconds", 0.0) + out.stats.get("profile_seconds", 0.0)
+  compile_s = out.stats.get("compile_seconds", 0.0) + out.stats.get("cost_seconds", 0.0)
   if compile_s > 0:
     out = once()
   st = out.stats
@@ -79,7 +79,7 @@ def _run_jaxspec(target, drafter, method: Method, prompts, s: Settings) -> dict[
         it = speculative_stream(target, drafter, prompts, chunk=1, **common, **kw)
       chunks, c = [], 0.0
       for new, info in it:
-        c = info.get("compile_seconds", 0.0) + info.get("profile_seconds", 0.0)
+        c = info.get("compile_seconds", 0.0) + info.get("cost_seconds", 0.0)
         if new:
           chunks.append((round(float(info["seconds"]), 6), len(new)))
       return chunks, c

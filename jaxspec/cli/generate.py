@@ -51,8 +51,8 @@ def add_generate_parser(sub) -> None:
                  help="print one JSON object per prompt (JSON Lines) on stdout instead of the"
                       " text: prompt, text, token_ids (the new tokens, a stop token included),"
                       " new_tokens, and stats (tokens_per_second, seconds, compile_seconds,"
-                      " load_seconds, model, drafter, batch_size; k, mean_k, plain_steps,"
-                      " target_passes, tau, drafted, accepted, acceptance when speculative, else"
+                      " cost_seconds, cost_source, load_seconds, model, drafter, batch_size; k,"
+                      " mean_k, plain_steps, target_passes, tau, drafted, accepted, acceptance when speculative, else"
                       " null; timings and tau are its batch's, drafted/accepted/acceptance the"
                       " prompt's own); the stats line still goes to stderr")
   g.add_argument("--model", default=None,
@@ -161,11 +161,14 @@ def run_stats(info: dict, spec: dict | None, new_tokens: int, *, load_s: float, 
   """The run's statistics, as --json prints them (and the stats line shows).
 
   Args:
-    info: the run's timings (`seconds`, `compile_seconds`, `profile_seconds`).
+    info: the run's timings (`seconds`, `compile_seconds`, `cost_seconds`) and, with "auto",
+      where its cost model came from (`cost_source`).
     spec: the speculative statistics (`drafted_per_row`, `tau`, ...), None for plain decoding.
     new_tokens: new tokens of all rows.
   Returns:
-    tokens_per_second, seconds, compile_seconds (with the cost measurement), load_seconds,
+    tokens_per_second, seconds, compile_seconds, cost_seconds (timing the cost model of
+    "auto") and cost_source ("measured", "cached", "disk", "given"; None without "auto"),
+    load_seconds,
     peak_memory_bytes (the process's peak resident memory), model, drafter, batch_size,
     new_tokens; k ('auto', an int or the tree), mean_k,
     plain_steps ('auto' only), target_passes, tau, drafted, accepted and acceptance (None when
@@ -174,7 +177,8 @@ def run_stats(info: dict, spec: dict | None, new_tokens: int, *, load_s: float, 
   secs = info.get("seconds", 0.0)
   out = dict(new_tokens=new_tokens, tokens_per_second=new_tokens / secs if secs else 0.0,
              seconds=secs,
-             compile_seconds=info.get("compile_seconds", 0.0) + info.get("profile_seconds", 0.0),
+             compile_seconds=info.get("compile_seconds", 0.0),
+             cost_seconds=info.get("cost_seconds", 0.0), cost_source=info.get("cost_source"),
              load_seconds=load_s, peak_memory_bytes=peak_bytes, model=model, drafter=drafter,
              batch_size=batch_size, k=None,
              mean_k=None, plain_steps=None, target_passes=None, tau=None, drafted=None,
@@ -199,7 +203,7 @@ def merge_stats(runs: list[dict]) -> dict:
   if len(runs) == 1:
     return runs[0]
   out = dict(runs[0])
-  for key in ("new_tokens", "seconds", "compile_seconds"):
+  for key in ("new_tokens", "seconds", "compile_seconds", "cost_seconds"):
     out[key] = sum(r[key] for r in runs)
   out["tokens_per_second"] = out["new_tokens"] / out["seconds"] if out["seconds"] else 0.0
   out["batch_size"] = max(r["batch_size"] for r in runs)
@@ -224,6 +228,8 @@ def stats_line(st: dict, *, prompts: int = 1) -> str:
           f" compile {st['compile_seconds']:.1f} s"
           + (f" ({CACHE_EVENTS['loaded']} programs loaded from the cache,"
              f" {CACHE_EVENTS['written']} written)," if CACHE_EVENTS else ",") +
+          (f" cost model {st['cost_seconds']:.1f} s ({st['cost_source']}),"
+           if st.get("cost_source") else "") +
           f" load {st['load_seconds']:.1f} s,"
           f" peak memory {st['peak_memory_bytes'] / 2**30:.2f} GiB,"
           f" model {st['model']}, draft {st['drafter']}")

@@ -8,11 +8,13 @@ passes prompts to `jaxspec.generate` / `speculative_generate`.
   arrays placed on a mesh and brought back, tokens decoded.
 - `runs`: the fused run (`SpecRun`) and the two-mesh run with failover (`HostRun`), and the
   statistics of a run.
-- `costs`: the measured cost model of "auto".
+- `costs`: the measured cost model of "auto", and the copies kept on disk between processes
+  (`clear_cost_cache` deletes them).
 """
 
+from jaxspec.engine.costs import clear_cost_cache, cost_cache_dir
 from jaxspec.engine.core import (DEFAULT, Engine, GenerateOutput, programs_released, progress,
                                  release_cache_buffers, release_compiled)
 
-__all__ = ["DEFAULT", "Engine", "GenerateOutput", "programs_released", "progress",
-           "release_cache_buffers", "release_compiled"]
+__all__ = ["DEFAULT", "Engine", "GenerateOutput", "clear_cost_cache", "cost_cache_dir",
+           "programs_released", "progress", "release_cache_buffers", "release_compiled"]

@@ -12,9 +12,11 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,6 +28,7 @@ from jaxspec.decoding import plain
 from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.loop import SpecState
+from jaxspec.engine import costs
 from jaxspec.engine import io
 from jaxspec.engine.runs import SpecRun, placed_run
 from jaxspec.models.llama import init_cache
@@ -85,6 +88,37 @@ def _over_pressure(usage: tuple[int, int] | None) -> bool:
   return usage is not None and usage[0] > MAP_PRESSURE * usage[1]
 
 
+# The host wrappers' programs of plain decoding: each row's budget of new tokens ([B] int32:
+# the call's max_new_tokens, 0 for the pad rows of a bucketed batch) is an argument and the
+# output width (`capacity`) is static, so a batch of 3 or 4 rows and 17 or 20 new tokens run
+# one compiled program (`io.bucket_rows`, `io.bucket_new_tokens`).
+
+
+def generate_program(params, prompt, lengths, sp, key, budget, buffers=None, *, lm, max_len,
+                     capacity, stop_ids, logprobs=False):
+  """`plain.generate_program` with per-row budgets [B] below a static `capacity`."""
+  s = plain.init_decode(params, prompt, lengths, sp, key, lm, max_len, budget, stop_ids, buffers,
+                        capacity=capacity, logprobs=logprobs)
+  s = plain.decode_loop(params, s, sp, jnp.max(budget), lm, budget, stop_ids)
+  return (s.tokens, s.n_out, s.steps, (None if buffers is None else (s.cache.k, s.cache.v)),
+          s.logprobs)
+
+
+def stream_init(params, prompt, lengths, sp, key, budget, *, lm, max_len, capacity, stop_ids):
+  return plain.init_decode(params, prompt, lengths, sp, key, lm, max_len, budget, stop_ids,
+                           capacity=capacity)
+
+
+def stream_loop(params, s: DecodeState, sp, until, budget, *, lm, stop_ids):
+  return plain.decode_loop(params, s, sp, until, lm, budget, stop_ids)
+
+
+generate_jit = jax.jit(generate_program, donate_argnums=(6,), static_argnames=(
+    "lm", "max_len", "capacity", "stop_ids", "logprobs"))
+stream_init_jit = jax.jit(stream_init, static_argnames=("lm", "max_len", "capacity", "stop_ids"))
+stream_loop_jit = jax.jit(stream_loop, static_argnames=("lm", "stop_ids"), donate_argnums=(1,))
+
+
 # What a status line calls each program while it compiles (`Engine.progress`).
 _PROGRAMS = {"spec-init": "the prefill", "spec-loop": "the speculative loop",
              "stream-init": "the prefill", "stream-loop": "the decode loop",
@@ -103,10 +137,21 @@ class Engine:
     compiler_options: XLA options for the programs it compiles, by backend name
       ({"cpu": {"xla_cpu_...": ...}}); per program, so a user's own programs and flags are
       untouched. Default: XLA's defaults.
+    buckets: pad batches and new-token counts to buckets (`jaxspec.engine.io.bucket_rows`,
+      `bucket_new_tokens`), so that a batch of 3 or 4 prompts, or 17 or 20 new tokens, run one
+      compiled program (default); False compiles for every exact size. Outputs and statistics
+      are the same either way.
+    cost_cache: where the cost models measured for "auto" are also kept between processes:
+      True (default) `jaxspec.engine.costs.cost_cache_dir()` ($JAXSPEC_COST_CACHE, else beside
+      JAX's persistent compilation cache when one is on, else nowhere), False nowhere, or a
+      directory.
   """
 
-  def __init__(self, *, compiler_options: Mapping[str, Mapping[str, Any]] | None = None):
+  def __init__(self, *, compiler_options: Mapping[str, Mapping[str, Any]] | None = None,
+               buckets: bool = True, cost_cache: bool | str | os.PathLike = True):
     self.compiler_options = {b: dict(o) for b, o in (compiler_options or {}).items()}
+    self.buckets = bool(buckets)
+    self.cost_cache = cost_cache
     self.programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     self.buffers: dict[Any, tuple[jax.Array, jax.Array]] = {}
     self.placed: dict[Any, Any] = {}
@@ -115,8 +160,16 @@ class Engine:
     self.released = 0  # programs released so far (`release_compiled`), for reports
     self.warned_release = False
 
+  def cost_cache_dir(self) -> Path | None:
+    """The directory this engine keeps measured cost models in between processes (None: none;
+    `cost_cache`)."""
+    if self.cost_cache is True:
+      return costs.cost_cache_dir()
+    return None if self.cost_cache is False else Path(self.cost_cache).expanduser()
+
   def reset(self) -> None:
-    """Drops everything kept (programs, buffers, placed weights, cost models)."""
+    """Drops everything kept in memory (programs, buffers, placed weights, cost models; the
+    cost models on disk stay: `jaxspec.engine.clear_cost_cache`)."""
     self.release_compiled()
     self.release_cache_buffers()
     self.placed.clear()
@@ -281,29 +334,31 @@ class Engine:
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
     sp_user = resolve_sampling(sampling)
+    sh = io.sharding_of(model)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
-                              prompt_lengths=prompt_lengths, n=n)
+                              prompt_lengths=prompt_lengths, n=n, bucket=self.buckets,
+                              rows_multiple=1 if sh is None else sh.data_size)
     stops = io.stop_ids_for(model, stop_ids)
     tgt = io.as_host_target(model)
-    b = prep.tokens.shape[0]
+    b, rows = prep.tokens.shape[0], prep.rows
     args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-            io.sampling_rows(sp_user, prep, tgt.lm.vocab_size, max_new_tokens),
-            as_key(io.key_rows(key, prep), b))
-    static = dict(lm=tgt.lm, max_len=prep.max_len,
-                  max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=bool(logprobs))
-    sh = io.sharding_of(model)
+            io.pad_rows(io.sampling_rows(sp_user, prep, tgt.lm.vocab_size, max_new_tokens), b),
+            io.pad_rows(as_key(io.key_rows(key, prep), rows), b),
+            jnp.asarray(prep.row_budgets(max_new_tokens)))
+    static = dict(lm=tgt.lm, max_len=prep.max_len, capacity=prep.capacity,
+                  stop_ids=stops, logprobs=bool(logprobs))
     if sh is None:  # a Model's cache in the previous call's buffers (`take_cache_buffers`)
       args += (self.take_cache_buffers(model.cfg, b, prep.max_len)
                if isinstance(model, Model) else None,)
-      exe, compile_s = self.compile(plain.generate_jit, None, *args, **static)
+      exe, compile_s = self.compile(generate_jit, None, *args, **static)
     else:  # the weights' mesh: batch rows data-parallel, outputs batch-sharded
       sh.check_batch(b)
       in_sh = io.in_shardings_for(sh, args)
       jit_kwargs = dict(in_shardings=in_sh,
                         out_shardings=(sh.batch(2), sh.batch(1), sh.replicated(), None,
                                        sh.batch(2) if logprobs else None))
-      exe, compile_s = self.compile(plain.generate_program, sh, *args, jit_kwargs=jit_kwargs,
+      exe, compile_s = self.compile(generate_program, sh, *args, jit_kwargs=jit_kwargs,
                                     **static)
       # Global arrays on the mesh (on several hosts every process passes the same prompts).
       args = io.put_global(args, in_sh)
@@ -312,12 +367,12 @@ class Engine:
     dt = time.perf_counter() - t0
     if bufs is not None:
       self.keep_cache_buffers(model.cfg, *bufs)
-    tokens, n_out, lp = io.to_host((tokens, n_out, lp))
+    tokens, n_out, lp = _real_rows(io.to_host((tokens, n_out, lp)), rows, max_new_tokens)
     new = int(n_out.sum())
     stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
                  tokens_per_second=new / dt if dt > 0 else float("inf"),
-                 target_passes=int(steps) + 1, batch_size=b)
-    return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths,
+                 target_passes=int(steps) + 1, batch_size=rows)
+    return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths[:rows],
                           logprobs=lp, stats=stats,
                           texts=io.decode_texts(io.tokenizer_of(model, tokenizer), tokens, n_out))
 
@@ -330,20 +385,24 @@ class Engine:
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
     prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes(),
-                              tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths)
+                              tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths,
+                              bucket=self.buckets)
     stops = io.stop_ids_for(model, stop_ids)
     tgt = io.as_host_target(model)
-    b = prep.tokens.shape[0]
-    sp = sp_user.arrays(b, tgt.lm.vocab_size, max_new_tokens)
+    b, rows = prep.tokens.shape[0], prep.rows
+    sp = io.pad_rows(sp_user.arrays(rows, tgt.lm.vocab_size, max_new_tokens), b)
+    budget = jnp.asarray(prep.row_budgets(max_new_tokens))
     init_args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
-                 as_key(key, b), tgt.lm, prep.max_len, int(max_new_tokens), stops)
-    init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args)
-    state0 = jax.eval_shape(plain.init_decode_jit, *init_args)
-    loop_exe, c2 = self.compile(plain.decode_loop_jit, "stream-loop", tgt.params, state0, sp,
-                                jnp.int32(0), tgt.lm, int(max_new_tokens), stops)
+                 io.pad_rows(as_key(key, rows), b), budget)
+    init_static = dict(lm=tgt.lm, max_len=prep.max_len, capacity=prep.capacity,
+                       stop_ids=stops)
+    init_exe, c1 = self.compile(stream_init_jit, "stream-init", *init_args, **init_static)
+    state0 = jax.eval_shape(functools.partial(stream_init_jit, **init_static), *init_args)
+    loop_exe, c2 = self.compile(stream_loop_jit, "stream-loop", tgt.params, state0, sp,
+                                jnp.int32(0), budget, lm=tgt.lm, stop_ids=stops)
     t0 = time.perf_counter()
-    state = jax.block_until_ready(init_exe(*init_args[:5]))
-    for new, info in _stream(lambda s, until: loop_exe(tgt.params, s, sp, until),
+    state = jax.block_until_ready(init_exe(*init_args))
+    for new, info in _stream(lambda s, until: loop_exe(tgt.params, s, sp, until, budget),
                              _view_decode, state, chunk, t0):
       info["compile_seconds"] = c1 + c2
       yield new, info
@@ -352,21 +411,24 @@ class Engine:
                            num_draft_tokens, placement=None, **options) -> GenerateOutput:
     """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`.
     `options` are `io.prepare_spec`'s."""
+    # Bucketed in the fused loop; a two-mesh run compiles for the exact sizes.
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(), **options)
+                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
+                          bucket=self.buckets and placement is None, **options)
     run = SpecRun(self, req) if placement is None else placed_run(self, req, placement)
     t0 = time.perf_counter()
     state = run.start()
     state = run.target_state(run.loop(state, run.max_steps))
-    outs = jax.block_until_ready(loop.outputs_jit(state, req.max_new_tokens))
-    dt = time.perf_counter() - t0 - run.profile_seconds
+    outs = jax.block_until_ready(loop.outputs_jit(state, req.prep.capacity))
+    dt = time.perf_counter() - t0 - run.cost_seconds
     run.finish(state)
-    toks, n_out, *lp = io.to_host(outs)
+    rows = req.prep.rows
+    toks, n_out, *lp = _real_rows(io.to_host(outs), rows, req.max_new_tokens)
     stats = run.stats(state.stats)
     new = int(n_out.sum())
     stats.update(seconds=dt, new_tokens=new,
                  tokens_per_second=new / dt if dt > 0 else float("inf"))
-    return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=req.prep.lengths,
+    return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=req.prep.lengths[:rows],
                           texts=io.decode_texts(req.tokenizer, toks, n_out), stats=stats,
                           logprobs=lp[0] if lp else None)
 
@@ -377,10 +439,11 @@ class Engine:
     chunk = io.check_chunk(chunk)
     run = SpecRun(self, io.prepare_spec(target, drafter, prompt, max_new_tokens=max_new_tokens,
                                         num_draft_tokens=num_draft_tokens,
-                                        held=self.held_bytes(), **options))
+                                        held=self.held_bytes(), bucket=self.buckets,
+                                        **options))
     t0 = time.perf_counter()
     state = jax.block_until_ready(run.start())
-    t0 += run.profile_seconds
+    t0 += run.cost_seconds
 
     def view(s: SpecState):
       p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
@@ -391,7 +454,8 @@ class Engine:
       s = info.pop("state")
       info["stats"] = run.stats(s.stats)
       info["compile_seconds"] = run.compile_seconds
-      info["profile_seconds"] = run.profile_seconds
+      info["cost_seconds"] = run.cost_seconds
+      info["cost_source"] = run.cost_source
       yield new, info
     run.finish(s)
 
@@ -410,6 +474,13 @@ def _stream(step_fn: Callable, view: Callable, state, chunk: int, t0: float):
     if done:
       return
     state = jax.block_until_ready(step_fn(state, jnp.int32(steps + chunk)))
+
+
+def _real_rows(outs, rows: int, width: int):
+  """The caller's rows and new-token columns of a bucketed program's per-row outputs (tokens,
+  counts, log-probabilities; None stays None)."""
+  return tuple(None if x is None else x[:rows, :width] if x.ndim == 2 else x[:rows]
+               for x in outs)
 
 
 def _view_decode(s: DecodeState):

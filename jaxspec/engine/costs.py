@@ -1,12 +1,19 @@
 """The measured cost model of "auto": the compiled loop forced to each k and timed from the
 prefilled state (`measure_costs`), at the prompt's length and at a short cache
-(`state_at_length`) so that the model follows the cache's growth.
+(`state_at_length`) so that the model follows the cache's growth; and kept on disk between
+processes (`cost_cache_dir`, `load_cost`, `save_cost`, `clear_cost_cache`), so that a second
+process with the same model, drafter, shapes and device does not time it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import time
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +105,141 @@ def state_at_length(state: SpecState, length: int) -> SpecState:
   return dataclasses.replace(
       state, seq_len=seq_len, prompt_len=jnp.maximum(state.prompt_len - shift, 1),
       cache=protocol.with_length(state.cache, jnp.maximum(state.cache.length - shift, 0)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The cost models kept on disk.
+
+COST_CACHE_ENV = "JAXSPEC_COST_CACHE"
+_FORMAT, _VERSION = "jaxspec-cost-model", 1
+
+
+def cost_cache_dir() -> Path | None:
+  """Where measured cost models are kept between processes: $JAXSPEC_COST_CACHE (a directory;
+  'none' or 'off' keeps none), else beside JAX's persistent compilation cache when one is on
+  (its directory with '-costs' appended: ~/.cache/jaxspec/xla-costs beside `jaxspec generate`'s
+  default), else nowhere (None): a process that compiles from scratch times from scratch."""
+  env = os.environ.get(COST_CACHE_ENV)
+  if env is not None and env.strip():
+    return None if env.strip().lower() in ("none", "off") else Path(env).expanduser()
+  xla = jax.config.jax_compilation_cache_dir
+  if not xla:
+    return None
+  xla = Path(xla).expanduser()
+  return xla.with_name(xla.name + "-costs")
+
+
+def describe(obj, depth: int = 0) -> Any:
+  """A JSON-able description of what a cost model depends on: values of configs and settings,
+  arrays by shape, dtype and layout (a step's time depends on them, never on the weights'
+  values), objects without a stable description by their type."""
+  if depth > 16:
+    return "..."
+  if obj is None or isinstance(obj, (bool, int, float, str)):
+    return obj
+  if isinstance(obj, (np.generic,)):
+    return obj.item()
+  if isinstance(obj, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+    out = ["array", list(obj.shape), str(obj.dtype)]
+    if isinstance(obj, jax.Array):
+      out.append(str(obj.sharding))
+    return out
+  if isinstance(obj, (list, tuple)):
+    return [type(obj).__name__, [describe(x, depth + 1) for x in obj]]
+  if isinstance(obj, dict):
+    return {str(k): describe(v, depth + 1)
+            for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+  name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    return [name, {f.name: describe(getattr(obj, f.name), depth + 1)
+                   for f in dataclasses.fields(obj)}]
+  leaves, treedef = jax.tree.flatten(obj)
+  if not (len(leaves) == 1 and leaves[0] is obj):  # a registered pytree (an nnx.State)
+    return [name, str(treedef), [describe(x, depth + 1) for x in leaves]]
+  text = repr(obj)
+  # A repr with an address, or a large one (a tokenizer's), differs between processes or says
+  # nothing about speed: the type stands for it.
+  return name if " at 0x" in text or len(text) > 2000 else [name, text]
+
+
+def cost_key(parts: dict[str, Any]) -> str:
+  """The file name (a hash) a cost model is kept under: `parts` (the run's model, drafter,
+  shapes, settings: `SpecRun.disk_key_parts`) with the software and devices that timed it."""
+  dev = jax.devices()[0]
+  env = dict(jax=jax.__version__, jaxlib=_jaxlib_version(), backend=jax.default_backend(),
+             device=dev.device_kind, devices=jax.device_count(), processes=jax.process_count(), cpus=os.cpu_count(),
+             xla_flags=os.environ.get("XLA_FLAGS", ""), jaxspec=_jaxspec_version())
+  text = json.dumps(describe(dict(parts, environment=env)), sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _jaxlib_version() -> str | None:
+  try:
+    import jaxlib
+    return jaxlib.__version__
+  except (ImportError, AttributeError):
+    return None
+
+
+def _jaxspec_version() -> str | None:
+  from importlib import metadata
+  try:
+    return metadata.version("jaxspec")
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def load_cost(directory: Path, key: str, ks) -> CostModel | None:
+  """The cost model saved under `key` (source "disk"), or None when there is none or the file
+  is not one this version wrote for these k's (corrupt, truncated, foreign): the caller then
+  times it again and overwrites the file."""
+  try:
+    with open(Path(directory) / f"{key}.json", encoding="utf-8") as f:
+      data = json.load(f)
+    if data.get("format") != _FORMAT or data.get("version") != _VERSION or data.get("key") != key:
+      return None
+    c = data["cost"]
+    opt = lambda v: None if v is None else tuple(float(x) for x in v)
+    cost = CostModel(ks=tuple(int(k) for k in c["ks"]),
+                     seconds=tuple(float(x) for x in c["seconds"]),
+                     batch_size=c.get("batch_size"), source="disk", raw=opt(c.get("raw")),
+                     per_token=opt(c.get("per_token")), length=int(c.get("length", 0)))
+  except Exception:  # noqa: BLE001 - any unreadable file means "not saved": time it again
+    return None
+  return cost if tuple(cost.ks) == tuple(ks) else None
+
+
+def save_cost(directory: Path, key: str, cost: CostModel) -> bool:
+  """Saves a measured cost model under `key` (written whole to a temporary file, then renamed,
+  so a reader never sees half a file). A directory that cannot be written keeps nothing: the
+  next process times again. Returns whether it was saved."""
+  data = dict(format=_FORMAT, version=_VERSION, key=key,
+              cost=dict(ks=list(cost.ks), seconds=list(cost.seconds), batch_size=cost.batch_size,
+                        raw=None if cost.raw is None else list(cost.raw),
+                        per_token=None if cost.per_token is None else list(cost.per_token),
+                        length=cost.length))
+  path = Path(directory) / f"{key}.json"
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+  except OSError:
+    tmp.unlink(missing_ok=True)
+    return False
+  return True
+
+
+def clear_cost_cache(directory: str | os.PathLike | None = None) -> int:
+  """Deletes the cost models kept on disk in `directory` (default: `cost_cache_dir()`), so
+  that the next "auto" call times again; returns the number of files deleted. Other files in
+  the directory are left alone."""
+  d = cost_cache_dir() if directory is None else Path(directory)
+  if d is None or not d.is_dir():
+    return 0
+  n = 0
+  for f in d.glob("*.json"):
+    if len(f.stem) == 40 and all(c in "0123456789abcdef" for c in f.stem):  # `cost_key`'s
+      f.unlink(missing_ok=True)
+      n += 1
+  return n

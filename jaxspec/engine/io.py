@@ -34,12 +34,50 @@ def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def bucket_rows(n: int, multiple: int = 1) -> int:
+  """The rows a batch of `n` prompts is padded to in the host wrappers: the next power of two up
+  to 8, then the next multiple of 8 (pad rows cost compute every step, so large batches grow by
+  less than a power of two), rounded up to `multiple` (a sharded batch axis); `n` itself when
+  it is not a multiple of `multiple` (the mesh check then names the problem)."""
+  if n % multiple:
+    return n
+  b = 1 << (n - 1).bit_length() if n <= 8 else round_up(n, 8)
+  return round_up(b, multiple)
+
+
+def bucket_new_tokens(n: int) -> int:
+  """The output width (static) a call of `n` new tokens is compiled for, the true count being a
+  traced value below it: 16, then powers of two up to 256, then multiples of 256."""
+  return max(16, 1 << (n - 1).bit_length()) if n <= 256 else round_up(n, 256)
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedPrompts:
-  tokens: np.ndarray  # [B * n, P] int32, right-padded with 0; rows prompt-major
-  lengths: np.ndarray  # [B * n] int32
+  tokens: np.ndarray  # [B, P] int32, right-padded with 0; rows past `rows` are pad rows
+  lengths: np.ndarray  # [B] int32
   max_len: int
   n: int = 1  # samples per prompt: prompt b's row repeated n times (rows b * n .. b * n + n - 1)
+  # The caller's rows (prompts x n, prompt-major): the rest of B are copies of row 0 that
+  # generate nothing (budget 0, `row_budgets`), there so that batch sizes share a compiled
+  # program (`bucket_rows`).
+  rows: int = 0
+  capacity: int = 0  # the output width the programs are compiled for, >= max_new_tokens
+
+  def row_budgets(self, max_new_tokens: int) -> np.ndarray:
+    """[B] int32 new tokens per row: `max_new_tokens` for the caller's rows, 0 for pad rows."""
+    b = self.tokens.shape[0]
+    return np.where(np.arange(b) < self.rows, max_new_tokens, 0).astype(np.int32)
+
+
+def pad_rows(tree, rows: int):
+  """Every array of `tree` with its first axis padded to `rows` with copies of its row 0 (the
+  sampling values and per-row keys of pad rows, which only need to be valid); a scalar (one
+  key for all rows) as it is."""
+  def one(x):
+    if getattr(x, "ndim", 0) == 0 or x.shape[0] == rows:
+      return x
+    return jnp.concatenate([x, jnp.repeat(x[:1], rows - x.shape[0], axis=0)])
+  return jax.tree.map(one, tree)
 
 
 def as_host_target(model) -> Target:
@@ -114,7 +152,8 @@ def encode_text(tok, text: str, chat: bool | None) -> list[int]:
 
 def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
                     max_len: int | None = None, held: int = 0, tokenizer=None,
-                    chat: bool | None = None, prompt_lengths=None, n: int = 1) -> PreparedPrompts:
+                    chat: bool | None = None, prompt_lengths=None, n: int = 1,
+                    bucket: bool = False, rows_multiple: int = 1) -> PreparedPrompts:
   """Validates and pads prompts; sizes the cache. Raises ValueError before anything compiles.
 
   Args:
@@ -130,6 +169,10 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
     tokenizer, chat: see `tokenizer_of` and `encode_text`.
     prompt_lengths: [B] tokens of each token-id prompt (the rest of its row is padding).
     n: samples per prompt; each prompt's row is repeated n times, prompt-major.
+    bucket: pad the batch to `bucket_rows(B, rows_multiple)` rows and size the output and the
+      default cache for `bucket_new_tokens(max_new_tokens)`, so that nearby batch sizes and
+      lengths share one compiled program; where the padded batch does not fit in memory, the
+      exact sizes are used.
   """
   tgt = as_host_target(model)
   tok = tokenizer_of(model, tokenizer)
@@ -187,7 +230,11 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
     rows.append(p)
   longest = max(len(p) for p in rows)
   padded_len = round_up(longest, 64)  # coarse buckets: fewer compilations across prompts
-  need = longest + max_new_tokens + extra
+  n_rows, capacity = len(rows) * n, int(max_new_tokens)
+  if bucket:
+    n_rows, capacity = bucket_rows(n_rows, rows_multiple), bucket_new_tokens(capacity)
+  given_max_len = max_len
+  need = longest + capacity + extra
   if max_len is None:
     max_len = round_up(max(need, padded_len), 128)
   elif longest > max_len - max_new_tokens - extra:
@@ -197,13 +244,21 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
         f" {max_len - max_new_tokens - extra}; shorten the prompt, lower max_new_tokens or raise"
         " max_len")
   padded_len = min(padded_len, max_len)
+  base = rows
   rows = [p for p in rows for _ in range(n)]  # prompt-major: the n samples of a prompt together
-  check_cache_fits(tgt, len(rows), int(max_len), prompt_len=padded_len,
-                   verify_tokens=max(extra, 1), held=held)
-  toks = np.zeros((len(rows), padded_len), np.int32)
-  for i, p in enumerate(rows):
+  try:
+    check_cache_fits(tgt, n_rows, int(max_len), prompt_len=padded_len,
+                     verify_tokens=max(extra, 1), held=held)
+  except ValueError:
+    if not bucket or (n_rows, capacity) == (len(rows), max_new_tokens):
+      raise
+    return prepare_prompts(model, base, max_new_tokens, extra=extra, max_len=given_max_len,
+                           held=held, n=n)
+  toks = np.zeros((n_rows, padded_len), np.int32)
+  for i, p in enumerate(rows + [rows[0]] * (n_rows - len(rows))):
     toks[i, : len(p)] = p
-  return PreparedPrompts(toks, np.array([len(p) for p in rows], np.int32), int(max_len), int(n))
+  lengths = np.array([len(p) for p in rows] + [len(rows[0])] * (n_rows - len(rows)), np.int32)
+  return PreparedPrompts(toks, lengths, int(max_len), int(n), rows=len(rows), capacity=capacity)
 
 
 def _check_prompt_lengths(prompt_lengths, prompts) -> list[int] | None:
@@ -243,7 +298,7 @@ def sampling_rows(sp: Sampling, prep: PreparedPrompts, vocab_size: int | None = 
                   max_new_tokens=None):
   """`SamplingArrays` for the prepared rows: one value, or one per prompt (each prompt's n
   samples share its settings); vocab_size and max_new_tokens as `Sampling.arrays` takes them."""
-  b = prep.tokens.shape[0] // prep.n
+  b = prep.rows // prep.n
   arrays = sp.arrays(b, vocab_size, max_new_tokens)
   if prep.n == 1:
     return arrays
@@ -255,7 +310,7 @@ def key_rows(key, prep: PreparedPrompts):
   [B * n] sample keys `decode(..., n=n)` draws with (`rollout_keys`)."""
   if prep.n == 1:
     return key
-  return rollout_keys(key, prep.tokens.shape[0] // prep.n, prep.n)
+  return rollout_keys(key, prep.rows // prep.n, prep.n)
 
 
 def check_cache_fits(model, batch: int, max_len: int, *, prompt_len: int = 1,
@@ -373,9 +428,10 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                  auto=None, cost: CostModel | None = None, max_len: int | None = None,
                  stop_ids: Sequence[int] | None = None, key=None,
                  logprobs: bool = False, held: int = 0, tokenizer=None,
-                 chat: bool | None = None, prompt_lengths=None, n: int = 1) -> SpecRequest:
+                 chat: bool | None = None, prompt_lengths=None, n: int = 1,
+                 bucket: bool = False) -> SpecRequest:
   """Everything a speculative call checks before compiling (the arguments of
-  `speculative_generate`), the drafter resolved by name."""
+  `speculative_generate`), the drafter resolved by name; `bucket` as `prepare_prompts`'s."""
   tgt = as_host_target(target)
   if not isinstance(target, Model) and isinstance(drafter, str) \
       and drafter not in ("ngram", "suffix"):
@@ -400,9 +456,11 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                         " CostModel.to_dict wrote as CostModel.from_dict(d)"
                         if isinstance(cost, dict) else ""))
   try:
+    sh = sharding_of(target)
     prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
                            max_len=max_len, held=held, tokenizer=tokenizer, chat=chat,
-                           prompt_lengths=prompt_lengths, n=n)
+                           prompt_lengths=prompt_lengths, n=n, bucket=bucket,
+                           rows_multiple=1 if sh is None else sh.data_size)
   except ValueError as e:
     if policy.auto and "does not fit" in str(e):
       raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="
@@ -410,7 +468,7 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
     raise
   if prep.n > 1:  # each prompt's settings for its n rows
     # one value, or one per prompt (checked)
-    sp_user.arrays(prep.tokens.shape[0] // prep.n, tgt.lm.vocab_size, max_new_tokens)
+    sp_user.arrays(prep.rows // prep.n, tgt.lm.vocab_size, max_new_tokens)
     sp_user = dataclasses.replace(sp_user, **{
         f.name: tuple(v for v in getattr(sp_user, f.name) for _ in range(prep.n))
         for f in dataclasses.fields(sp_user) if isinstance(getattr(sp_user, f.name), tuple)})

@@ -21,14 +21,36 @@ from jaxspec.decoding import two_mesh
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
-from jaxspec.engine.costs import MIN_COST_SPAN, longest, measure_costs, state_at_length
-from jaxspec.engine.io import (SpecRequest, as_host_target, put_global, sharding_of, shardings_of,
-                               to_host)
+from jaxspec.engine.costs import (MIN_COST_SPAN, cost_key, load_cost, longest, measure_costs,
+                                  save_cost, state_at_length)
+from jaxspec.engine.io import (SpecRequest, as_host_target, pad_rows, put_global, sharding_of,
+                               shardings_of, to_host)
 from jaxspec.models.llama import init_cache
 from jaxspec.models.model import Model
 from jaxspec.sharding import placement as placement_lib
 from jaxspec.sharding.placement import Placement
 from jaxspec.sharding.rules import ModelSharding, place_drafter
+
+
+def spec_init(tparams, dparams, prompt, prompt_len, sp, key, budget, buffers=None, *,
+              cfg: StepConfig):
+  """`loop.spec_init` with each row's budget of new tokens ([B] int32, traced) in place of
+  cfg.max_new_tokens (cfg is then the same for every budget below its capacity)."""
+  return loop.spec_init(tparams, dparams, prompt, prompt_len, sp, key, buffers,
+                        cfg=dataclasses.replace(cfg, max_new_tokens=budget))
+
+
+def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, budget, *, cfg: StepConfig):
+  """`loop.spec_loop` with per-row budgets, as `spec_init`."""
+  return loop.spec_loop(tparams, dparams, s, sp, costs, until, force_idx,
+                        cfg=dataclasses.replace(cfg, max_new_tokens=budget))
+
+
+spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(7,))
+spec_loop_jit = jax.jit(spec_loop, static_argnames=("cfg",), donate_argnums=(2,))
+
+# The per-row counters of `SpecStats` (pad rows' entries are dropped before the summary).
+_ROW_STATS = ("drafted", "accepted", "emitted", "row_steps", "spec_row_steps")
 
 
 def placed_run(engine, req: SpecRequest, placement: Placement) -> SpecRun:
@@ -68,33 +90,45 @@ class SpecRun:
     self.engine, self.placement = engine, placement  # the Placement that chose it, if one did
     self.target, self.drafter, self.prep, self.policy = (req.target, req.drafter, req.prep,
                                                          req.policy)
-    self.batch = req.prep.tokens.shape[0]
+    self.batch = req.prep.tokens.shape[0]  # the bucketed batch the programs run
+    self.rows = req.prep.rows  # the caller's rows, the rest pad rows (`io.bucket_rows`)
     self.max_steps = req.max_new_tokens + 1
+    self.budget = jnp.asarray(req.prep.row_budgets(req.max_new_tokens))
     self.cost = req.cost
     self.costs = costs_array(req.policy, req.cost)
-    self.profile_seconds = 0.0
+    self.cost_seconds = 0.0  # timing the cost model (`_measure_costs`), apart from compiling
+    # Where the cost model of "auto" came from: "given" by the caller, "measured" now, "cached"
+    # (this engine measured it for these shapes before), "disk" (another process did,
+    # `costs.load_cost`); None without "auto".
+    self.cost_source = ("given" if req.cost is not None else None) if req.policy.auto else None
     self.failover: Failover | None = None  # a two-mesh run's fall back to plain steps
+    # The static configuration holds the output width (`capacity`), not the call's count, which
+    # the fused programs take per row (`spec_init`); the two-mesh programs, compiled for the
+    # exact sizes, read it from here (capacity == max_new_tokens for them).
     self.static = dict(cfg=StepConfig(
         lm=req.lm, drafter=req.drafter, policy=req.policy,
-        max_new_tokens=req.max_new_tokens, stop_ids=req.stop_ids, max_len=req.prep.max_len,
-        max_steps=self.max_steps))
+        max_new_tokens=req.prep.capacity, stop_ids=req.stop_ids, max_len=req.prep.max_len,
+        max_steps=req.prep.capacity + 1))
     # The cost models measured for "auto" are kept per these shapes and layouts.
     self.cost_key = (req.lm, req.drafter, self.batch, req.prep.tokens.shape[1],
                      req.prep.max_len, req.policy.buckets, repr(req.sampling),
                      sharding_of(req.target))
+    self.req = req
     self.compile_seconds = self._compile(req)
 
   def _compile(self, req: SpecRequest) -> float:
     """Compiles the fused prefill and loop; returns the seconds spent compiling."""
     target, prep, b = req.target, req.prep, self.batch
     sh = sharding_of(target)
-    self.sp = req.sampling.arrays(b, as_host_target(target).lm.vocab_size, req.max_new_tokens)
+    self.sp = pad_rows(req.sampling.arrays(self.rows, as_host_target(target).lm.vocab_size,
+                                           req.max_new_tokens), b)
     self.tparams = target.params
     # Sharded, the drafter's weights are copied onto the target's mesh (once, by the engine).
     self.dparams = (req.drafter.params if sh is None else
                     self.engine.place_drafter_params(target, req.drafter))
     self.init_args = (self.tparams, self.dparams, jnp.asarray(prep.tokens),
-                      jnp.asarray(prep.lengths), self.sp, as_key(req.key, b))
+                      jnp.asarray(prep.lengths), self.sp,
+                      pad_rows(as_key(req.key, self.rows), b), self.budget)
     # Unsharded, the target's cache is written into the previous call's buffers (donated):
     # `take_cache_buffers` at start, `keep_cache_buffers` when the call ends.
     self.pooled = sh is None and isinstance(target, Model)
@@ -102,29 +136,29 @@ class SpecRun:
     if self.pooled:
       c = jax.eval_shape(functools.partial(init_cache, target.cfg, b, prep.max_len))
       bufs = (c.k, c.v)
-    state0 = jax.eval_shape(functools.partial(loop.spec_init_jit, **self.static),
+    state0 = jax.eval_shape(functools.partial(spec_init_jit, **self.static),
                             *self.init_args, bufs)
     loop_args = (self.tparams, self.dparams, state0, self.sp, self.costs, jnp.int32(0),
-                 jnp.int32(-1))
+                 jnp.int32(-1), self.budget)
     compile = self.engine.compile
     if sh is None:
-      self.init_exe, c1 = compile(loop.spec_init_jit, "spec-init", *self.init_args, bufs,
+      self.init_exe, c1 = compile(spec_init_jit, "spec-init", *self.init_args, bufs,
                                   **self.static)
-      self.loop_exe, c2 = compile(loop.spec_loop_jit, "spec-loop", *loop_args, **self.static)
+      self.loop_exe, c2 = compile(spec_loop_jit, "spec-loop", *loop_args, **self.static)
       return c1 + c2
     sh.check_batch(b)
     st_sh = sh.state(state0, b)
     p_sh = (shardings_of(self.tparams), shardings_of(self.dparams))
     rep = sh.replicated()
-    init_in = (*p_sh, sh.batch(2), sh.batch(1), sh.state(self.sp, b), rep)
-    self.init_exe, c1 = compile(loop.spec_init, ("spec-init", sh), *self.init_args,
+    init_in = (*p_sh, sh.batch(2), sh.batch(1), sh.state(self.sp, b), rep, sh.batch(1))
+    self.init_exe, c1 = compile(spec_init, ("spec-init", sh), *self.init_args,
                                 jit_kwargs=dict(in_shardings=init_in, out_shardings=st_sh),
                                 **self.static)
     # Global arrays on the mesh (on several hosts every process passes the same prompts).
     self.init_args = put_global(self.init_args, init_in)
-    self.sp = self.init_args[4]
-    loop_in = (*p_sh, st_sh, sh.state(self.sp, b), rep, rep, rep)
-    self.loop_exe, c2 = compile(loop.spec_loop, ("spec-loop", sh), *loop_args,
+    self.sp, self.budget = self.init_args[4], self.init_args[6]
+    loop_in = (*p_sh, st_sh, sh.state(self.sp, b), rep, rep, rep, sh.batch(1))
+    self.loop_exe, c2 = compile(spec_loop, ("spec-loop", sh), *loop_args,
                                 jit_kwargs=dict(in_shardings=loop_in, out_shardings=st_sh,
                                                 donate_argnums=(2,)), **self.static)
     return c1 + c2
@@ -140,8 +174,11 @@ class SpecRun:
     else:
       state = self.init_exe(*self.init_args)
     if self.policy.auto and self.cost is None:
-      self._measure_costs(state, self.loop_exe, self.sp)
+      self._measure_costs(state, self._loop_for_costs, self.sp)
     return state
+
+  def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
+    return self.loop_exe(tparams, dparams, state, sp, costs, until, force_idx, self.budget)
 
   def finish(self, state: SpecState) -> None:
     """Keeps the finished call's target cache for the next call of the same shapes."""
@@ -149,9 +186,15 @@ class SpecRun:
       self.engine.keep_cache_buffers(self.target.cfg, state.cache.k, state.cache.v)
 
   def _measure_costs(self, state, run_loop, sp) -> None:
-    """The engine's cost model for these shapes, or `run_loop` (the `measure_costs` signature)
-    timed from `state` once; `self.costs` is then its array."""
-    self.cost = self.engine.cost_models.get(self.cost_key)
+    """The engine's cost model for these shapes, else the one a process saved on disk for them
+    (`costs.load_cost`), else `run_loop` (the `measure_costs` signature) timed from `state`
+    once and saved; `self.costs` is then its array and `cost_source` says which."""
+    self.cost, self.cost_source = self.engine.cost_models.get(self.cost_key), "cached"
+    disk = self.engine.cost_cache_dir() if self.cost is None else None
+    key = None
+    if disk is not None:
+      key = cost_key(self.disk_key_parts())
+      self.cost, self.cost_source = load_cost(disk, key, self.policy.buckets), "disk"
     if self.cost is None:
       state = jax.block_until_ready(state)
       self.engine.report("measuring the step cost of each k")
@@ -161,9 +204,22 @@ class SpecRun:
                                   batch_size=self.batch, short_state=self.short_state(state))
       finally:
         self.engine.report(None)
-      self.engine.cost_models[self.cost_key] = self.cost
-      self.profile_seconds = time.perf_counter() - t0
+      self.cost_seconds = time.perf_counter() - t0
+      self.cost_source = "measured"
+      if disk is not None:
+        save_cost(disk, key, self.cost)
+    self.engine.cost_models[self.cost_key] = self.cost
     self.costs = costs_array(self.policy, self.cost)
+
+  def disk_key_parts(self) -> dict[str, Any]:
+    """What a cost model saved on disk is keyed by (`costs.cost_key`): the target (config,
+    name, the layout of its weights), the drafter (kind, settings and weights' layout), the
+    bucketed shapes, the k's and sampling, the target's mesh."""
+    req = self.req
+    return dict(target=req.target, drafter=req.drafter, batch=self.batch,
+                prompt_width=req.prep.tokens.shape[1], max_len=req.prep.max_len,
+                policy=req.policy, sampling=repr(req.sampling), sharding=sharding_of(req.target),
+                run=type(self).__name__, placement=self.placement)
 
   def short_state(self, state: SpecState) -> SpecState | None:
     """The state to time the costs at a short cache too, or None when the prompt is too short
@@ -179,12 +235,14 @@ class SpecRun:
 
   def loop(self, state: SpecState, until: int | jax.Array) -> SpecState:
     return self.loop_exe(self.tparams, self.dparams, state, self.sp, self.costs,
-                         jnp.int32(until), jnp.int32(-1))
+                         jnp.int32(until), jnp.int32(-1), self.budget)
 
   def stats(self, st: SpecStats) -> dict[str, Any]:
-    out = to_host(st).summary()
-    out.update(compile_seconds=self.compile_seconds, profile_seconds=self.profile_seconds,
-               batch_size=self.batch,
+    st = to_host(st)
+    # Pad rows were never live: they add nothing to the sums, and their own entries go.
+    out = dataclasses.replace(st, **{f: getattr(st, f)[:self.rows] for f in _ROW_STATS}).summary()
+    out.update(compile_seconds=self.compile_seconds, cost_seconds=self.cost_seconds,
+               cost_source=self.cost_source, batch_size=self.rows,
                num_draft_tokens="auto" if self.policy.auto else self.policy.k_max,
                k_max=self.policy.k_max, drafter=self.drafter.name)
     if self.drafter.tree is not None:

@@ -17,7 +17,8 @@ from jaxspec.cli import main
 
 P1, P2 = "What is 2+2?", "Name a colour."
 PLAIN = ["--max-new-tokens", "8", "--draft", "none"]
-STATS_KEYS = {"tokens_per_second", "seconds", "compile_seconds", "load_seconds", "model",
+STATS_KEYS = {"tokens_per_second", "seconds", "compile_seconds", "cost_seconds", "cost_source",
+              "load_seconds", "model",
               "peak_memory_bytes",
               "drafter", "batch_size", "k", "mean_k", "plain_steps", "target_passes", "tau",
               "drafted", "accepted", "acceptance"}
@@ -161,11 +162,14 @@ def _spec(drafted, accepted, **kw):
     (_spec([0, 4], [0, 3], tau=1.5), 3, "draft d, k=3, tau 1.50, acceptance 0.75"),
 ])
 def test_stats_line_shows_acceptance_na_when_nothing_was_drafted(spec, k, tail):
-  st = gen.run_stats(dict(seconds=2.0, compile_seconds=1.0, profile_seconds=0.5), spec, 8,
+  source = "disk" if k == "auto" else None  # the cost model's time and source: "auto" only
+  st = gen.run_stats(dict(seconds=2.0, compile_seconds=1.0, cost_seconds=0.5,
+                          cost_source=source), spec, 8,
                      load_s=0.25, model="m", drafter="d", num_draft_tokens=k, batch_size=1,
                      peak_bytes=3 * 2**29)
-  assert gen.stats_line(st) == ("[jaxspec] 8 new tokens, 4.0 tokens/s, compile 1.5 s, load"
-                                f" 0.2 s, peak memory 1.50 GiB, model m, {tail}")
+  cost = " cost model 0.5 s (disk)," if source else ""
+  assert gen.stats_line(st) == (f"[jaxspec] 8 new tokens, 4.0 tokens/s, compile 1.0 s,{cost}"
+                                f" load 0.2 s, peak memory 1.50 GiB, model m, {tail}")
   assert st["acceptance"] == (None if spec is None or not sum(spec["drafted_per_row"])
                               else 0.75)
 

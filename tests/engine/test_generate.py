@@ -99,22 +99,24 @@ def test_compiled_programs_are_released_near_the_map_limit(tiny_target, monkeypa
   # starts at 4 programs (MAP_PRESSURE x limit = 35,000).
   limit = round(35_000 / gen.MAP_PRESSURE)
   monkeypatch.setattr(gen, "map_usage", lambda: (10_000 * len(DEFAULT.programs), limit))
-  firsts = [generate(tiny_target, PROMPTS[:1], max_new_tokens=n, stop_ids=()) for n in (3, 4, 5, 6)]
+  # New-token counts in four buckets (`io.bucket_new_tokens`): four programs.
+  firsts = [generate(tiny_target, PROMPTS[:1], max_new_tokens=n, stop_ids=())
+            for n in (3, 20, 40, 70)]
   assert len(DEFAULT.programs) == 4 and all(o.stats["compile_seconds"] > 0 for o in firsts)
   first_key = next(iter(DEFAULT.programs))
   again = generate(tiny_target, PROMPTS[:1], max_new_tokens=3, stop_ids=())  # a hit: most recent now
   assert again.stats["compile_seconds"] == 0.0 and next(iter(DEFAULT.programs)) != first_key
   monkeypatch.setattr(DEFAULT, "warned_release", False)  # the first release in a process says so
   with pytest.warns(RuntimeWarning, match="released 2 compiled programs"):
-    fresh = generate(tiny_target, PROMPTS[:1], max_new_tokens=7, stop_ids=())  # 4 -> 2 + 1
+    fresh = generate(tiny_target, PROMPTS[:1], max_new_tokens=150, stop_ids=())  # 4 -> 2 + 1
   assert len(DEFAULT.programs) == 3 and first_key in DEFAULT.programs  # n=3 was used last: kept
-  again = generate(tiny_target, PROMPTS[:1], max_new_tokens=4, stop_ids=())  # released: compiles
+  again = generate(tiny_target, PROMPTS[:1], max_new_tokens=20, stop_ids=())  # released: compiles
   assert again.stats["compile_seconds"] > 0 and again.row(0) == firsts[1].row(0)
-  assert fresh.row(0)[:6] == firsts[3].row(0)
+  assert fresh.row(0)[:70] == firsts[3].row(0)
   # Mappings that releasing cannot lower (held elsewhere): compile anyway, with a warning.
   monkeypatch.setattr(gen, "map_usage", lambda: (limit, limit))
   with pytest.warns(RuntimeWarning, match=f"vm.max_map_count={limit}"):
-    generate(tiny_target, PROMPTS[:1], max_new_tokens=8, stop_ids=())
+    generate(tiny_target, PROMPTS[:1], max_new_tokens=300, stop_ids=())
   assert len(DEFAULT.programs) == 1
 
 
