@@ -2,6 +2,7 @@
 and device loads it instead of timing (its stats say so), files that are not one are ignored,
 and the directory can be moved, turned off and cleared."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent("""
                                auto=AutoK(k_max=2), stop_ids=())
     st = out.stats
     print(json.dumps(dict(source=st["cost_source"], cost_seconds=st["cost_seconds"],
-                          ks=list(st["cost_model"]), tokens=out.tokens.tolist())))
+                          ks=list(st["cost_model"].ks), tokens=out.tokens.tolist())))
 """)
 
 
@@ -110,7 +111,10 @@ def test_an_engine_reads_and_writes_its_directory(tiny_target, tmp_path):
   b.programs = a.programs  # the same compiled programs: only the cost model is in question
   loaded = b.speculative_generate(tiny_target, NGram(), prompts, **kw)
   assert (loaded.stats["cost_source"], loaded.stats["cost_seconds"]) == ("disk", 0.0)
-  assert loaded.stats["cost_model"] == first.stats["cost_model"]
+  # The same model, which says where it came from.
+  assert loaded.stats["cost_model"].source == "disk"
+  assert loaded.stats["cost_model"] == dataclasses.replace(first.stats["cost_model"],
+                                                           source="disk")
   (saved,) = tmp_path.iterdir()
   saved.write_text("garbage")
   c = Engine(cost_cache=tmp_path)
