@@ -204,8 +204,8 @@ def sampling_arrays_row(arr, n):
 
 
 def assert_first_tokens_follow(tokens, joint, what="top-k/top-p"):
-  """Chi-square of the rows' first tokens [n, m] against the exact joint [V] * m at the 1e-4
-  tail; cells with expectations under 5 are pooled into one, and tokens of zero probability
+  """Chi-square of the rows' tokens [n, m] (the first m, or any m positions the joint is of)
+  against the exact joint [V] * m at the 1e-4 tail; cells with expectations under 5 are pooled into one, and tokens of zero probability
   fail."""
   v, m = joint.shape[0], joint.ndim
   assert tokens.shape[1] == m, (tokens.shape, joint.shape)
