@@ -128,7 +128,8 @@ class Spec:
   def __init__(self, engine: Engine, model, prompts, new_tokens, drafter, k):
     policy = resolve_policy(k, None, drafter)
     prep = io.prepare_prompts(model, prompts, new_tokens, extra=policy.k_max + 1)
-    req = io.SpecRequest(target=model, drafter=drafter, sampling=GREEDY, policy=policy, prep=prep,
+    req = io.SpecRequest(target=model, lm=LlamaLM(model.cfg), tokenizer=model.tokenizer,
+                         drafter=drafter, sampling=GREEDY, policy=policy, prep=prep,
                          stop_ids=(), max_new_tokens=new_tokens, key=jax.random.key(0), cost=None)
     t0 = time.perf_counter()
     self.run_ = runs.SpecRun(engine, req)

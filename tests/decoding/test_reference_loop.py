@@ -107,7 +107,8 @@ def test_reference_loop_equals_fused_loop(tiny_target, draft_model, drafter_name
   ids, lens = _arrays()
   key = jax.random.key(7)
   fused = speculative_decode(tiny_target, drafter, ids, lens, key, max_new_tokens=N_NEW,
-                             num_draft_tokens=K, sampling=sampling, logprobs=False)
+                             num_draft_tokens=K, sampling=sampling, logprobs=False,
+                             stop_ids=())  # the reference runs every row to N_NEW
   target = as_target(tiny_target)  # Target(LlamaLM(cfg), params): what the fused loop runs
   ref = reference_loop(target, drafter, drafter.params, ids, lens, key,
                        sampling_arrays(sampling, ids.shape[0]), k=K, max_new=N_NEW)
