@@ -26,7 +26,9 @@ __all__ = ["GenerateOutput", "generate", "generate_stream", "load", "speculative
 def generate(model: Model, prompts, *, max_new_tokens: int = 128,
              sampling: Sampling | None = None, key: jax.Array | int | None = None,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-             temperature: float | None = None, logprobs: bool = False) -> GenerateOutput:
+             temperature: float | None = None, logprobs: bool | int = False,
+             prompt_logprobs: bool = False,
+             stop: str | Sequence[str] | None = None) -> GenerateOutput:
   """Plain autoregressive decoding of a batch of prompts, entirely on device.
 
   Args:
@@ -41,26 +43,48 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 128,
     stop_ids: tokens that end a row (included in the output); default the model's EOS ids.
     max_len: KV-cache size; default just enough for the longest prompt plus max_new_tokens.
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
+    logprobs: True: each new token's log-probability (`GenerateOutput.logprobs`); an int N:
+      also the N most likely tokens at its position and theirs (`top_ids`, `top_logprobs`;
+      0 is True, as vLLM's logprobs=0).
+    prompt_logprobs: also each prompt token's log-probability given its prefix
+      (`GenerateOutput.prompt_logprobs`, one more forward pass over the prompts).
+    stop: a string or strings that end a row where they first occur in its decoded text: the
+      text ends before the stop string (it is not included), the tokens with the token that
+      completed it (`GenerateOutput.stop_reasons` says which). The loop then runs in chunks of
+      `jaxspec.engine.core.STOP_CHECK_STEPS` steps, the host checking the rows' text between
+      them, and ends once every row has stopped. Needs a model with a tokenizer.
   Returns:
     `GenerateOutput` with tokens [B, max_new_tokens], lengths [B], texts and stats (seconds,
     compile seconds, tokens/s).
   """
   return DEFAULT.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                           key=key, stop_ids=stop_ids, max_len=max_len, temperature=temperature,
-                          logprobs=logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop)
 
 
-def generate_stream(model: Model, prompt, *, max_new_tokens: int = 128,
+def generate_stream(model: Model, prompts, *, max_new_tokens: int = 128,
                     sampling: Sampling | None = None, key=None,
                     stop_ids: Sequence[int] | None = None, chunk: int = 8,
-                    ) -> Iterator[tuple[list[int], dict[str, Any]]]:
-  """Plain decoding of one batch, yielding (new tokens of row 0, stats) every `chunk` steps.
+                    max_len: int | None = None, logprobs: bool | int = False,
+                    prompt_logprobs: bool = False, stop: str | Sequence[str] | None = None,
+                    ) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
+  """Plain decoding of a batch, yielding (new tokens of every row, info) after the prefill and
+  every `chunk` steps: `new[b]` is row b's tokens since the last yield (empty once it is done),
+  so each row's chunks joined are `generate`'s `out.row(b)` for the same arguments.
 
   The loop runs on device between yields (a `lax.while_loop` bounded by a traced step count), so
-  streaming costs one host round-trip per chunk, not per token.
+  streaming costs one host round-trip per chunk, not per token. Arguments as `generate`'s; a
+  row that reaches a stop string yields its tokens up to the one that completed it.
+
+  `info` holds: seconds (since the prefill began), first_chunk_seconds, compile_seconds,
+  done ([B] bools), stats (target_passes so far); with logprobs, `logprobs` [B][n] for the
+  yielded tokens, and with logprobs=N `top_ids` / `top_logprobs` [B][n][N]; and in the last
+  yield `output`, the call's `GenerateOutput` (texts cut at stop strings, prompt_logprobs).
+  (Before issue 49 a stream took one prompt and yielded row 0's tokens as a flat list.)
   """
-  return DEFAULT.generate_stream(model, prompt, max_new_tokens=max_new_tokens, chunk=chunk,
-                                 sampling=sampling, key=key, stop_ids=stop_ids)
+  return DEFAULT.generate_stream(model, prompts, max_new_tokens=max_new_tokens, chunk=chunk,
+                                 sampling=sampling, key=key, stop_ids=stop_ids, max_len=max_len,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop)
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
@@ -69,7 +93,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
                          stop_ids: Sequence[int] | None = None, max_len: int | None = None,
                          temperature: float | None = None, auto: AutoK | None = None,
                          cost: CostModel | None = None, placement=None,
-                         logprobs: bool = False) -> GenerateOutput:
+                         logprobs: bool | int = False, prompt_logprobs: bool = False,
+                         stop: str | Sequence[str] | None = None) -> GenerateOutput:
   """Speculative decoding whose output distribution is exactly the target's.
 
   Prefill and the whole draft -> verify -> accept -> roll back loop run as one jitted
@@ -97,6 +122,10 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
       host-orchestrated loop (draft on mesh_b, verify on mesh_a, small arrays handed across).
       Default: the fused loop where the target's weights are (on their mesh when the target
       was sharded with `jaxspec.sharding.shard_model`).
+    logprobs, prompt_logprobs: as `generate`'s; the top-N of a speculative token is that of
+      the target's processed distribution at its position, as plain decoding reports it.
+    stop: as `generate`'s; the loop runs in chunks of `jaxspec.engine.core.STOP_CHECK_PASSES`
+      verify steps, the host checking the rows' text between them.
   Returns:
     `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
@@ -105,22 +134,30 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
   return DEFAULT.speculative_generate(
       target, drafter, prompts, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
       placement=placement, sampling=sampling, temperature=temperature, auto=auto, cost=cost,
-      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs)
+      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs,
+      prompt_logprobs=prompt_logprobs, stop=stop)
 
 
-def speculative_stream(target: Model, drafter: Drafter, prompt, *, max_new_tokens: int = 128,
+def speculative_stream(target: Model, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
                        sampling: Sampling | None = None, num_draft_tokens: int | str = "auto",
                        key=None, stop_ids: Sequence[int] | None = None, chunk: int = 4,
-                       auto: AutoK | None = None, cost: CostModel | None = None):
-  """Speculative decoding of one prompt, yielding (new tokens, info) every `chunk` verify steps.
+                       auto: AutoK | None = None, cost: CostModel | None = None,
+                       max_len: int | None = None, logprobs: bool | int = False,
+                       prompt_logprobs: bool = False,
+                       stop: str | Sequence[str] | None = None,
+                       ) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
+  """Speculative decoding of a batch, yielding (new tokens of every row, info) after the prefill
+  and every `chunk` verify steps, as `generate_stream` does (the same `info`, whose `stats` are
+  `speculative_generate`'s statistics so far, plus profile_seconds).
 
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
-  text as it is produced; `info["stats"]` holds the statistics once the row is done.
+  text as it is produced.
   """
-  return DEFAULT.speculative_stream(target, drafter, prompt, max_new_tokens=max_new_tokens,
+  return DEFAULT.speculative_stream(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                     num_draft_tokens=num_draft_tokens, chunk=chunk,
                                     sampling=sampling, auto=auto, cost=cost, stop_ids=stop_ids,
-                                    key=key)
+                                    key=key, max_len=max_len, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs, stop=stop)
 
 
 def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,

@@ -23,9 +23,10 @@ import numpy as np
 
 from jaxspec.decoding import loop
 from jaxspec.decoding import plain
-from jaxspec.decoding.functional import as_key
+from jaxspec.decoding.functional import as_key, check_logprobs
 from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.loop import SpecState
+from jaxspec.decoding.score import score
 from jaxspec.engine import io
 from jaxspec.engine.runs import SpecRun, placed_run
 from jaxspec.models.llama import LlamaLM, init_cache
@@ -44,9 +45,20 @@ class GenerateOutput:
     prompt_lengths: [B] prompt tokens per row.
     texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer.
     stats: timing and, for speculative decoding, acceptance statistics.
-    logprobs: [B, max_new_tokens] float32 (with logprobs=True) the target's log-probability of
-      each new token under the sampling parameters (log_softmax of the processed logits; greedy
-      rows unscaled); 0 past each row's length.
+    logprobs: [B, max_new_tokens] float32 (with logprobs=True or N) the target's
+      log-probability of each new token under the sampling parameters (log_softmax of the
+      processed logits; greedy rows unscaled); 0 past each row's length.
+    top_ids: [B, max_new_tokens, N] int32 (with logprobs=N) the N most likely tokens of the
+      distribution each new token was drawn from (the target's processed one at its position,
+      under speculation too), most likely first; -1 past each row's length.
+    top_logprobs: [B, max_new_tokens, N] float32 their log-probabilities (-inf for tokens the
+      filters drop); 0 past each row's length.
+    prompt_logprobs: [B, P] float32 (with prompt_logprobs=True) the log-probability of each
+      prompt token given the tokens before it, under the same processing as `logprobs`
+      (`jaxspec.decoding.score` of the prompts); 0 at position 0 (no prefix) and past each
+      prompt's length, so `.sum(1)` is each prompt's log-likelihood after its first token.
+    stop_reasons: [B] (with stop=...) the stop string that ended each row, or None for a row
+      that ended otherwise (a stop token, max_new_tokens).
   """
 
   tokens: np.ndarray
@@ -55,6 +67,10 @@ class GenerateOutput:
   texts: list[str] | None = None
   stats: dict[str, Any] = dataclasses.field(default_factory=dict)
   logprobs: np.ndarray | None = None
+  top_ids: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
+  prompt_logprobs: np.ndarray | None = None
+  stop_reasons: list[str | None] | None = None
 
   def row(self, b: int) -> list[int]:
     """Row b's new tokens as a list."""
@@ -271,11 +287,19 @@ class Engine:
 
   def generate(self, model: Model, prompts, *, max_new_tokens: int, sampling=None, key=None,
                stop_ids=None, max_len: int | None = None, temperature: float | None = None,
-               logprobs: bool = False) -> GenerateOutput:
-    """`jaxspec.generate`: plain decoding of a batch, one compiled program."""
+               logprobs: bool | int = False, prompt_logprobs: bool = False,
+               stop=None) -> GenerateOutput:
+    """`jaxspec.generate`: plain decoding of a batch, one compiled program (with stop strings,
+    the stream's programs run in chunks of `STOP_CHECK_STEPS`)."""
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
+    if stop is not None and check_stop_strings(model, stop):
+      return _last_output(self.generate_stream(
+          model, prompts, max_new_tokens=max_new_tokens, chunk=STOP_CHECK_STEPS,
+          sampling=sampling, key=key, stop_ids=stop_ids, max_len=max_len, logprobs=logprobs,
+          prompt_logprobs=prompt_logprobs, stop=stop))
     sp_user = resolve_sampling(sampling)
+    keep_lp, top_n = check_logprobs(logprobs, model.vocab_size)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes())
     stops = io.stop_ids_for(model, stop_ids)
@@ -283,7 +307,8 @@ class Engine:
     args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
             sp_user.arrays(b), as_key(key, b))
     static = dict(lm=LlamaLM(model.cfg), max_len=prep.max_len,
-                  max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=bool(logprobs))
+                  max_new_tokens=int(max_new_tokens), stop_ids=stops, logprobs=keep_lp,
+                  top_logprobs=top_n)
     sh = model.sharding
     if sh is None:  # the cache in the previous call's buffers (`take_cache_buffers`)
       args += (self.take_cache_buffers(model.cfg, b, prep.max_len),)
@@ -293,115 +318,346 @@ class Engine:
       in_sh = io.in_shardings_for(sh, args)
       jit_kwargs = dict(in_shardings=in_sh,
                         out_shardings=(sh.batch(2), sh.batch(1), sh.replicated(), None,
-                                       sh.batch(2) if logprobs else None))
+                                       sh.batch(2) if keep_lp else None,
+                                       (sh.batch(3), sh.batch(3)) if top_n else None))
       exe, compile_s = self.compile(plain.generate_program, sh, *args, jit_kwargs=jit_kwargs,
                                     **static)
       # Global arrays on the mesh (on several hosts every process passes the same prompts).
       args = io.put_global(args, in_sh)
     t0 = time.perf_counter()
-    tokens, n_out, steps, bufs, lp = jax.block_until_ready(exe(*args))
+    tokens, n_out, steps, bufs, lp, top = jax.block_until_ready(exe(*args))
     dt = time.perf_counter() - t0
     if bufs is not None:
       self.keep_cache_buffers(model.cfg, *bufs)
-    tokens, n_out, lp = io.to_host((tokens, n_out, lp))
-    new = int(n_out.sum())
-    stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
-                 tokens_per_second=new / dt if dt > 0 else float("inf"),
-                 target_passes=int(steps) + 1, batch_size=b)
-    return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths,
-                          logprobs=lp, texts=io.decode_texts(model, tokens, n_out), stats=stats)
+    tokens, n_out, lp, top = io.to_host((tokens, n_out, lp, top))
+    stats = dict(seconds=dt, compile_seconds=compile_s, target_passes=int(steps) + 1,
+                 batch_size=b)
+    snap = _Rows(tokens=tokens, lengths=n_out, done=np.ones(b, bool), steps=int(steps),
+                 logprobs=lp, top_ids=None if top is None else top[0],
+                 top_lp=None if top is None else top[1])
+    return _output(model, prep, snap, stats, None,
+                   _prompt_logprobs(model, prep, sp_user) if prompt_logprobs else None)
 
-  def generate_stream(self, model: Model, prompt, *, max_new_tokens: int, chunk: int,
-                      sampling=None, key=None,
-                      stop_ids=None) -> Iterator[tuple[list[int], dict[str, Any]]]:
-    """`jaxspec.generate_stream`: plain decoding, yielding row 0's new tokens every `chunk`
+  def generate_stream(self, model: Model, prompts, *, max_new_tokens: int, chunk: int,
+                      sampling=None, key=None, stop_ids=None, max_len: int | None = None,
+                      logprobs: bool | int = False, prompt_logprobs: bool = False,
+                      stop=None) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
+    """`jaxspec.generate_stream`: plain decoding, yielding every row's new tokens every `chunk`
     steps."""
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
-    prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes())
+    keep_lp, top_n = check_logprobs(logprobs, model.vocab_size)
+    stopper = _stopper(model, stop)
+    prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
+                              held=self.held_bytes())
     stops = io.stop_ids_for(model, stop_ids)
     b = prep.tokens.shape[0]
     sp = sp_user.arrays(b)
+    lm = LlamaLM(model.cfg)
     init_args = (model.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
-                 as_key(key, b), LlamaLM(model.cfg), prep.max_len, int(max_new_tokens), stops)
-    init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args)
-    state0 = jax.eval_shape(plain.init_decode_jit, *init_args)
+                 as_key(key, b))
+    init_static = dict(lm=lm, max_len=prep.max_len, max_new_tokens=int(max_new_tokens),
+                       stop_ids=stops, logprobs=keep_lp, top_logprobs=top_n)
+    init_exe, c1 = self.compile(plain.init_decode_jit, "stream-init", *init_args, **init_static)
+    state0 = jax.eval_shape(functools.partial(plain.init_decode_jit, **init_static), *init_args)
     loop_exe, c2 = self.compile(plain.decode_loop_jit, "stream-loop", model.params, state0, sp,
-                                jnp.int32(0), LlamaLM(model.cfg), int(max_new_tokens), stops)
+                                jnp.int32(0), lm, int(max_new_tokens), stops)
+    prompt_lp = _prompt_logprobs(model, prep, sp_user) if prompt_logprobs else None
     t0 = time.perf_counter()
-    state = jax.block_until_ready(init_exe(*init_args[:5]))
-    for new, info in _stream(lambda s, until: loop_exe(model.params, s, sp, until),
-                             _view_decode, state, chunk, t0):
+    state = jax.block_until_ready(init_exe(*init_args))
+    chunks = _chunks(lambda s, until: loop_exe(model.params, s, sp, until), _view_decode,
+                     _with_done, state, chunk, stopper)
+    for new, info in _stream(chunks, t0):
       info["compile_seconds"] = c1 + c2
+      info["stats"] = dict(target_passes=info.pop("steps") + 1, batch_size=b)
+      if info["done"].all():
+        st = dict(info["stats"], seconds=info["seconds"], compile_seconds=c1 + c2)
+        info["output"] = _output(model, prep, info.pop("rows"), st, stopper, prompt_lp)
+      _public(info)
       yield new, info
 
   def speculative_generate(self, target: Model, drafter, prompts, *, max_new_tokens: int,
-                           num_draft_tokens, placement=None, **options) -> GenerateOutput:
-    """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`.
-    `options` are `io.prepare_spec`'s."""
+                           num_draft_tokens, placement=None, prompt_logprobs: bool = False,
+                           stop=None, **options) -> GenerateOutput:
+    """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`
+    (with stop strings, in chunks of `STOP_CHECK_PASSES` verify steps). `options` are
+    `io.prepare_spec`'s."""
+    stopper = _stopper(target, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(), **options)
     run = SpecRun(self, req) if placement is None else placed_run(self, req, placement)
+    prompt_lp = _prompt_logprobs(target, req.prep, req.sampling) if prompt_logprobs else None
+    if stopper is not None:
+      return _last_output(self._spec_chunks(run, req, STOP_CHECK_PASSES, stopper, prompt_lp))
     t0 = time.perf_counter()
     state = run.start()
     state = run.target_state(run.loop(state, run.max_steps))
     outs = jax.block_until_ready(loop.outputs_jit(state, req.max_new_tokens))
     dt = time.perf_counter() - t0 - run.profile_seconds
     run.finish(state)
-    toks, n_out, *lp = io.to_host(outs)
+    toks, n_out, lp, top_ids, top_lp = io.to_host(outs)
     stats = run.stats(state.stats)
-    new = int(n_out.sum())
-    stats.update(seconds=dt, new_tokens=new,
-                 tokens_per_second=new / dt if dt > 0 else float("inf"))
-    return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=req.prep.lengths,
-                          texts=io.decode_texts(target, toks, n_out), stats=stats,
-                          logprobs=lp[0] if lp else None)
+    stats.update(seconds=dt)
+    snap = _Rows(tokens=toks, lengths=n_out, done=np.ones(len(n_out), bool),
+                 steps=stats["target_passes"], logprobs=lp, top_ids=top_ids, top_lp=top_lp)
+    return _output(target, req.prep, snap, stats, None, prompt_lp)
 
-  def speculative_stream(self, target: Model, drafter, prompt, *, max_new_tokens: int,
-                         num_draft_tokens, chunk: int, **options):
-    """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps.
-    `options` are `io.prepare_spec`'s."""
+  def speculative_stream(self, target: Model, drafter, prompts, *, max_new_tokens: int,
+                         num_draft_tokens, chunk: int, prompt_logprobs: bool = False, stop=None,
+                         **options):
+    """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps,
+    yielding every row's new tokens. `options` are `io.prepare_spec`'s."""
     chunk = io.check_chunk(chunk)
-    run = SpecRun(self, io.prepare_spec(target, drafter, prompt, max_new_tokens=max_new_tokens,
-                                        num_draft_tokens=num_draft_tokens,
-                                        held=self.held_bytes(), **options))
+    stopper = _stopper(target, stop)
+    req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(), **options)
+    run = SpecRun(self, req)
+    prompt_lp = _prompt_logprobs(target, req.prep, req.sampling) if prompt_logprobs else None
+    return self._spec_chunks(run, req, chunk, stopper, prompt_lp)
+
+  def _spec_chunks(self, run: SpecRun, req, chunk: int, stopper: _StopStrings | None,
+                   prompt_lp):
+    """A speculative run (fused or two-mesh) in chunks of `chunk` verify steps: `_stream`'s
+    yields, each with the statistics so far, the last with the call's `GenerateOutput`."""
+    width = req.max_new_tokens
+
+    def view(state) -> _Rows:
+      s = run.target_state(state)
+      toks, n_out, lp, top_ids, top_lp, done, steps = io.to_host(
+          (*loop.outputs_jit(s, width), s.done, s.stats.target_passes))
+      return _Rows(tokens=toks, lengths=n_out, done=done, steps=int(steps), logprobs=lp,
+                   top_ids=top_ids, top_lp=top_lp)
+
+    def with_done(state, done):
+      if isinstance(state, SpecState):
+        return _with_done(state, done)
+      return dataclasses.replace(state, t=_with_done(state.t, done))  # a two-mesh HostState
+
     t0 = time.perf_counter()
     state = jax.block_until_ready(run.start())
     t0 += run.profile_seconds
-
-    def view(s: SpecState):
-      p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
-      return (np.asarray(s.seq)[0, p0:n0], bool(np.asarray(s.done).all()),
-              int(s.stats.target_passes))
-
-    for new, info in _stream(run.loop, view, state, chunk, t0):
-      s = info.pop("state")
-      info["stats"] = run.stats(s.stats)
+    for new, info in _stream(_chunks(run.loop, view, with_done, state, chunk, stopper), t0):
+      state = info.pop("state")
+      info["stats"] = run.stats(run.target_state(state).stats)
+      info.pop("steps")
       info["compile_seconds"] = run.compile_seconds
       info["profile_seconds"] = run.profile_seconds
+      if info["done"].all():
+        run.finish(run.target_state(state))
+        st = dict(info["stats"], seconds=info["seconds"])
+        info["output"] = _output(req.target, req.prep, info.pop("rows"), st, stopper, prompt_lp)
+      _public(info)
       yield new, info
-    run.finish(s)
 
 
-def _stream(step_fn: Callable, view: Callable, state, chunk: int, t0: float):
-  """Yields (newly emitted tokens of row 0, info) after the prefill and after every chunk.
+# Steps between the host's checks of stop strings (`generate` and `speculative_generate` with
+# stop=...): each check is one round trip and a decode of the rows' text, so a row runs at most
+# this many steps past its stop string.
+STOP_CHECK_STEPS = 16
+STOP_CHECK_PASSES = 8
 
-  `view(state)` -> (all new tokens of row 0 so far, every row done?, steps so far).
+
+@dataclasses.dataclass
+class _Rows:
+  """Host copies of every row's new tokens so far (and what rides with them)."""
+
+  tokens: np.ndarray  # [B, W] int32, -1 past each row's length
+  lengths: np.ndarray  # [B]
+  done: np.ndarray  # [B] bool: the row emits nothing more
+  steps: int  # target passes after the prefill
+  logprobs: np.ndarray | None = None  # [B, W]
+  top_ids: np.ndarray | None = None  # [B, W, N]
+  top_lp: np.ndarray | None = None  # [B, W, N]
+
+  def cut(self, b: int, n: int) -> None:
+    """Row b ends after its first n new tokens."""
+    self.lengths[b] = n
+    self.tokens[b, n:] = -1
+    if self.logprobs is not None:
+      self.logprobs[b, n:] = 0.0
+    if self.top_ids is not None:
+      self.top_ids[b, n:] = -1
+      self.top_lp[b, n:] = 0.0
+
+
+class _StopStrings:
+  """Stop strings matched in each row's decoded text between chunks of the loop.
+
+  A row stops at the first token whose text (the decoding of the row's new tokens up to and
+  including it) holds a stop string: its tokens end with that token, its text ends before the
+  stop string's first occurrence. Only rows with new tokens since the last check are decoded.
   """
-  emitted = 0
-  first_s = time.perf_counter() - t0
+
+  def __init__(self, tokenizer, stops: tuple[str, ...]):
+    self.tokenizer, self.stops = tokenizer, stops
+    self.checked: np.ndarray | None = None  # [B] leading tokens known to hold no stop string
+    self.ends: np.ndarray | None = None  # [B] tokens kept by a stopped row, -1: not stopped
+    self.texts: list[str | None] = []
+    self.reasons: list[str | None] = []
+
+  def _find(self, ids: list[int]) -> tuple[str, int, str] | None:
+    text = self.tokenizer.decode(ids)
+    hits = [(text.find(s), i) for i, s in enumerate(self.stops) if s in text]
+    if not hits:
+      return None
+    pos, i = min(hits)
+    return text, pos, self.stops[i]
+
+  def apply(self, rows: _Rows) -> _Rows:
+    """Finds the rows that reached a stop string and cuts them (every stopped row's tokens end
+    with the one that completed its stop string); marks them done."""
+    b = len(rows.lengths)
+    if self.checked is None:
+      self.checked, self.ends = np.zeros(b, np.int64), np.full(b, -1, np.int64)
+      self.texts, self.reasons = [None] * b, [None] * b
+    for r in range(b):
+      n = int(rows.lengths[r])
+      if self.ends[r] < 0 and n > self.checked[r]:
+        ids = rows.tokens[r, :n].tolist()
+        if self._find(ids) is not None:
+          # The first token that completes one: each shorter prefix is decoded, from the
+          # tokens known clean (a stop string may span tokens).
+          for j in range(int(self.checked[r]) + 1, n + 1):
+            hit = self._find(ids[:j])
+            if hit is not None:
+              self.ends[r], self.texts[r], self.reasons[r] = j, hit[0][:hit[1]], hit[2]
+              break
+        self.checked[r] = n
+      if self.ends[r] >= 0:
+        rows.cut(r, int(self.ends[r]))
+    rows.done = rows.done | (self.ends >= 0)
+    return rows
+
+
+def check_stop_strings(model: Model, stop) -> tuple[str, ...]:
+  """Stop strings as a tuple (None: none; one string: that one). Raises ValueError for anything
+  but non-empty strings, and for stop strings with a model that has no tokenizer (they are
+  matched in the decoded text)."""
+  if stop is None:
+    return ()
+  if isinstance(stop, str):
+    stop = (stop,)
+  if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+    raise ValueError(f"stop must be a string or a list of strings (matched in the decoded text),"
+                     f" got {stop!r}: for token ids use stop_ids=[...]")
+  if any(x == "" for x in stop):
+    raise ValueError("stop strings must be non-empty (an empty one would stop every row at"
+                     " once): drop it from stop=")
+  if stop and model.tokenizer is None:
+    raise ValueError("stop strings are matched in the decoded text, but the model has no"
+                     " tokenizer: pass stop_ids=[...] (token ids) instead, or a model with a"
+                     " tokenizer")
+  return tuple(stop)
+
+
+def _stopper(model: Model, stop) -> _StopStrings | None:
+  stops = check_stop_strings(model, stop)
+  return _StopStrings(model.tokenizer, stops) if stops else None
+
+
+def _with_done(state, done: np.ndarray):
+  """The loop's state with rows `done` marked finished (the loop stops growing them), the new
+  flags laid out as the old ones."""
+  return dataclasses.replace(state, done=jax.device_put(done, state.done.sharding))
+
+
+def _chunks(step_fn: Callable, view: Callable[[Any], _Rows], with_done: Callable, state,
+            chunk: int, stopper: _StopStrings | None):
+  """Runs the loop `chunk` steps at a time; yields (state, rows) after the prefill and after
+  every chunk, until every row is done. Rows that reach a stop string are cut and marked done on
+  device, so the loop ends as soon as every row has stopped."""
   while True:
-    toks, done, steps = view(state)
-    new, emitted = toks[emitted:].tolist(), len(toks)
-    yield new, dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0, state=state)
-    if done:
+    rows = view(state)
+    if stopper is not None:
+      before = rows.done.copy()
+      rows = stopper.apply(rows)
+      if (rows.done & ~before).any():
+        state = with_done(state, rows.done)
+    yield state, rows
+    if rows.done.all():
       return
-    state = jax.block_until_ready(step_fn(state, jnp.int32(steps + chunk)))
+    state = jax.block_until_ready(step_fn(state, jnp.int32(rows.steps + chunk)))
 
 
-def _view_decode(s: DecodeState):
-  n = int(np.asarray(s.n_out)[0])
-  return np.asarray(s.tokens)[0, :n], bool(np.asarray(s.done).all()), int(s.steps)
+def _stream(chunks, t0: float):
+  """Yields (every row's newly emitted tokens, info) for each of `chunks`' (state, rows): info
+  holds the timings, the rows' flags and the new tokens' log-probabilities, and (for the
+  caller, which removes them) the state, the step count and the rows."""
+  emitted = None
+  first_s = None
+  for state, rows in chunks:
+    if first_s is None:
+      first_s = time.perf_counter() - t0
+      emitted = np.zeros(len(rows.lengths), np.int64)
+    n = rows.lengths.astype(np.int64)
+    sl = [slice(int(a), int(e)) for a, e in zip(emitted, n)]
+    new = [rows.tokens[r, sl[r]].tolist() for r in range(len(sl))]
+    info = dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0,
+                done=rows.done.copy(), state=state, steps=rows.steps, rows=rows)
+    if rows.logprobs is not None:
+      info["logprobs"] = [rows.logprobs[r, sl[r]].tolist() for r in range(len(sl))]
+    if rows.top_ids is not None:
+      info["top_ids"] = [rows.top_ids[r, sl[r]].tolist() for r in range(len(sl))]
+      info["top_logprobs"] = [rows.top_lp[r, sl[r]].tolist() for r in range(len(sl))]
+    emitted = n
+    yield new, info
+
+
+# What a stream's info holds (`jaxspec.api.generate_stream` documents them).
+STREAM_INFO = ("first_chunk_seconds", "seconds", "compile_seconds", "profile_seconds", "done",
+               "stats", "logprobs", "top_ids", "top_logprobs", "output")
+
+
+def _public(info: dict) -> None:
+  """Drops everything but the documented fields (`STREAM_INFO`); `done` as a list."""
+  for k in list(info):
+    if k not in STREAM_INFO:
+      del info[k]
+  info["done"] = info["done"].tolist()
+
+
+def _last_output(stream) -> GenerateOutput:
+  info = {}
+  for _, info in stream:
+    pass
+  return info["output"]
+
+
+def _view_decode(s: DecodeState) -> _Rows:
+  toks, n_out, done, steps, lp, top_ids, top_lp = io.to_host(
+      (s.tokens, s.n_out, s.done, s.steps, s.logprobs, s.top_ids, s.top_lp))
+  valid = np.arange(toks.shape[1])[None, :] < n_out[:, None]
+  return _Rows(tokens=np.where(valid, toks, -1), lengths=n_out, done=done, steps=int(steps),
+               logprobs=None if lp is None else np.where(valid, lp, 0.0),
+               top_ids=None if top_ids is None else np.where(valid[:, :, None], top_ids, -1),
+               top_lp=None if top_lp is None else np.where(valid[:, :, None], top_lp, 0.0))
+
+
+def _prompt_logprobs(model: Model, prep, sampling) -> np.ndarray:
+  """[B, P] each prompt token's log-probability given the tokens before it, under the call's
+  processing (`score`: one forward pass over the prompts); 0 at position 0 and past a row's
+  length."""
+  b, p = prep.tokens.shape[0], int(prep.lengths.max())  # the padding past the longest is not
+  return np.asarray(score(model, jnp.asarray(prep.tokens[:, :p]), jnp.asarray(prep.lengths),
+                          sampling=sampling.arrays(b), prompt_lengths=jnp.ones((b,), jnp.int32)))
+
+
+def _output(model: Model, prep, rows: _Rows, stats: dict, stopper: _StopStrings | None,
+            prompt_lp) -> GenerateOutput:
+  """The call's `GenerateOutput` from its rows (cut at stop strings already), with the token
+  counts and rate added to `stats`."""
+  new = int(rows.lengths.sum())
+  dt = stats["seconds"]
+  stats.update(new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
+  texts = io.decode_texts(model, rows.tokens, rows.lengths)
+  reasons = None
+  if stopper is not None:
+    reasons = list(stopper.reasons)
+    texts = [t if cut is None else cut for t, cut in zip(texts, stopper.texts)]
+  return GenerateOutput(tokens=rows.tokens, lengths=rows.lengths, prompt_lengths=prep.lengths,
+                        texts=texts, stats=stats, logprobs=rows.logprobs, top_ids=rows.top_ids,
+                        top_logprobs=rows.top_lp, prompt_logprobs=prompt_lp,
+                        stop_reasons=reasons)
 
 
 DEFAULT = Engine()  # the engine of `jaxspec.api`'s functions

@@ -18,7 +18,8 @@ from jaxspec.checks import check_int, is_int
 from jaxspec.decoding import limits
 from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
-from jaxspec.decoding.functional import check_drafter_for, check_stop_ids, working_set
+from jaxspec.decoding.functional import (check_drafter_for, check_logprobs, check_stop_ids,
+                                         working_set)
 from jaxspec.decoding.limits import MAX_POSITIONS
 from jaxspec.decoding.loop import Policy, resolve_policy
 from jaxspec.drafters import resolve_drafter
@@ -239,7 +240,7 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
                  sampling: Sampling | None = None, temperature: float | None = None,
                  auto=None, cost: CostModel | None = None, max_len: int | None = None,
                  stop_ids: Sequence[int] | None = None, key=None,
-                 logprobs: bool = False, held: int = 0) -> SpecRequest:
+                 logprobs: bool | int = False, held: int = 0) -> SpecRequest:
   """Everything a speculative call checks before compiling (the arguments of
   `speculative_generate`), the drafter resolved by name."""
   check_model(target)
@@ -248,8 +249,9 @@ def prepare_spec(target: Model, drafter, prompts, *, max_new_tokens: int, num_dr
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
   sp_user = resolve_sampling(sampling)
   check_drafter(target, drafter)
+  keep_lp, top_n = check_logprobs(logprobs, target.vocab_size)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
-                               logprobs=bool(logprobs))
+                               logprobs=keep_lp, top_logprobs=top_n)
   # A drafter that samples its drafts is coupled with the target's draws under "auto" (unless
   # it says otherwise), so a timed k schedule cannot change the text.
   drafter = resolve_coupled(drafter, policy.auto)
