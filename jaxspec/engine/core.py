@@ -469,6 +469,11 @@ class _Rows:
   top_ids: np.ndarray | None = None  # [B, W, N]
   top_lp: np.ndarray | None = None  # [B, W, N]
 
+  def __post_init__(self):  # writable copies (`cut`), not read-only views of device arrays
+    for f in ("tokens", "lengths", "done", "logprobs", "top_ids", "top_lp"):
+      if getattr(self, f) is not None:
+        setattr(self, f, np.array(getattr(self, f)))
+
   def cut(self, b: int, n: int) -> None:
     """Row b ends after its first n new tokens."""
     self.lengths[b] = n
