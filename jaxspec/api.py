@@ -102,7 +102,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompts, *, max_new_to
 
   Args:
     target: the target `Model`.
-    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, `load_head(dir, target)`), or
+    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, `load_head(target, dir)`), or
       a name: "ngram", "eagle" / "medusa" / "mlp" (the heads bundled for SmolLM2), a head
       directory or a draft model's path (see `jaxspec.drafters.resolve_drafter`).
     prompts: a string, list of strings, or list of token-id lists.

@@ -453,7 +453,7 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
 
   def verify_drafts(cache):
     with jax.named_scope("verify"):
-      p, hidden, block, logits = verify(tparams, cache, last, prop.tokens, cfg.lm, sp,
+      p, hidden, block, logits = verify(cfg.lm, tparams, cache, last, prop.tokens, sp,
                                         hidden_layers=cfg.hidden_layers, write=False,
                                         return_logits=True)
     with jax.named_scope("accept"):

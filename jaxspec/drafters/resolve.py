@@ -47,7 +47,7 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
 
   from jaxspec import heads as heads_lib
   if drafter in heads_lib.HEADS or heads_lib.is_head_dir(drafter):
-    made = heads_lib.load_head(drafter, target)
+    made = heads_lib.load_head(target, drafter)
   elif os.path.exists(drafter):
     from jaxspec.models.loading import load
     if dtype is None:

@@ -185,3 +185,28 @@ def test_stream_with_stop_strings_and_top_n(model, reference):
   np.testing.assert_array_equal(out.top_ids, want.top_ids)
   first = [i for i in infos if i.get("top_ids") and i["top_ids"][0]][0]
   assert np.asarray(first["top_ids"][0]).shape[1] == 3
+
+
+def test_old_argument_orders_warn_and_still_work(tiny_target):
+  """Model first everywhere: load_head(target, name) and verify(lm, params, ...); the orders
+  before issue 49 still run, with a DeprecationWarning naming the new one."""
+  from jaxspec import heads
+  from jaxspec.decoding import verify
+  from jaxspec.models.errors import CheckpointError
+  from jaxspec.sampling import sampling_arrays
+  installed = (heads.ASSETS / "eagle" / "config.json").exists()
+  refused = "trained for a target" if installed else "train one"
+  # The bundled head is SmolLM2's: refused for the tiny target, in either order.
+  with pytest.raises(CheckpointError, match=refused):
+    heads.load_head(tiny_target, "eagle")
+  with pytest.warns(DeprecationWarning, match=r"load_head\(target, dir_or_name\)"):
+    with pytest.raises(CheckpointError, match=refused):
+      heads.load_head("eagle", tiny_target)
+  cfg, params = tiny_target.cfg, tiny_target.params
+  cache = init_cache(cfg, 2, 16)
+  last, drafts = jnp.asarray([5, 7]), jnp.asarray([[1, 2], [3, 4]])
+  sp = sampling_arrays(None, 2)
+  p_new = verify(cfg, params, cache, last, drafts, sp)[0]
+  with pytest.warns(DeprecationWarning, match=r"verify\(lm, params, cache, last, drafts, sp\)"):
+    p_old = verify(params, cache, last, drafts, cfg, sp)[0]
+  np.testing.assert_array_equal(p_new, p_old)
