@@ -291,6 +291,7 @@ class Engine:
                stop=None) -> GenerateOutput:
     """`jaxspec.generate`: plain decoding of a batch, one compiled program (with stop strings,
     the stream's programs run in chunks of `STOP_CHECK_STEPS`)."""
+    io.check_model(model)
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
     if stop is not None and check_stop_strings(model, stop):
@@ -344,6 +345,7 @@ class Engine:
                       stop=None) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
     """`jaxspec.generate_stream`: plain decoding, yielding every row's new tokens every `chunk`
     steps."""
+    io.check_model(model)
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
     keep_lp, top_n = check_logprobs(logprobs, model.vocab_size)
@@ -382,6 +384,7 @@ class Engine:
     """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`
     (with stop strings, in chunks of `STOP_CHECK_PASSES` verify steps). `options` are
     `io.prepare_spec`'s."""
+    io.check_model(target)
     stopper = _stopper(target, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(), **options)
@@ -408,6 +411,7 @@ class Engine:
     """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps,
     yielding every row's new tokens. `options` are `io.prepare_spec`'s."""
     chunk = io.check_chunk(chunk)
+    io.check_model(target)
     stopper = _stopper(target, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(), **options)
