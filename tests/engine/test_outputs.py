@@ -103,6 +103,16 @@ def test_bad_stop_strings(model, stop, match):
     generate(model, PROMPTS, max_new_tokens=4, stop=stop)
 
 
+@pytest.mark.parametrize("bad", [-1, 129, "3"])
+def test_bad_logprobs_fail_before_compiling(model, bad):
+  for call in (lambda: generate(model, PROMPTS, max_new_tokens=4, logprobs=bad),
+               lambda: speculative_generate(model, "ngram", PROMPTS, max_new_tokens=4,
+                                            logprobs=bad),
+               lambda: next(generate_stream(model, PROMPTS, max_new_tokens=4, logprobs=bad))):
+    with pytest.raises(ValueError, match=r"logprobs must be True/False or an int N in \[0, 128\]"):
+      call()
+
+
 def test_stop_strings_need_a_tokenizer(tiny_target):
   with pytest.raises(ValueError, match="no tokenizer: pass stop_ids"):
     generate(tiny_target, PROMPTS, max_new_tokens=4, stop="\n\n")
