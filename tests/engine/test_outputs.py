@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxspec.api import generate, generate_stream, speculative_generate, speculative_stream
+from jaxspec.decoding.protocol import as_target
 from jaxspec.engine import core
 from jaxspec.models import forward, init_cache
 from jaxspec.models.model import Model
@@ -221,3 +222,54 @@ def test_old_argument_orders_warn_and_still_work(tiny_target):
     p_old = verify(params, cache, last, drafts, cfg, sp)[0]
   np.testing.assert_array_equal(p_new, p_old)
 
+
+class EncodingPieceTokenizer(PieceTokenizer):
+  """PieceTokenizer with the `encode` a `tokenizer=` argument needs (one id per character)."""
+
+  def encode(self, text):
+    return [ord(c) % 16 for c in text]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_own_model_takes_stop_strings_and_top_n_with_tokenizer(model, reference, spec):
+  """Stop strings, top-N and prompt log-probabilities of an own `Target` (decoded with
+  `tokenizer=`) equal the Model's, on a bucketed batch (3 rows padded to 4)."""
+  own = as_target(model)
+  stops = [spanning_stop(model.tokenizer, reference.row(1), 4)]
+  args = dict(max_new_tokens=N_NEW, stop_ids=(), stop=stops, logprobs=3, prompt_logprobs=True)
+  if spec:
+    call = lambda m, **kw: speculative_generate(m, "ngram", PROMPTS, num_draft_tokens=3,
+                                                **args, **kw)
+  else:
+    call = lambda m, **kw: generate(m, PROMPTS, **args, **kw)
+  want, got = call(model), call(own, tokenizer=EncodingPieceTokenizer())
+  assert want.stop_reasons[1] == stops[0] and want.lengths[1] < N_NEW
+  assert got.texts == want.texts and got.stop_reasons == want.stop_reasons
+  assert got.top_ids.shape == (3, N_NEW, 3) and got.prompt_logprobs.shape == (3, 8)
+  for f in ("tokens", "lengths", "top_ids"):
+    np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
+  for f in ("logprobs", "top_logprobs", "prompt_logprobs"):
+    np.testing.assert_allclose(getattr(got, f), getattr(want, f), atol=1e-5)
+  with pytest.raises(ValueError, match="no tokenizer: pass stop_ids"):
+    call(own)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_streams_take_n_samples_per_prompt(model, spec):
+  """A stream with n yields the B * n sample rows `generate(..., n=n)` returns, prompt-major."""
+  args = dict(max_new_tokens=N_NEW, stop_ids=(), sampling=Sampling(temperature=1.0), key=7,
+              n=2, logprobs=2)
+  if spec:
+    want = speculative_generate(model, "ngram", PROMPTS[:2], num_draft_tokens=3, **args)
+    stream = speculative_stream(model, "ngram", PROMPTS[:2], num_draft_tokens=3, chunk=2, **args)
+  else:
+    want = generate(model, PROMPTS[:2], **args)
+    stream = generate_stream(model, PROMPTS[:2], chunk=5, **args)
+  rows, lps, infos = _joined(stream, 4)
+  assert want.tokens.shape == (4, N_NEW)
+  for b in range(4):
+    assert rows[b] == want.row(b)
+    np.testing.assert_allclose(lps[b], want.logprobs[b, :len(rows[b])], atol=1e-5)
+  out = infos[-1]["output"]
+  np.testing.assert_array_equal(out.tokens, want.tokens)
+  np.testing.assert_array_equal(out.top_ids, want.top_ids)
