@@ -143,7 +143,7 @@ class Spec:
     t = time.perf_counter()
     st = jax.block_until_ready(self.run_.loop(st, self.run_.max_steps))
     dt = time.perf_counter() - t
-    toks, _ = loop.outputs_jit(st, self.n)
+    toks = loop.outputs_jit(st, self.n)[0]
     return dt, st.stats.summary(), np.asarray(toks)
 
 

@@ -27,8 +27,10 @@ __all__ = ["GenerateOutput", "generate", "generate_stream", "load", "speculative
 def generate(model: Model | Target, prompts, *, max_new_tokens: int = 128,
              sampling: Sampling | None = None, key: jax.Array | int | None = None,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-             temperature: float | None = None, logprobs: bool = False, tokenizer=None,
-             chat: bool | None = None, prompt_lengths=None, n: int = 1) -> GenerateOutput:
+             temperature: float | None = None, logprobs: bool | int = False,
+             prompt_logprobs: bool = False, stop: str | Sequence[str] | None = None,
+             tokenizer=None, chat: bool | None = None, prompt_lengths=None,
+             n: int = 1) -> GenerateOutput:
   """Plain autoregressive decoding of a batch of prompts, entirely on device.
 
   Args:
@@ -52,7 +54,16 @@ def generate(model: Model | Target, prompts, *, max_new_tokens: int = 128,
       `eos_token_ids`), as `jaxspec.decoding.decode`'s default; () runs to max_new_tokens.
     max_len: KV-cache size; default just enough for the longest prompt plus max_new_tokens.
     temperature: shorthand for `sampling=Sampling(temperature=...)`.
-    logprobs: also return each new token's log-probability under the sampling parameters.
+    logprobs: True: each new token's log-probability (`GenerateOutput.logprobs`); an int N:
+      also the N most likely tokens at its position and theirs (`top_ids`, `top_logprobs`;
+      0 is True, as vLLM's logprobs=0).
+    prompt_logprobs: also each prompt token's log-probability given its prefix
+      (`GenerateOutput.prompt_logprobs`, one more forward pass over the prompts).
+    stop: a string or strings that end a row where they first occur in its decoded text: the
+      text ends before the stop string (it is not included), the tokens with the token that
+      completed it (`GenerateOutput.stop_reasons` says which). The loop then runs in chunks of
+      `jaxspec.engine.core.STOP_CHECK_STEPS` steps, the host checking the rows' text between
+      them, and ends once every row has stopped. Needs a model with a tokenizer.
     tokenizer: what strings are encoded and texts decoded with (default the Model's own; an own
       model has none): anything with `encode(text) -> list[int]` (or an object with `.ids`, as
       the `tokenizers` library returns) and `decode(ids) -> str`, such as a jaxspec or Hugging
@@ -76,24 +87,36 @@ def generate(model: Model | Target, prompts, *, max_new_tokens: int = 128,
   """
   return DEFAULT.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                           key=key, stop_ids=stop_ids, max_len=max_len, temperature=temperature,
-                          logprobs=logprobs, tokenizer=tokenizer, chat=chat,
-                          prompt_lengths=prompt_lengths, n=n)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop,
+                          tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths, n=n)
 
 
-def generate_stream(model: Model | Target, prompt, *, max_new_tokens: int = 128,
+def generate_stream(model: Model | Target, prompts, *, max_new_tokens: int = 128,
                     sampling: Sampling | None = None, key=None,
-                    stop_ids: Sequence[int] | None = None, chunk: int = 8, tokenizer=None,
-                    chat: bool | None = None, prompt_lengths=None,
-                    ) -> Iterator[tuple[list[int], dict[str, Any]]]:
-  """Plain decoding of one batch, yielding (new tokens of row 0, stats) every `chunk` steps.
+                    stop_ids: Sequence[int] | None = None, chunk: int = 8,
+                    max_len: int | None = None, logprobs: bool | int = False,
+                    prompt_logprobs: bool = False, stop: str | Sequence[str] | None = None,
+                    tokenizer=None, chat: bool | None = None, prompt_lengths=None, n: int = 1,
+                    ) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
+  """Plain decoding of a batch, yielding (new tokens of every row, info) after the prefill and
+  every `chunk` steps: `new[b]` is row b's tokens since the last yield (empty once it is done),
+  so each row's chunks joined are `generate`'s `out.row(b)` for the same arguments.
 
   The loop runs on device between yields (a `lax.while_loop` bounded by a traced step count), so
-  streaming costs one host round-trip per chunk, not per token. `model`, `tokenizer`, `chat`,
-  `prompt_lengths` and the defaults are `generate`'s.
+  streaming costs one host round-trip per chunk, not per token. Arguments as `generate`'s; a
+  row that reaches a stop string yields its tokens up to the one that completed it.
+
+  `info` holds: seconds (since the prefill began), first_chunk_seconds, compile_seconds,
+  done ([B] bools), stats (target_passes so far); with logprobs, `logprobs` [B][n] for the
+  yielded tokens, and with logprobs=N `top_ids` / `top_logprobs` [B][n][N]; and in the last
+  yield `output`, the call's `GenerateOutput` (texts cut at stop strings, prompt_logprobs).
+  (Before issue 49 a stream took one prompt and yielded row 0's tokens as a flat list.)
   """
-  return DEFAULT.generate_stream(model, prompt, max_new_tokens=max_new_tokens, chunk=chunk,
-                                 sampling=sampling, key=key, stop_ids=stop_ids,
-                                 tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths)
+  return DEFAULT.generate_stream(model, prompts, max_new_tokens=max_new_tokens, chunk=chunk,
+                                 sampling=sampling, key=key, stop_ids=stop_ids, max_len=max_len,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop,
+                                 tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths,
+                                 n=n)
 
 
 def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
@@ -103,8 +126,10 @@ def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
                          stop_ids: Sequence[int] | None = None, max_len: int | None = None,
                          temperature: float | None = None, auto: AutoK | None = None,
                          cost: CostModel | None = None, placement=None,
-                         logprobs: bool = False, tokenizer=None, chat: bool | None = None,
-                         prompt_lengths=None, n: int = 1) -> GenerateOutput:
+                         logprobs: bool | int = False, prompt_logprobs: bool = False,
+                         stop: str | Sequence[str] | None = None, tokenizer=None,
+                         chat: bool | None = None, prompt_lengths=None,
+                         n: int = 1) -> GenerateOutput:
   """Speculative decoding whose output distribution is exactly the target's.
 
   Prefill and the whole draft -> verify -> accept -> roll back loop run as one jitted
@@ -113,7 +138,7 @@ def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
   Args:
     target: the target `Model`, or your own model as a `jaxspec.decoding.Target(lm, params)`
       (any `CausalLM`, as `jaxspec.decoding.speculative_decode` takes it).
-    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, `load_head(dir, target)`), or
+    drafter: a `Drafter` (`NGram()`, `DraftModel(small_model)`, `load_head(target, dir)`), or
       a name: "ngram", "suffix", "eagle" / "medusa" / "mlp" (the heads bundled for SmolLM2), a
       head directory or a draft model's path (see `jaxspec.drafters.resolve_drafter`). An own
       model takes "ngram", "suffix" or a `Drafter` (`NGram()`, `SuffixDecoding(...)`,
@@ -139,7 +164,11 @@ def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
       host-orchestrated loop (draft on mesh_b, verify on mesh_a, small arrays handed across).
       Default: the fused loop where the target's weights are (on their mesh when the target
       was sharded with `jaxspec.sharding.shard_model`). A jaxspec Model only.
-    logprobs, tokenizer, chat, prompt_lengths, n: as `generate`'s (n samples per prompt, rows
+    logprobs, prompt_logprobs: as `generate`'s; the top-N of a speculative token is that of
+      the target's processed distribution at its position, as plain decoding reports it.
+    stop: as `generate`'s; the loop runs in chunks of `jaxspec.engine.core.STOP_CHECK_PASSES`
+      verify steps, the host checking the rows' text between them.
+    tokenizer, chat, prompt_lengths, n: as `generate`'s (n samples per prompt, rows
       prompt-major, each sample's text the one `generate(..., n=n)` samples).
   Returns:
     `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
@@ -152,27 +181,36 @@ def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
   return DEFAULT.speculative_generate(
       target, drafter, prompts, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
       placement=placement, sampling=sampling, temperature=temperature, auto=auto, cost=cost,
-      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs, tokenizer=tokenizer,
-      chat=chat, prompt_lengths=prompt_lengths, n=n)
+      max_len=max_len, stop_ids=stop_ids, key=key, logprobs=logprobs,
+      prompt_logprobs=prompt_logprobs, stop=stop, tokenizer=tokenizer, chat=chat,
+      prompt_lengths=prompt_lengths, n=n)
 
 
-def speculative_stream(target: Model | Target, drafter: Drafter, prompt, *,
+def speculative_stream(target: Model | Target, drafter: Drafter, prompts, *,
                        max_new_tokens: int = 128, sampling: Sampling | None = None,
                        num_draft_tokens: int | str = "auto", key=None,
                        stop_ids: Sequence[int] | None = None, chunk: int = 4,
-                       auto: AutoK | None = None, cost: CostModel | None = None, tokenizer=None,
-                       chat: bool | None = None, prompt_lengths=None):
-  """Speculative decoding of one prompt, yielding (new tokens, info) every `chunk` verify steps.
+                       auto: AutoK | None = None, cost: CostModel | None = None,
+                       max_len: int | None = None, logprobs: bool | int = False,
+                       prompt_logprobs: bool = False,
+                       stop: str | Sequence[str] | None = None, tokenizer=None,
+                       chat: bool | None = None, prompt_lengths=None, n: int = 1,
+                       ) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
+  """Speculative decoding of a batch, yielding (new tokens of every row, info) after the prefill
+  and every `chunk` verify steps, as `generate_stream` does (the same `info`, whose `stats` are
+  `speculative_generate`'s statistics so far, plus cost_seconds and cost_source).
 
   The same prefill and loop body as `speculative_generate`, run in chunks so a CLI can print
-  text as it is produced; `info["stats"]` holds the statistics once the row is done. `target`,
-  `tokenizer`, `chat`, `prompt_lengths` and the defaults are `speculative_generate`'s.
+  text as it is produced. Arguments as `speculative_generate`'s (`target`, `tokenizer`, `chat`,
+  `prompt_lengths`, `n` and the defaults included).
   """
-  return DEFAULT.speculative_stream(target, drafter, prompt, max_new_tokens=max_new_tokens,
+  return DEFAULT.speculative_stream(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                     num_draft_tokens=num_draft_tokens, chunk=chunk,
                                     sampling=sampling, auto=auto, cost=cost, stop_ids=stop_ids,
-                                    key=key, tokenizer=tokenizer, chat=chat,
-                                    prompt_lengths=prompt_lengths)
+                                    key=key, max_len=max_len, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs, stop=stop,
+                                    tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths,
+                                    n=n)
 
 
 def load(name_or_path=None, dtype: str | None = None, *, mesh=None, rules=None,

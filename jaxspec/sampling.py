@@ -634,6 +634,16 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, sp: SamplingArrays) -> 
   return jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
+def top_logprobs(logits: jax.Array, sp: SamplingArrays, n: int) -> tuple[jax.Array, jax.Array]:
+  """The n most likely tokens of the distribution decoding samples from, most likely first:
+  (ids [B, ..., n] int32, log-probabilities [B, ..., n] float32) of `log_softmax` of the
+  processed logits [B, ..., V], as `token_logprobs` reads them (ties: lower id first). Past
+  the tokens the filters keep, the log-probabilities are -inf."""
+  lp = jax.nn.log_softmax(process_logits(logits, sp), axis=-1)
+  vals, ids = lax.top_k(lp, n)
+  return ids.astype(jnp.int32), vals
+
+
 def resolve_sampling(sampling) -> Sampling:
   """A `Sampling` from one, a dict of its fields, or None (greedy)."""
   if sampling is None:

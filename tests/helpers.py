@@ -323,5 +323,5 @@ def forced_run(target, drafter, prompts, schedule, *, n_new, k_max=4, sampling=N
     passes = 10 * n_new if i == len(schedule) - 1 else passes + steps
     s = run.loop_exe(run.tparams, run.dparams, s, run.sp, run.costs, jnp.int32(passes),
                      jnp.int32(policy.buckets.index(k)), run.budget)
-  tokens, _ = loop.outputs_jit(s, n_new)
+  tokens = loop.outputs_jit(s, n_new)[0]
   return np.asarray(tokens), run.stats(s.stats)

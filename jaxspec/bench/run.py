@@ -80,8 +80,8 @@ def _run_jaxspec(target, drafter, method: Method, prompts, s: Settings) -> dict[
       chunks, c = [], 0.0
       for new, info in it:
         c = info.get("compile_seconds", 0.0) + info.get("cost_seconds", 0.0)
-        if new:
-          chunks.append((round(float(info["seconds"]), 6), len(new)))
+        if new[0]:  # row 0's tokens, as the peers' chunks count them
+          chunks.append((round(float(info["seconds"]), 6), len(new[0])))
       return chunks, c
 
     chunks, c = stream()

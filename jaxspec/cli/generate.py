@@ -389,8 +389,8 @@ def _stream_one(model, drafter, ids: list[int], common: dict, spec_kw: dict, arg
   dec = StreamDecoder(model.tokenizer)
   row, pieces, info = [], [], {}
   for new, info in stream:
-    row += new
-    pieces.append(dec.push(new))
+    row += new[0]
+    pieces.append(dec.push(new[0]))
     if not args.json:
       sys.stdout.write(pieces[-1])
       sys.stdout.flush()
@@ -398,7 +398,7 @@ def _stream_one(model, drafter, ids: list[int], common: dict, spec_kw: dict, arg
   if not args.json:
     sys.stdout.write(pieces[-1] + "\n")
     sys.stdout.flush()
-  return [(row, "".join(pieces))], info, info.get("stats")
+  return [(row, "".join(pieces))], info, info.get("stats") if drafter is not None else None
 
 
 def _run_batch(model, drafter, ids: list[list[int]], common: dict, spec_kw: dict):

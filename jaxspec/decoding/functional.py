@@ -57,6 +57,12 @@ class DecodeOutput:
     drafter_params: what the drafter hands to the next call as its `drafter_params`
       (`Drafter.next_params`: a `SuffixDecoding` drafter's corpus with this call's rows
       appended); None for drafters whose params do not change, and for plain decoding.
+    top_ids: [B, capacity, N] int32 (with logprobs=N) the N most likely tokens of the
+      distribution each new token was drawn from (the target's processed distribution at that
+      position, under speculation too), most likely first (ties: lower id first); -1 past each
+      row's length. None otherwise.
+    top_logprobs: [B, capacity, N] float32 their log-probabilities (as `logprobs` reads them;
+      -inf for tokens the filters drop); 0 past each row's length. None otherwise.
   """
 
   tokens: jax.Array
@@ -65,6 +71,8 @@ class DecodeOutput:
   target_passes: jax.Array
   stats: SpecStats | None = None
   drafter_params: Any = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 def _is_concrete(x) -> bool:
@@ -308,6 +316,20 @@ def check_stop_ids(stop_ids) -> tuple[int, ...]:
   return tuple(out)
 
 
+def check_logprobs(logprobs, vocab_size: int) -> tuple[bool, int]:
+  """(keep log-probabilities?, top-N) from `logprobs`: False or None (none), True (each new
+  token's), or an int N in [0, vocab_size] (each new token's and the N most likely tokens at
+  its position; 0 is True, as vLLM's logprobs=0)."""
+  if logprobs is None or logprobs is False:
+    return False, 0
+  if logprobs is True:
+    return True, 0
+  if not is_int(logprobs) or not 0 <= logprobs <= vocab_size:
+    raise ValueError(f"logprobs must be True/False or an int N in [0, {vocab_size}] (the top-N"
+                     f" tokens per position, at most the vocabulary), got {logprobs!r}")
+  return True, int(logprobs)
+
+
 def _nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -350,17 +372,18 @@ def spec_working_set(tgt: protocol.Target, drafter, dparams, policy, b: int, p: 
   positions), its log-probabilities and the outputs; steps verify k_max + 1 tokens (a tree:
   its nodes)."""
   width = drafter.tree.num_nodes if drafter.tree is not None else policy.k_max + 1
-  lp = 2 if policy.logprobs else 1  # int32 tokens, and float32 log-probabilities
+  # int32 tokens, float32 log-probabilities, and top-N ids and log-probabilities
+  lp = (2 + 2 * policy.top_logprobs) if policy.logprobs else 1
   state = 4 * lp * b * (max_len + policy.k_max + 1 + 2 * capacity)
   return working_set(tgt.lm, tgt.params, b, p, max_len, verify_tokens=width, state_bytes=state,
                      drafter=drafter, dparams=dparams)
 
 
 def decode_working_set(tgt: protocol.Target, b: int, p: int, capacity: int, max_len: int, *,
-                       logprobs: bool) -> limits.WorkingSet:
+                       logprobs: bool, top_logprobs: int = 0) -> limits.WorkingSet:
   """`working_set` of `decode`'s program: its token and log-probability buffers [B, capacity]
-  (in the loop and as outputs); steps of one token."""
-  lp = 2 if logprobs else 1
+  (and top-N [B, capacity, N]; in the loop and as outputs); steps of one token."""
+  lp = (2 + 2 * top_logprobs) if logprobs else 1
   return working_set(tgt.lm, tgt.params, b, p, max_len, verify_tokens=1,
                      state_bytes=4 * lp * b * 3 * capacity)
 
@@ -389,7 +412,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
                        num_draft_tokens: int | str = 4, auto: AutoK | None = None,
                        cost: CostModel | None = None, sampling=None,
                        stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-                       pad_id: int = -1, logprobs: bool = True, target_params=None,
+                       pad_id: int = -1, logprobs: bool | int = True, target_params=None,
                        drafter_params=None, n: int = 1) -> DecodeOutput:
   """Exact speculative decoding as one pure, traceable function.
 
@@ -422,7 +445,9 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     pad_id: the token written past each row's length in `tokens`; default -1, as the host
       wrappers write (0 is a real token of most vocabularies).
     logprobs: compute `DecodeOutput.logprobs` (costs a log-softmax over the vocabulary per
-      verified position).
+      verified position); an int N also the N most likely tokens at every new token's position
+      and their log-probabilities (`DecodeOutput.top_ids` / `top_logprobs`; a top-N over the
+      vocabulary per verified position more).
     target_params / drafter_params: weights to use instead of the target's / `drafter.params`
       (pass them as arguments of your jitted function so they are traced, not constants).
     n: samples per prompt: prompt b's row is repeated n times (rows prompt-major: row
@@ -442,8 +467,9 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
   key = rollout_keys(key, b, n)
   max_new, capacity = _check_new_tokens(max_new_tokens, capacity)
   _check_drafter(tgt, drafter)
+  keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
-                               logprobs=bool(logprobs))
+                               logprobs=keep_lp, top_logprobs=top_n)
   if policy.auto and cost is None:
     raise ValueError("num_draft_tokens=\"auto\" inside a trace needs cost=CostModel(...) (the step"
                      " costs it weighs; the host wrapper measures one:"
@@ -514,18 +540,18 @@ def _speculative_jit(target, dparams, prompt, lengths, key, max_new, sp, costs, 
                    stop_ids=stop_ids, max_len=max_len, max_steps=capacity + 1)
   s = loop.spec_init(target.params, dparams, prompt, lengths, sp, key, cfg=cfg)
   s = loop.spec_loop(target.params, dparams, s, sp, costs, max_new + 1, jnp.int32(-1), cfg=cfg)
-  toks, n_out, *lp = loop.outputs(s, capacity)
+  toks, n_out, lp, top_ids, top_lp = loop.outputs(s, capacity)
   dstate = s.draft_state.inner if cfg.defers else s.draft_state
   nxt = drafter.next_params(dparams, dstate, DraftContext(
       seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len))
   return DecodeOutput(tokens=jnp.where(toks < 0, pad_id, toks), lengths=n_out,
-                      logprobs=lp[0] if lp else None, target_passes=s.stats.target_passes,
-                      stats=s.stats, drafter_params=nxt)
+                      logprobs=lp, target_passes=s.stats.target_passes,
+                      stats=s.stats, drafter_params=nxt, top_ids=top_ids, top_logprobs=top_lp)
 
 
 def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
            capacity: int | None = None, sampling=None, stop_ids: Sequence[int] | None = None,
-           max_len: int | None = None, pad_id: int = -1, logprobs: bool = True,
+           max_len: int | None = None, pad_id: int = -1, logprobs: bool | int = True,
            target_params=None, n: int = 1) -> DecodeOutput:
   """Plain autoregressive decoding as one pure, traceable function: `speculative_decode`'s
   arguments without the drafter (max_len default P + capacity), `n` samples per prompt
@@ -539,30 +565,37 @@ def decode(target, prompt_ids, prompt_lengths, key, *, max_new_tokens,
                       max_new if is_int(max_new) else capacity)
   stops = eos_ids_of(target) if stop_ids is None else check_stop_ids(stop_ids)
   pad = _check_pad_id(pad_id)
+  keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
   if max_len is None:
     max_len = p + capacity
   elif not is_int(max_len) or max_len < p + capacity:
     raise ValueError(f"max_len must be an int >= P + capacity = {p + capacity}, got"
                      f" {max_len!r}")
   limits.check_positions(int(max_len))
-  ws = decode_working_set(tgt, b * n, p, capacity, int(max_len), logprobs=bool(logprobs))
+  ws = decode_working_set(tgt, b * n, p, capacity, int(max_len), logprobs=keep_lp,
+                          top_logprobs=top_n)
   limits.check_working_set(ws, b * n, int(max_len), "decoding")
   run = _not_differentiable(functools.partial(
       _decode_jit, capacity=capacity, max_len=int(max_len), stop_ids=stops, pad_id=pad,
-      logprobs=bool(logprobs)), "decode")
+      logprobs=keep_lp, top_logprobs=top_n), "decode")
   return run(tgt, _tile(jnp.asarray(prompt_ids, jnp.int32), n),
              _tile(jnp.asarray(prompt_lengths, jnp.int32), n), key, max_new, sp)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "max_len", "stop_ids", "pad_id",
-                                             "logprobs"))
+                                             "logprobs", "top_logprobs"))
 def _decode_jit(target, prompt, lengths, key, max_new, sp, *, capacity, max_len, stop_ids,
-                pad_id, logprobs):
+                pad_id, logprobs, top_logprobs):
   max_new = jnp.clip(max_new, 1, capacity)
   s = plain.init_decode(target.params, prompt, lengths, sp, key, target.lm, max_len, max_new,
-                        stop_ids, capacity=capacity, logprobs=logprobs)
+                        stop_ids, capacity=capacity, logprobs=logprobs,
+                        top_logprobs=top_logprobs)
   s = plain.decode_loop(target.params, s, sp, max_new, target.lm, max_new, stop_ids)
   valid = jnp.arange(capacity)[None, :] < s.n_out[:, None]
   lp = None if s.logprobs is None else jnp.where(valid, s.logprobs, 0.0)
+  top_ids = top_lp = None
+  if s.top_ids is not None:
+    top_ids = jnp.where(valid[:, :, None], s.top_ids, -1)
+    top_lp = jnp.where(valid[:, :, None], s.top_lp, 0.0)
   return DecodeOutput(tokens=jnp.where(valid, s.tokens, pad_id), lengths=s.n_out, logprobs=lp,
-                      target_passes=s.steps)
+                      target_passes=s.steps, top_ids=top_ids, top_logprobs=top_lp)

@@ -54,6 +54,8 @@ class Policy:
   margin: float = 0.0
   # Keep the target's log-probability of every emitted token (`SpecState.logp`).
   logprobs: bool = False
+  # With logprobs: also the N most likely tokens at every emitting position (`SpecState.top_ids`).
+  top_logprobs: int = 0
 
   @property
   def k_max(self) -> int:
@@ -184,6 +186,10 @@ class SpecState:
   # What penalties, logit_bias and min_new_tokens read of the context (`TokenHistory`); None
   # when the sampling has none of them, so the loop without them carries nothing more.
   history: sampling_lib.TokenHistory | None = None
+  # [B, S, N] int32 / float32 the N most likely tokens at each emitted token's position and
+  # their log-probabilities (Policy.top_logprobs = N; None otherwise).
+  top_ids: jax.Array | None = None
+  top_lp: jax.Array | None = None
 
 
 @_pytree
@@ -244,12 +250,28 @@ class StepOutcome:
   n_valid: jax.Array  # [B] int32 real drafts verified
   k: jax.Array  # [] int32 drafts verified (0: a plain step)
   logp: jax.Array | None  # [B, k_max + 1] float32 each emitted token's log-probability, or None
+  top_ids: jax.Array | None = None  # [B, k_max + 1, N] int32 the top-N at each position, or None
+  top_lp: jax.Array | None = None  # [B, k_max + 1, N] float32 their log-probabilities, or None
+
+
+def emitted_logprobs(cfg: StepConfig, logits, tokens, sp):
+  """What the loop keeps of the distributions that emitted `tokens` [B, W] (logits [B, W, V]):
+  (their log-probabilities [B, W], or None without `policy.logprobs`; and with
+  `policy.top_logprobs` N the (ids, log-probabilities) [B, W, N] of the N most likely tokens,
+  else None). The one place both are computed (one log-softmax after XLA's CSE)."""
+  if not cfg.policy.logprobs:
+    return None, None
+  lp = sampling_lib.token_logprobs(logits, jnp.maximum(tokens, 0), sp)
+  top = None
+  if cfg.policy.top_logprobs:
+    top = sampling_lib.top_logprobs(logits, sp, cfg.policy.top_logprobs)
+  return lp, top
 
 
 def outcome(cfg: StepConfig, *, n_acc, emitted, hidden: Hidden, block, n_valid, k,
-            logp) -> StepOutcome:
+            logp, top=None) -> StepOutcome:
   """A `StepOutcome` with its token axes padded to k_max + 1 (emitted with -1, the rest with 0);
-  the one place an outcome is built."""
+  the one place an outcome is built. top: (ids, log-probabilities) [B, W, N] or None."""
   width = cfg.policy.k_max + 1
   pad = lambda x, axis, value=0: jnp.pad(
       x, [(0, width - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)],
@@ -259,7 +281,9 @@ def outcome(cfg: StepConfig, *, n_acc, emitted, hidden: Hidden, block, n_valid, 
       hidden=Hidden(final=pad(hidden.final, 1),
                     layers=None if hidden.layers is None else pad(hidden.layers, 2)),
       block=None if block is None else protocol.pad_block(cfg.lm, block, width),
-      n_valid=n_valid, k=jnp.int32(k), logp=None if logp is None else pad(logp, 1))
+      n_valid=n_valid, k=jnp.int32(k), logp=None if logp is None else pad(logp, 1),
+      top_ids=None if top is None else pad(top[0], 1),
+      top_lp=None if top is None else pad(top[1], 1))
 
 
 def draft_keys(keys: jax.Array, seq_len: jax.Array) -> jax.Array:
@@ -280,7 +304,7 @@ def step_inputs(s: SpecState, width: int = 1):
 
 def write_tokens(seq, seq_len, emitted, n_emit):
   """Writes emitted[:, :n_emit] at seq_len (per row); entries past n_emit are not written."""
-  b, w = emitted.shape
+  b, w = emitted.shape[:2]
   pos = seq_len[:, None] + jnp.arange(w)[None, :]
   pos = jnp.where(jnp.arange(w)[None, :] < n_emit[:, None], pos, seq.shape[1])  # dropped
   return seq.at[jnp.arange(b)[:, None], pos].set(emitted, mode="drop")
@@ -319,6 +343,10 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
                 keys=keys, counts=adaptive.init_counts(b, k), stats=stats,
                 logp=jnp.zeros((b, seq_cap), jnp.float32) if cfg.policy.logprobs else None,
                 history=history)
+  n_top = cfg.policy.top_logprobs if cfg.policy.logprobs else 0
+  if n_top:
+    s = dataclasses.replace(s, top_ids=jnp.zeros((b, seq_cap, n_top), jnp.int32),
+                            top_lp=jnp.zeros((b, seq_cap, n_top), jnp.float32))
   logits = sampling_lib.adjust(logits, sp, history)
   # New token 0 of every row, drawn with its position's key as `generate` draws it.
   first = sampling_lib.sample(position_keys(keys, jnp.zeros_like(prompt_len), 1)[:, 0], logits,
@@ -328,10 +356,10 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
   layers = None
   if hidden.layers is not None:
     layers = jnp.take_along_axis(hidden.layers, idx[None], axis=2)  # [n, B, 1, D]
-  lp = sampling_lib.token_logprobs(logits, first, sp) if cfg.policy.logprobs else None
+  lp, top = emitted_logprobs(cfg, logits[:, None], first[:, None], sp)
   zb = jnp.zeros((b,), jnp.int32)
   out = outcome(cfg, n_acc=zb, emitted=first[:, None], hidden=Hidden(final=final, layers=layers),
-                block=None, n_valid=zb, k=0, logp=None if lp is None else lp[:, None])
+                block=None, n_valid=zb, k=0, logp=lp, top=top)
   new, ctx = finish_step(s, out, cfg)
   return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
 
@@ -416,7 +444,6 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
   state's `TokenHistory` (None: sp adjusts nothing).
   """
   greedy = sp.temperature == 0
-  logprobs = cfg.policy.logprobs
 
   def plain(cache):  # as `generate`'s decode step: sampled from the logits, no [B, V] one-hot
     with jax.named_scope("verify"):
@@ -424,10 +451,10 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
                                                hidden_layers=cfg.hidden_layers, write=False)
       logits = sampling_lib.adjust(logits, sp, history)
       tok = sampling_lib.sample(keys[:, 0], logits[:, 0], sp)
-    lp = sampling_lib.token_logprobs(logits[:, 0], tok, sp)[:, None] if logprobs else None
+    lp, top = emitted_logprobs(cfg, logits[:, :1], tok[:, None], sp)
     z = jnp.zeros((tok.shape[0],), jnp.int32)
     return outcome(cfg, n_acc=z, emitted=tok[:, None], hidden=hidden, block=block, n_valid=z,
-                   k=0, logp=lp)
+                   k=0, logp=lp, top=top)
 
   if k == 0 or prop is None:
     return plain(cache)
@@ -436,16 +463,16 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
 
   def verify_drafts(cache):
     with jax.named_scope("verify"):
-      p, hidden, block, logits = verify(tparams, cache, last, prop.tokens, cfg.lm, sp,
+      p, hidden, block, logits = verify(cfg.lm, tparams, cache, last, prop.tokens, sp,
                                         hidden_layers=cfg.hidden_layers, write=False,
                                         return_logits=True, history=history)
     with jax.named_scope("accept"):
       n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, keys[:, :k + 1], n_valid, greedy)
-    lp = None
-    if logprobs:  # every emitted token i was drawn from the target's logits at position i
-      lp = sampling_lib.token_logprobs(logits, jnp.maximum(emitted, 0), sp)
+    # Every emitted token i was drawn from the target's logits at position i (a correction
+    # from the residual, but its position's distribution is still the target's p_i).
+    lp, top = emitted_logprobs(cfg, logits, emitted, sp)
     return outcome(cfg, n_acc=n_acc, emitted=emitted, hidden=hidden, block=block,
-                   n_valid=n_valid, k=k, logp=lp)
+                   n_valid=n_valid, k=k, logp=lp, top=top)
 
   if known_drafts:
     # A fixed k chosen after seeing these proposals (`choose_k`): some live row has a real
@@ -485,6 +512,10 @@ def finish_step(s: SpecState, out: StepOutcome, cfg: StepConfig, shadow_draft=No
   seq = write_tokens(s.seq, s.seq_len, emitted, n_emit)
   logp = s.logp if out.logp is None else write_tokens(s.logp, s.seq_len, out.logp, n_emit)
   history = sampling_lib.extend_history(s.history, emitted, n_emit)
+  top_ids, top_lp = s.top_ids, s.top_lp
+  if out.top_ids is not None:
+    top_ids = write_tokens(top_ids, s.seq_len, out.top_ids, n_emit)
+    top_lp = write_tokens(top_lp, s.seq_len, out.top_lp, n_emit)
   seq_len = s.seq_len + n_emit
   # Roll back: the cache keeps every emitted token but the newest (the next pass's input).
   cache = dataclasses.replace(cache, length=jnp.where(live, old_len + n_emit, old_len))
@@ -516,7 +547,7 @@ def finish_step(s: SpecState, out: StepOutcome, cfg: StepConfig, shadow_draft=No
       k_history=st.k_history.at[steps].set(k_used, mode="drop"))
   new = SpecState(seq=seq, seq_len=seq_len, prompt_len=s.prompt_len, done=done, cache=cache,
                   draft_state=s.draft_state, keys=s.keys, counts=counts, stats=stats, logp=logp,
-                  history=history)
+                  history=history, top_ids=top_ids, top_lp=top_lp)
   return new, ctx
 
 
@@ -593,12 +624,13 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
                                                 greedy=sp.temperature == 0, valid=in_vocab,
                                                 depth=prop.depth)
     hidden, block = tree_lib.gather_path(path, hidden, block)
-    lp = None
+    lp = top = None
     if cfg.policy.logprobs:  # emitted token i was drawn from the target's logits at path node i
       at_path = jnp.take_along_axis(logits, path[:, :, None], axis=1)
-      lp = sampling_lib.token_logprobs(at_path, jnp.maximum(emitted, 0), sp)
+      lp, top = emitted_logprobs(cfg, at_path, emitted, sp)
     out = outcome(cfg, n_acc=n_acc, emitted=emitted, hidden=hidden, block=block,
-                  n_valid=jnp.full((last.shape[0],), depth, jnp.int32), k=depth, logp=lp)
+                  n_valid=jnp.full((last.shape[0],), depth, jnp.int32), k=depth, logp=lp,
+                  top=top)
     new, ctx = finish_step(s, out, cfg)
   return dataclasses.replace(new, draft_state=drafter.commit(dparams, dstate, ctx))
 
@@ -657,10 +689,10 @@ def plain_step(tparams, dparams, s: SpecState, choice: Choice, sp, cfg: StepConf
                                              hidden_layers=cfg.hidden_layers)
   logits = sampling_lib.adjust(logits, sp, s.history)
   tok = sampling_lib.sample(keys[:, 0], logits[:, 0], sp)
-  lp = sampling_lib.token_logprobs(logits[:, 0], tok, sp)[:, None] if cfg.policy.logprobs else None
+  lp, top = emitted_logprobs(cfg, logits[:, :1], tok[:, None], sp)
   z = jnp.zeros((tok.shape[0],), jnp.int32)
   out = outcome(cfg, n_acc=z, emitted=tok[:, None], hidden=hidden, block=None, n_valid=z, k=0,
-                logp=lp)
+                logp=lp, top=top)
   # The entry is written; finish_step rolls the length back from the old one.
   s1 = dataclasses.replace(s, cache=dataclasses.replace(written, length=s.cache.length))
   new, ctx = finish_step(s1, out, cfg, shadow_draft=choice.shadow)
@@ -700,15 +732,23 @@ def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, *, cfg: StepConf
 
 
 def outputs(s: SpecState, width: int):
-  """New tokens [B, width] (-1 padded) and their count [B], gathered from the sequence buffer;
-  with `logprobs` also their log-probabilities [B, width] (0 past each row's count)."""
+  """(new tokens [B, width] (-1 padded), their count [B], their log-probabilities [B, width] (0
+  past each row's count; None without `logprobs`), the top-N ids [B, width, N] (-1 past the
+  count) and log-probabilities [B, width, N] (0 past it; both None without `top_logprobs`)),
+  gathered from the sequence buffers."""
   n_out = s.seq_len - s.prompt_len
   idx = jnp.minimum(s.prompt_len[:, None] + jnp.arange(width)[None, :], s.seq.shape[1] - 1)
   valid = jnp.arange(width)[None, :] < n_out[:, None]
   toks = jnp.where(valid, jnp.take_along_axis(s.seq, idx, axis=1), -1)
-  if s.logp is None:
-    return toks, n_out
-  return toks, n_out, jnp.where(valid, jnp.take_along_axis(s.logp, idx, axis=1), 0.0)
+  lp = top_ids = top_lp = None
+  if s.logp is not None:
+    lp = jnp.where(valid, jnp.take_along_axis(s.logp, idx, axis=1), 0.0)
+  if s.top_ids is not None:
+    top_ids = jnp.where(valid[:, :, None], jnp.take_along_axis(s.top_ids, idx[:, :, None], axis=1),
+                        -1)
+    top_lp = jnp.where(valid[:, :, None], jnp.take_along_axis(s.top_lp, idx[:, :, None], axis=1),
+                       0.0)
+  return toks, n_out, lp, top_ids, top_lp
 
 
 spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(6,))

@@ -35,6 +35,10 @@ class DecodeState:
   logprobs: jax.Array | None = None  # [B, N] float32 (when asked for) the tokens' log-probs
   # What penalties, logit_bias and min_new_tokens read (None when the sampling has none).
   history: sampling_lib.TokenHistory | None = None
+  # [B, N, n] int32 / float32 (top_logprobs n) the n most likely tokens at each new token's
+  # position and their log-probabilities.
+  top_ids: jax.Array | None = None
+  top_lp: jax.Array | None = None
 
 
 def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -53,9 +57,10 @@ def prefill(params, prompt: jax.Array, lengths: jax.Array, lm, max_len: int, *,
 
 
 def init_decode(params, prompt, lengths, sp, key, lm, max_len, max_new_tokens, stop_ids,
-                buffers=None, capacity=None, logprobs=False):
+                buffers=None, capacity=None, logprobs=False, top_logprobs=0):
   """Prefill and the first new token. `max_new_tokens` may be traced when `capacity` (static,
-  the output buffer's width) bounds it; `logprobs` keeps every token's log-probability."""
+  the output buffer's width) bounds it; `logprobs` keeps every token's log-probability, and
+  `top_logprobs` n (with it) the n most likely tokens at every position."""
   b = prompt.shape[0]
   cap = max_new_tokens if capacity is None else capacity
   logits, _, cache = protocol.prefill(lm, params, prompt, lengths, max_len, buffers=buffers)
@@ -65,14 +70,19 @@ def init_decode(params, prompt, lengths, sp, key, lm, max_len, max_new_tokens, s
   first = sampling_lib.sample(jax.vmap(jax.random.fold_in)(keys, jnp.zeros(b, jnp.int32)),
                               logits, sp)
   tokens = jnp.full((b, cap), -1, jnp.int32).at[:, 0].set(first)
-  lp = None
+  lp = top_ids = top_lp = None
   if logprobs:
     lp = jnp.zeros((b, cap), jnp.float32).at[:, 0].set(
         sampling_lib.token_logprobs(logits, first, sp))
+    if top_logprobs:
+      ids, vals = sampling_lib.top_logprobs(logits, sp, top_logprobs)
+      top_ids = jnp.full((b, cap, top_logprobs), -1, jnp.int32).at[:, 0].set(ids)
+      top_lp = jnp.zeros((b, cap, top_logprobs), jnp.float32).at[:, 0].set(vals)
   done = is_stop(first, stop_ids) | (max_new_tokens <= 1)
   return DecodeState(tokens=tokens, n_out=jnp.ones((b,), jnp.int32), done=done, last=first,
                      cache=cache, keys=keys, steps=jnp.zeros((), jnp.int32), logprobs=lp,
-                     history=sampling_lib.extend_history(history, first))
+                     history=sampling_lib.extend_history(history, first), top_ids=top_ids,
+                     top_lp=top_lp)
 
 
 def decode_step(params, s: DecodeState, sp: SamplingArrays, lm, max_new_tokens, stop_ids):
@@ -87,6 +97,11 @@ def decode_step(params, s: DecodeState, sp: SamplingArrays, lm, max_new_tokens, 
   lp = s.logprobs
   if lp is not None:
     lp = lp.at[rows, col].set(sampling_lib.token_logprobs(logits[:, 0], tok, sp), mode="drop")
+  top_ids, top_lp = s.top_ids, s.top_lp
+  if top_ids is not None:
+    ids, vals = sampling_lib.top_logprobs(logits[:, 0], sp, top_ids.shape[2])
+    top_ids = top_ids.at[rows, col].set(ids, mode="drop")
+    top_lp = top_lp.at[rows, col].set(vals, mode="drop")
   n_out = s.n_out + live
   length = jnp.where(live, cache.length, s.cache.length)  # finished rows stop growing
   cache = protocol.with_length(cache, length)
@@ -94,7 +109,8 @@ def decode_step(params, s: DecodeState, sp: SamplingArrays, lm, max_new_tokens, 
   done = s.done | (live & is_stop(tok, stop_ids)) | (n_out >= max_new_tokens) | full
   history = sampling_lib.extend_history(s.history, tok, live)
   return DecodeState(tokens=tokens, n_out=n_out, done=done, last=jnp.where(live, tok, s.last),
-                     cache=cache, keys=s.keys, steps=s.steps + 1, logprobs=lp, history=history)
+                     cache=cache, keys=s.keys, steps=s.steps + 1, logprobs=lp, history=history,
+                     top_ids=top_ids, top_lp=top_lp)
 
 
 def decode_loop(params, s: DecodeState, sp, until, lm, max_new_tokens, stop_ids):
@@ -105,17 +121,19 @@ def decode_loop(params, s: DecodeState, sp, until, lm, max_new_tokens, stop_ids)
 
 
 def generate_program(params, prompt, lengths, sp, key, buffers=None, *, lm, max_len,
-                     max_new_tokens, stop_ids, logprobs=False):
+                     max_new_tokens, stop_ids, logprobs=False, top_logprobs=0):
   """Prefill and decode loop in one program; with `buffers` (donated, `take_cache_buffers`)
-  the cache lives in them and comes back as the last output, for the next call."""
+  the cache lives in them and comes back as the fourth output, for the next call. The last
+  output is None, or with `top_logprobs` the (ids, log-probabilities) [B, N, n]."""
   s = init_decode(params, prompt, lengths, sp, key, lm, max_len, max_new_tokens, stop_ids,
-                  buffers, logprobs=logprobs)
+                  buffers, logprobs=logprobs, top_logprobs=top_logprobs)
   s = decode_loop(params, s, sp, jnp.int32(max_new_tokens), lm, max_new_tokens, stop_ids)
   return (s.tokens, s.n_out, s.steps, (None if buffers is None else (s.cache.k, s.cache.v)),
-          s.logprobs)
+          s.logprobs, None if s.top_ids is None else (s.top_ids, s.top_lp))
 
 
 generate_jit = jax.jit(generate_program, static_argnames=(
-    "lm", "max_len", "max_new_tokens", "stop_ids", "logprobs"), donate_argnums=(5,))
-init_decode_jit = jax.jit(init_decode, static_argnums=(5, 6, 7, 8, 10, 11))
+    "lm", "max_len", "max_new_tokens", "stop_ids", "logprobs", "top_logprobs"),
+    donate_argnums=(5,))
+init_decode_jit = jax.jit(init_decode, static_argnums=(5, 6, 7, 8, 10, 11, 12))
 decode_loop_jit = jax.jit(decode_loop, static_argnums=(4, 5, 6), donate_argnums=(1,))

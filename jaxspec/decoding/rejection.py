@@ -1,7 +1,7 @@
 """The rejection-sampling core: draft, verify, accept (Leviathan et al. 2023, Chen et al. 2023).
 
   draft(drafter, params, state, ctx, k, sp, keys) -> Proposal, state
-  verify(params, cache, last [B], drafts [B, k], lm, sp) -> p [B, k+1, V], hidden, cache
+  verify(lm, params, cache, last [B], drafts [B, k], sp) -> p [B, k+1, V], hidden, cache
   rejection_sample(p, q, drafts, keys) -> n_accepted [B], emitted [B, k+1]
 
 Pure and jit-compatible; `jaxspec.decoding.loop` builds one loop step from them.
@@ -10,6 +10,7 @@ Pure and jit-compatible; `jaxspec.decoding.loop` builds one loop step from them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,17 +33,25 @@ def draft(drafter: Drafter, params, state, ctx: DraftContext, k: int, sp: Sampli
   return drafter.propose(params, state, ctx, k, sp, keys)
 
 
-def verify(params, cache, last: jax.Array, drafts: jax.Array, lm, sp: SamplingArrays, *,
+def _is_lm(x) -> bool:
+  """Whether `x` is a model (`CausalLM`, or a configuration registered for one), not weights."""
+  return type(x) in protocol.LM_OF_CONFIG or all(hasattr(x, m) for m in protocol.REQUIRED)
+
+
+def verify(lm, params, cache, last: jax.Array, drafts: jax.Array, sp: SamplingArrays, *,
            hidden_layers: tuple[int, ...] = (), write: bool = True,
            return_logits: bool = False, history: sampling_lib.TokenHistory | None = None):
   """One target pass over [last, d_1 .. d_k] for every row.
 
+  The model comes first, as in every public function; the order before issue 49,
+  verify(params, cache, last, drafts, lm, sp), still works with a DeprecationWarning.
+
   Args:
+    lm: the target model (`jaxspec.decoding.CausalLM`; a `LlamaConfig` means jaxspec's Llama).
     params: target weights.
     cache: target cache holding every token before `last` (per-row length).
     last: [B] the last accepted token of every row.
     drafts: [B, k] proposals.
-    lm: the target model (`jaxspec.decoding.CausalLM`; a `LlamaConfig` means jaxspec's Llama).
     sp: sampling arrays; p is processed with them exactly as plain decoding would.
     return_logits: also return the target's logits [B, k+1, V] (last), for log-probabilities
       (adjusted, with a history).
@@ -56,6 +65,11 @@ def verify(params, cache, last: jax.Array, drafts: jax.Array, lm, sp: SamplingAr
     (the caller moves it back to what was accepted); with write=False the new block (jaxspec's
     Llama: keys and values [L, B, k+1, G, K]) instead, for `protocol.write_block`.
   """
+  if not _is_lm(lm) and _is_lm(drafts):  # verify(params, cache, last, drafts, lm, sp)
+    warnings.warn("verify(params, cache, last, drafts, lm, sp) is deprecated: pass the model"
+                  " first, verify(lm, params, cache, last, drafts, sp)", DeprecationWarning,
+                  stacklevel=2)
+    lm, params, cache, last, drafts = drafts, lm, params, cache, last
   lm = protocol.as_lm(lm)
   tokens = jnp.concatenate([last[:, None], drafts], axis=1)
   logits, hidden, cache = protocol.forward(lm, params, tokens, cache,

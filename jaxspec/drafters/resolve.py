@@ -49,7 +49,7 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
 
   from jaxspec import heads as heads_lib
   if drafter in heads_lib.HEADS or heads_lib.is_head_dir(drafter):
-    made = heads_lib.load_head(drafter, target)
+    made = heads_lib.load_head(target, drafter)
   elif is_pard_dir(drafter):
     made = load_pard(drafter, target, dtype=dtype)
   elif os.path.exists(drafter):

@@ -25,9 +25,10 @@ import numpy as np
 
 from jaxspec.decoding import loop
 from jaxspec.decoding import plain
-from jaxspec.decoding.functional import as_key
+from jaxspec.decoding.functional import as_key, check_logprobs
 from jaxspec.decoding.plain import DecodeState
 from jaxspec.decoding.loop import SpecState
+from jaxspec.decoding.score import score
 from jaxspec.engine import costs
 from jaxspec.engine import io
 from jaxspec.engine.runs import SpecRun, placed_run
@@ -47,9 +48,20 @@ class GenerateOutput:
     prompt_lengths: [B] prompt tokens per row.
     texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer.
     stats: timing and, for speculative decoding, acceptance statistics.
-    logprobs: [B, max_new_tokens] float32 (with logprobs=True) the target's log-probability of
-      each new token under the sampling parameters (log_softmax of the processed logits; greedy
-      rows unscaled); 0 past each row's length.
+    logprobs: [B, max_new_tokens] float32 (with logprobs=True or N) the target's
+      log-probability of each new token under the sampling parameters (log_softmax of the
+      processed logits; greedy rows unscaled); 0 past each row's length.
+    top_ids: [B, max_new_tokens, N] int32 (with logprobs=N) the N most likely tokens of the
+      distribution each new token was drawn from (the target's processed one at its position,
+      under speculation too), most likely first; -1 past each row's length.
+    top_logprobs: [B, max_new_tokens, N] float32 their log-probabilities (-inf for tokens the
+      filters drop); 0 past each row's length.
+    prompt_logprobs: [B, P] float32 (with prompt_logprobs=True) the log-probability of each
+      prompt token given the tokens before it, under the same processing as `logprobs`
+      (`jaxspec.decoding.score` of the prompts); 0 at position 0 (no prefix) and past each
+      prompt's length, so `.sum(1)` is each prompt's log-likelihood after its first token.
+    stop_reasons: [B] (with stop=...) the stop string that ended each row, or None for a row
+      that ended otherwise (a stop token, max_new_tokens).
   """
 
   tokens: np.ndarray
@@ -58,6 +70,10 @@ class GenerateOutput:
   texts: list[str] | None = None
   stats: dict[str, Any] = dataclasses.field(default_factory=dict)
   logprobs: np.ndarray | None = None
+  top_ids: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
+  prompt_logprobs: np.ndarray | None = None
+  stop_reasons: list[str | None] | None = None
 
   def row(self, b: int) -> list[int]:
     """Row b's new tokens as a list."""
@@ -95,18 +111,20 @@ def _over_pressure(usage: tuple[int, int] | None) -> bool:
 
 
 def generate_program(params, prompt, lengths, sp, key, budget, buffers=None, *, lm, max_len,
-                     capacity, stop_ids, logprobs=False):
-  """`plain.generate_program` with per-row budgets [B] below a static `capacity`."""
+                     capacity, stop_ids, logprobs=False, top_logprobs=0):
+  """`plain.generate_program` with per-row budgets [B] below a static `capacity`; the last
+  output is None, or with `top_logprobs` the (ids, log-probabilities) [B, capacity, n]."""
   s = plain.init_decode(params, prompt, lengths, sp, key, lm, max_len, budget, stop_ids, buffers,
-                        capacity=capacity, logprobs=logprobs)
+                        capacity=capacity, logprobs=logprobs, top_logprobs=top_logprobs)
   s = plain.decode_loop(params, s, sp, jnp.max(budget), lm, budget, stop_ids)
   return (s.tokens, s.n_out, s.steps, (None if buffers is None else (s.cache.k, s.cache.v)),
-          s.logprobs)
+          s.logprobs, None if s.top_ids is None else (s.top_ids, s.top_lp))
 
 
-def stream_init(params, prompt, lengths, sp, key, budget, *, lm, max_len, capacity, stop_ids):
+def stream_init(params, prompt, lengths, sp, key, budget, *, lm, max_len, capacity, stop_ids,
+                logprobs=False, top_logprobs=0):
   return plain.init_decode(params, prompt, lengths, sp, key, lm, max_len, budget, stop_ids,
-                           capacity=capacity)
+                           capacity=capacity, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def stream_loop(params, s: DecodeState, sp, until, budget, *, lm, stop_ids):
@@ -114,8 +132,9 @@ def stream_loop(params, s: DecodeState, sp, until, budget, *, lm, stop_ids):
 
 
 generate_jit = jax.jit(generate_program, donate_argnums=(6,), static_argnames=(
-    "lm", "max_len", "capacity", "stop_ids", "logprobs"))
-stream_init_jit = jax.jit(stream_init, static_argnames=("lm", "max_len", "capacity", "stop_ids"))
+    "lm", "max_len", "capacity", "stop_ids", "logprobs", "top_logprobs"))
+stream_init_jit = jax.jit(stream_init, static_argnames=(
+    "lm", "max_len", "capacity", "stop_ids", "logprobs", "top_logprobs"))
 stream_loop_jit = jax.jit(stream_loop, static_argnames=("lm", "stop_ids"), donate_argnums=(1,))
 
 
@@ -327,27 +346,37 @@ class Engine:
 
   def generate(self, model, prompts, *, max_new_tokens: int, sampling=None, key=None,
                stop_ids=None, max_len: int | None = None, temperature: float | None = None,
-               logprobs: bool = False, tokenizer=None, chat: bool | None = None,
-               prompt_lengths=None, n: int = 1) -> GenerateOutput:
-    """`jaxspec.generate`: plain decoding of a batch, one compiled program. `model`: a jaxspec
-    `Model` or a `Target` of an own `CausalLM`."""
+               logprobs: bool | int = False, prompt_logprobs: bool = False, stop=None,
+               tokenizer=None, chat: bool | None = None, prompt_lengths=None,
+               n: int = 1) -> GenerateOutput:
+    """`jaxspec.generate`: plain decoding of a batch, one compiled program (with stop strings,
+    the stream's programs run in chunks of `STOP_CHECK_STEPS`). `model`: a jaxspec `Model` or a
+    `Target` of an own `CausalLM`."""
+    tgt = io.as_host_target(model)
+    tok = io.tokenizer_of(model, tokenizer)
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
+    if stop is not None and check_stop_strings(tok, stop):
+      return _last_output(self.generate_stream(
+          model, prompts, max_new_tokens=max_new_tokens, chunk=STOP_CHECK_STEPS,
+          sampling=sampling, key=key, stop_ids=stop_ids, max_len=max_len, logprobs=logprobs,
+          prompt_logprobs=prompt_logprobs, stop=stop, tokenizer=tokenizer, chat=chat,
+          prompt_lengths=prompt_lengths, n=n))
     sp_user = resolve_sampling(sampling)
     sh = io.sharding_of(model)
+    keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
                               prompt_lengths=prompt_lengths, n=n, bucket=self.buckets,
                               rows_multiple=1 if sh is None else sh.data_size)
     stops = io.stop_ids_for(model, stop_ids)
-    tgt = io.as_host_target(model)
     b, rows = prep.tokens.shape[0], prep.rows
     args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
             io.pad_rows(io.sampling_rows(sp_user, prep, tgt.lm.vocab_size, max_new_tokens), b),
             io.pad_rows(as_key(io.key_rows(key, prep), rows), b),
             jnp.asarray(prep.row_budgets(max_new_tokens)))
     static = dict(lm=tgt.lm, max_len=prep.max_len, capacity=prep.capacity,
-                  stop_ids=stops, logprobs=bool(logprobs))
+                  stop_ids=stops, logprobs=keep_lp, top_logprobs=top_n)
     if sh is None:  # a Model's cache in the previous call's buffers (`take_cache_buffers`)
       args += (self.take_cache_buffers(model.cfg, b, prep.max_len)
                if isinstance(model, Model) else None,)
@@ -357,65 +386,86 @@ class Engine:
       in_sh = io.in_shardings_for(sh, args)
       jit_kwargs = dict(in_shardings=in_sh,
                         out_shardings=(sh.batch(2), sh.batch(1), sh.replicated(), None,
-                                       sh.batch(2) if logprobs else None))
+                                       sh.batch(2) if keep_lp else None,
+                                       (sh.batch(3), sh.batch(3)) if top_n else None))
       exe, compile_s = self.compile(generate_program, sh, *args, jit_kwargs=jit_kwargs,
                                     **static)
       # Global arrays on the mesh (on several hosts every process passes the same prompts).
       args = io.put_global(args, in_sh)
     t0 = time.perf_counter()
-    tokens, n_out, steps, bufs, lp = jax.block_until_ready(exe(*args))
+    tokens, n_out, steps, bufs, lp, top = jax.block_until_ready(exe(*args))
     dt = time.perf_counter() - t0
     if bufs is not None:
       self.keep_cache_buffers(model.cfg, *bufs)
-    tokens, n_out, lp = _real_rows(io.to_host((tokens, n_out, lp)), rows, max_new_tokens)
-    new = int(n_out.sum())
-    stats = dict(seconds=dt, compile_seconds=compile_s, new_tokens=new,
-                 tokens_per_second=new / dt if dt > 0 else float("inf"),
-                 target_passes=int(steps) + 1, batch_size=rows)
-    return GenerateOutput(tokens=tokens, lengths=n_out, prompt_lengths=prep.lengths[:rows],
-                          logprobs=lp, stats=stats,
-                          texts=io.decode_texts(io.tokenizer_of(model, tokenizer), tokens, n_out))
+    top_ids, top_lp = (None, None) if top is None else top
+    tokens, n_out, lp, top_ids, top_lp = _real_rows(
+        io.to_host((tokens, n_out, lp, top_ids, top_lp)), rows, max_new_tokens)
+    stats = dict(seconds=dt, compile_seconds=compile_s, target_passes=int(steps) + 1,
+                 batch_size=rows)
+    snap = _Rows(tokens=tokens, lengths=n_out, done=np.ones(rows, bool), steps=int(steps),
+                 logprobs=lp, top_ids=top_ids, top_lp=top_lp)
+    return _output(tok, prep, snap, stats, None,
+                   _prompt_logprobs(tgt, prep, sp_user) if prompt_logprobs else None)
 
-  def generate_stream(self, model, prompt, *, max_new_tokens: int, chunk: int,
-                      sampling=None, key=None, stop_ids=None, tokenizer=None,
-                      chat: bool | None = None, prompt_lengths=None,
-                      ) -> Iterator[tuple[list[int], dict[str, Any]]]:
-    """`jaxspec.generate_stream`: plain decoding, yielding row 0's new tokens every `chunk`
+  def generate_stream(self, model, prompts, *, max_new_tokens: int, chunk: int,
+                      sampling=None, key=None, stop_ids=None, max_len: int | None = None,
+                      logprobs: bool | int = False, prompt_logprobs: bool = False,
+                      stop=None, tokenizer=None, chat: bool | None = None, prompt_lengths=None,
+                      n: int = 1) -> Iterator[tuple[list[list[int]], dict[str, Any]]]:
+    """`jaxspec.generate_stream`: plain decoding, yielding every row's new tokens every `chunk`
     steps."""
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
-    prep = io.prepare_prompts(model, prompt, max_new_tokens, held=self.held_bytes(),
-                              tokenizer=tokenizer, chat=chat, prompt_lengths=prompt_lengths,
-                              bucket=self.buckets)
-    stops = io.stop_ids_for(model, stop_ids)
     tgt = io.as_host_target(model)
+    keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+    tok = io.tokenizer_of(model, tokenizer)
+    stopper = _stopper(tok, stop)
+    prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
+                              held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
+                              prompt_lengths=prompt_lengths, n=n, bucket=self.buckets)
+    stops = io.stop_ids_for(model, stop_ids)
     b, rows = prep.tokens.shape[0], prep.rows
-    sp = io.pad_rows(sp_user.arrays(rows, tgt.lm.vocab_size, max_new_tokens), b)
+    sp = io.pad_rows(io.sampling_rows(sp_user, prep, tgt.lm.vocab_size, max_new_tokens), b)
     budget = jnp.asarray(prep.row_budgets(max_new_tokens))
     init_args = (tgt.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), sp,
-                 io.pad_rows(as_key(key, rows), b), budget)
+                 io.pad_rows(as_key(io.key_rows(key, prep), rows), b), budget)
     init_static = dict(lm=tgt.lm, max_len=prep.max_len, capacity=prep.capacity,
-                       stop_ids=stops)
+                       stop_ids=stops, logprobs=keep_lp, top_logprobs=top_n)
     init_exe, c1 = self.compile(stream_init_jit, "stream-init", *init_args, **init_static)
     state0 = jax.eval_shape(functools.partial(stream_init_jit, **init_static), *init_args)
     loop_exe, c2 = self.compile(stream_loop_jit, "stream-loop", tgt.params, state0, sp,
                                 jnp.int32(0), budget, lm=tgt.lm, stop_ids=stops)
+    prompt_lp = _prompt_logprobs(tgt, prep, sp_user) if prompt_logprobs else None
     t0 = time.perf_counter()
     state = jax.block_until_ready(init_exe(*init_args))
-    for new, info in _stream(lambda s, until: loop_exe(tgt.params, s, sp, until, budget),
-                             _view_decode, state, chunk, t0):
+    view = functools.partial(_view_decode, rows=rows, width=int(max_new_tokens))
+    chunks = _chunks(lambda s, until: loop_exe(tgt.params, s, sp, until, budget), view,
+                     _with_done, state, chunk, stopper)
+    for new, info in _stream(chunks, t0):
       info["compile_seconds"] = c1 + c2
+      info["stats"] = dict(target_passes=info.pop("steps") + 1, batch_size=rows)
+      if info["done"].all():
+        st = dict(info["stats"], seconds=info["seconds"], compile_seconds=c1 + c2)
+        info["output"] = _output(tok, prep, info.pop("rows"), st, stopper, prompt_lp)
+      _public(info)
       yield new, info
 
   def speculative_generate(self, target, drafter, prompts, *, max_new_tokens: int,
-                           num_draft_tokens, placement=None, **options) -> GenerateOutput:
-    """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`.
-    `options` are `io.prepare_spec`'s."""
+                           num_draft_tokens, placement=None, prompt_logprobs: bool = False,
+                           stop=None, **options) -> GenerateOutput:
+    """`jaxspec.speculative_generate`: the fused loop, or the two-mesh loop of a `Placement`
+    (with stop strings, in chunks of `STOP_CHECK_PASSES` verify steps). `options` are
+    `io.prepare_spec`'s."""
+    io.as_host_target(target)  # the documented ValueError before the tokenizer is read
+    stopper = _stopper(io.tokenizer_of(target, options.get("tokenizer")), stop)
     # Bucketed in the fused loop; a two-mesh run compiles for the exact sizes.
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
                           bucket=self.buckets and placement is None, **options)
     run = SpecRun(self, req) if placement is None else placed_run(self, req, placement)
+    prompt_lp = _prompt_logprobs(req.target, req.prep, req.sampling) if prompt_logprobs else None
+    if stopper is not None:
+      return _last_output(self._spec_chunks(run, req, STOP_CHECK_PASSES, stopper, prompt_lp))
     t0 = time.perf_counter()
     state = run.start()
     state = run.target_state(run.loop(state, run.max_steps))
@@ -423,69 +473,295 @@ class Engine:
     dt = time.perf_counter() - t0 - run.cost_seconds
     run.finish(state)
     rows = req.prep.rows
-    toks, n_out, *lp = _real_rows(io.to_host(outs), rows, req.max_new_tokens)
+    toks, n_out, lp, top_ids, top_lp = _real_rows(io.to_host(outs), rows, req.max_new_tokens)
     stats = run.stats(state.stats)
-    new = int(n_out.sum())
-    stats.update(seconds=dt, new_tokens=new,
-                 tokens_per_second=new / dt if dt > 0 else float("inf"))
-    return GenerateOutput(tokens=toks, lengths=n_out, prompt_lengths=req.prep.lengths[:rows],
-                          texts=io.decode_texts(req.tokenizer, toks, n_out), stats=stats,
-                          logprobs=lp[0] if lp else None)
+    stats.update(seconds=dt)
+    snap = _Rows(tokens=toks, lengths=n_out, done=np.ones(len(n_out), bool),
+                 steps=stats["target_passes"], logprobs=lp, top_ids=top_ids, top_lp=top_lp)
+    return _output(req.tokenizer, req.prep, snap, stats, None, prompt_lp)
 
-  def speculative_stream(self, target, drafter, prompt, *, max_new_tokens: int,
-                         num_draft_tokens, chunk: int, **options):
-    """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps.
-    `options` are `io.prepare_spec`'s."""
+  def speculative_stream(self, target, drafter, prompts, *, max_new_tokens: int,
+                         num_draft_tokens, chunk: int, prompt_logprobs: bool = False, stop=None,
+                         **options):
+    """`jaxspec.speculative_stream`: the fused loop run in chunks of `chunk` verify steps,
+    yielding every row's new tokens. `options` are `io.prepare_spec`'s."""
     chunk = io.check_chunk(chunk)
-    run = SpecRun(self, io.prepare_spec(target, drafter, prompt, max_new_tokens=max_new_tokens,
-                                        num_draft_tokens=num_draft_tokens,
-                                        held=self.held_bytes(), bucket=self.buckets,
-                                        **options))
+    io.as_host_target(target)
+    stopper = _stopper(io.tokenizer_of(target, options.get("tokenizer")), stop)
+    req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
+                          bucket=self.buckets, **options)
+    run = SpecRun(self, req)
+    prompt_lp = _prompt_logprobs(req.target, req.prep, req.sampling) if prompt_logprobs else None
+    return self._spec_chunks(run, req, chunk, stopper, prompt_lp)
+
+  def _spec_chunks(self, run: SpecRun, req, chunk: int, stopper: _StopStrings | None,
+                   prompt_lp):
+    """A speculative run (fused or two-mesh) in chunks of `chunk` verify steps: `_stream`'s
+    yields, each with the statistics so far, the last with the call's `GenerateOutput`."""
+    rows, width = req.prep.rows, req.max_new_tokens
+
+    def view(state) -> _Rows:
+      s = run.target_state(state)
+      toks, n_out, lp, top_ids, top_lp, done = _real_rows(io.to_host(
+          (*loop.outputs_jit(s, req.prep.capacity), s.done)), rows, width)
+      return _Rows(tokens=toks, lengths=n_out, done=done,
+                   steps=int(io.to_host(s.stats.target_passes)), logprobs=lp, top_ids=top_ids,
+                   top_lp=top_lp)
+
+    def with_done(state, done):
+      if isinstance(state, SpecState):
+        return _with_done(state, done)
+      return dataclasses.replace(state, t=_with_done(state.t, done))  # a two-mesh HostState
+
     t0 = time.perf_counter()
     state = jax.block_until_ready(run.start())
     t0 += run.cost_seconds
-
-    def view(s: SpecState):
-      p0, n0 = int(np.asarray(s.prompt_len)[0]), int(np.asarray(s.seq_len)[0])
-      return (np.asarray(s.seq)[0, p0:n0], bool(np.asarray(s.done).all()),
-              int(s.stats.target_passes))
-
-    for new, info in _stream(run.loop, view, state, chunk, t0):
-      s = info.pop("state")
-      info["stats"] = run.stats(s.stats)
+    for new, info in _stream(_chunks(run.loop, view, with_done, state, chunk, stopper), t0):
+      state = info.pop("state")
+      info["stats"] = run.stats(run.target_state(state).stats)
+      info.pop("steps")
       info["compile_seconds"] = run.compile_seconds
       info["cost_seconds"] = run.cost_seconds
       info["cost_source"] = run.cost_source
+      if info["done"].all():
+        run.finish(run.target_state(state))
+        st = dict(info["stats"], seconds=info["seconds"])
+        info["output"] = _output(req.tokenizer, req.prep, info.pop("rows"), st, stopper,
+                                 prompt_lp)
+      _public(info)
       yield new, info
-    run.finish(s)
 
 
-def _stream(step_fn: Callable, view: Callable, state, chunk: int, t0: float):
-  """Yields (newly emitted tokens of row 0, info) after the prefill and after every chunk.
+# Steps between the host's checks of stop strings (`generate` and `speculative_generate` with
+# stop=...): each check is one round trip and a decode of the rows' text, so a row runs at most
+# this many steps past its stop string.
+STOP_CHECK_STEPS = 16
+STOP_CHECK_PASSES = 8
 
-  `view(state)` -> (all new tokens of row 0 so far, every row done?, steps so far).
+
+@dataclasses.dataclass
+class _Rows:
+  """Host copies of every row's new tokens so far (and what rides with them)."""
+
+  tokens: np.ndarray  # [B, W] int32, -1 past each row's length
+  lengths: np.ndarray  # [B]
+  done: np.ndarray  # [B] bool: the row emits nothing more
+  steps: int  # target passes after the prefill
+  logprobs: np.ndarray | None = None  # [B, W]
+  top_ids: np.ndarray | None = None  # [B, W, N]
+  top_lp: np.ndarray | None = None  # [B, W, N]
+
+  def __post_init__(self):  # writable copies (`cut`), not read-only views of device arrays
+    for f in ("tokens", "lengths", "done", "logprobs", "top_ids", "top_lp"):
+      if getattr(self, f) is not None:
+        setattr(self, f, np.array(getattr(self, f)))
+
+  def cut(self, b: int, n: int) -> None:
+    """Row b ends after its first n new tokens."""
+    self.lengths[b] = n
+    self.tokens[b, n:] = -1
+    if self.logprobs is not None:
+      self.logprobs[b, n:] = 0.0
+    if self.top_ids is not None:
+      self.top_ids[b, n:] = -1
+      self.top_lp[b, n:] = 0.0
+
+
+class _StopStrings:
+  """Stop strings matched in each row's decoded text between chunks of the loop.
+
+  A row stops at the first token whose text (the decoding of the row's new tokens up to and
+  including it) holds a stop string: its tokens end with that token, its text ends before the
+  stop string's first occurrence. Only rows with new tokens since the last check are decoded.
   """
-  emitted = 0
-  first_s = time.perf_counter() - t0
+
+  def __init__(self, tokenizer, stops: tuple[str, ...]):
+    self.tokenizer, self.stops = tokenizer, stops
+    self.checked: np.ndarray | None = None  # [B] leading tokens known to hold no stop string
+    self.ends: np.ndarray | None = None  # [B] tokens kept by a stopped row, -1: not stopped
+    self.texts: list[str | None] = []
+    self.reasons: list[str | None] = []
+
+  def _find(self, ids: list[int]) -> tuple[str, int, str] | None:
+    text = self.tokenizer.decode(ids)
+    hits = [(text.find(s), i) for i, s in enumerate(self.stops) if s in text]
+    if not hits:
+      return None
+    pos, i = min(hits)
+    return text, pos, self.stops[i]
+
+  def apply(self, rows: _Rows) -> _Rows:
+    """Finds the rows that reached a stop string and cuts them (every stopped row's tokens end
+    with the one that completed its stop string); marks them done."""
+    b = len(rows.lengths)
+    if self.checked is None:
+      self.checked, self.ends = np.zeros(b, np.int64), np.full(b, -1, np.int64)
+      self.texts, self.reasons = [None] * b, [None] * b
+    for r in range(b):
+      n = int(rows.lengths[r])
+      if self.ends[r] < 0 and n > self.checked[r]:
+        ids = rows.tokens[r, :n].tolist()
+        if self._find(ids) is not None:
+          # The first token that completes one: each shorter prefix is decoded, from the
+          # tokens known clean (a stop string may span tokens).
+          for j in range(int(self.checked[r]) + 1, n + 1):
+            hit = self._find(ids[:j])
+            if hit is not None:
+              self.ends[r], self.texts[r], self.reasons[r] = j, hit[0][:hit[1]], hit[2]
+              break
+        self.checked[r] = n
+      if self.ends[r] >= 0:
+        rows.cut(r, int(self.ends[r]))
+    rows.done = rows.done | (self.ends >= 0)
+    return rows
+
+
+def check_stop_strings(tokenizer, stop) -> tuple[str, ...]:
+  """Stop strings as a tuple (None: none; one string: that one). Raises ValueError for anything
+  but non-empty strings, and for stop strings without a `tokenizer` (the call's, `io.tokenizer_of`:
+  they are matched in the decoded text)."""
+  if stop is None:
+    return ()
+  if isinstance(stop, str):
+    stop = (stop,)
+  if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+    raise ValueError(f"stop must be a string or a list of strings (matched in the decoded text),"
+                     f" got {stop!r}: for token ids use stop_ids=[...]")
+  if any(x == "" for x in stop):
+    raise ValueError("stop strings must be non-empty (an empty one would stop every row at"
+                     " once): drop it from stop=")
+  if stop and tokenizer is None:
+    raise ValueError("stop strings are matched in the decoded text, but the model has no"
+                     " tokenizer: pass stop_ids=[...] (token ids) instead, or a tokenizer"
+                     " (tokenizer=..., or a model with one)")
+  return tuple(stop)
+
+
+def _stopper(tokenizer, stop) -> _StopStrings | None:
+  stops = check_stop_strings(tokenizer, stop)
+  return _StopStrings(tokenizer, stops) if stops else None
+
+
+def _with_done(state, done: np.ndarray):
+  """The loop's state with the caller's rows `done` marked finished (the loop stops growing
+  them), the new flags laid out as the old ones; a bucket's pad rows past them keep theirs."""
+  flags = np.array(io.to_host(state.done))
+  flags[:len(done)] = done
+  return dataclasses.replace(state, done=jax.device_put(flags, state.done.sharding))
+
+
+def _chunks(step_fn: Callable, view: Callable[[Any], _Rows], with_done: Callable, state,
+            chunk: int, stopper: _StopStrings | None):
+  """Runs the loop `chunk` steps at a time; yields (state, rows) after the prefill and after
+  every chunk, until every row is done. Rows that reach a stop string are cut and marked done on
+  device, so the loop ends as soon as every row has stopped."""
   while True:
-    toks, done, steps = view(state)
-    new, emitted = toks[emitted:].tolist(), len(toks)
-    yield new, dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0, state=state)
-    if done:
+    rows = view(state)
+    if stopper is not None:
+      before = rows.done.copy()
+      rows = stopper.apply(rows)
+      if (rows.done & ~before).any():
+        state = with_done(state, rows.done)
+    yield state, rows
+    if rows.done.all():
       return
-    state = jax.block_until_ready(step_fn(state, jnp.int32(steps + chunk)))
+    state = jax.block_until_ready(step_fn(state, jnp.int32(rows.steps + chunk)))
+
+
+def _stream(chunks, t0: float):
+  """Yields (every row's newly emitted tokens, info) for each of `chunks`' (state, rows): info
+  holds the timings, the rows' flags and the new tokens' log-probabilities, and (for the
+  caller, which removes them) the state, the step count and the rows."""
+  emitted = None
+  first_s = None
+  for state, rows in chunks:
+    if first_s is None:
+      first_s = time.perf_counter() - t0
+      emitted = np.zeros(len(rows.lengths), np.int64)
+    n = rows.lengths.astype(np.int64)
+    sl = [slice(int(a), int(e)) for a, e in zip(emitted, n)]
+    new = [rows.tokens[r, sl[r]].tolist() for r in range(len(sl))]
+    info = dict(first_chunk_seconds=first_s, seconds=time.perf_counter() - t0,
+                done=rows.done.copy(), state=state, steps=rows.steps, rows=rows)
+    if rows.logprobs is not None:
+      info["logprobs"] = [rows.logprobs[r, sl[r]].tolist() for r in range(len(sl))]
+    if rows.top_ids is not None:
+      info["top_ids"] = [rows.top_ids[r, sl[r]].tolist() for r in range(len(sl))]
+      info["top_logprobs"] = [rows.top_lp[r, sl[r]].tolist() for r in range(len(sl))]
+    emitted = n
+    yield new, info
+
+
+# What a stream's info holds (`jaxspec.api.generate_stream` documents them).
+STREAM_INFO = ("first_chunk_seconds", "seconds", "compile_seconds", "cost_seconds", "cost_source",
+               "done", "stats", "logprobs", "top_ids", "top_logprobs", "output")
+
+
+def _public(info: dict) -> None:
+  """Drops everything but the documented fields (`STREAM_INFO`); `done` as a list."""
+  for k in list(info):
+    if k not in STREAM_INFO:
+      del info[k]
+  info["done"] = info["done"].tolist()
+
+
+def _last_output(stream) -> GenerateOutput:
+  info = {}
+  for _, info in stream:
+    pass
+  return info["output"]
 
 
 def _real_rows(outs, rows: int, width: int):
   """The caller's rows and new-token columns of a bucketed program's per-row outputs (tokens,
-  counts, log-probabilities; None stays None)."""
-  return tuple(None if x is None else x[:rows, :width] if x.ndim == 2 else x[:rows]
+  counts, log-probabilities, top-N; None stays None)."""
+  return tuple(None if x is None else x[:rows, :width] if x.ndim >= 2 else x[:rows]
                for x in outs)
 
 
-def _view_decode(s: DecodeState):
-  n = int(np.asarray(s.n_out)[0])
-  return np.asarray(s.tokens)[0, :n], bool(np.asarray(s.done).all()), int(s.steps)
+def _view_decode(s: DecodeState, *, rows: int, width: int) -> _Rows:
+  """The caller's `rows` and `width` new-token columns of a (bucketed) plain decoding state."""
+  toks, n_out, done, lp, top_ids, top_lp = _real_rows(io.to_host(
+      (s.tokens, s.n_out, s.done, s.logprobs, s.top_ids, s.top_lp)), rows, width)
+  steps = io.to_host(s.steps)
+  valid = np.arange(toks.shape[1])[None, :] < n_out[:, None]
+  return _Rows(tokens=np.where(valid, toks, -1), lengths=n_out, done=done, steps=int(steps),
+               logprobs=None if lp is None else np.where(valid, lp, 0.0),
+               top_ids=None if top_ids is None else np.where(valid[:, :, None], top_ids, -1),
+               top_lp=None if top_lp is None else np.where(valid[:, :, None], top_lp, 0.0))
+
+
+def _prompt_logprobs(model, prep, sampling) -> np.ndarray:
+  """[B, P] each prompt token's log-probability given the tokens before it, under the call's
+  processing (`score`: one forward pass over the caller's rows, a bucket's pad rows left out);
+  0 at position 0 and past a row's length. `model`: a jaxspec Model or a Target."""
+  b = prep.rows
+  lengths = prep.lengths[:b]
+  p = int(lengths.max())  # the padding past the longest is not
+  tgt = io.as_host_target(model)
+  return np.asarray(score(tgt, jnp.asarray(prep.tokens[:b, :p]), jnp.asarray(lengths),
+                          sampling=io.sampling_rows(sampling, prep, tgt.lm.vocab_size),
+                          prompt_lengths=jnp.ones((b,), jnp.int32)))
+
+
+def _output(tokenizer, prep, rows: _Rows, stats: dict, stopper: _StopStrings | None,
+            prompt_lp) -> GenerateOutput:
+  """The call's `GenerateOutput` from its rows (the caller's, cut at stop strings already), with
+  the token counts and rate added to `stats`; texts decoded with `tokenizer` (None: none)."""
+  new = int(rows.lengths.sum())
+  dt = stats["seconds"]
+  stats.update(new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
+  texts = io.decode_texts(tokenizer, rows.tokens, rows.lengths)
+  reasons = None
+  if stopper is not None:
+    reasons = list(stopper.reasons)
+    texts = [t if cut is None else cut for t, cut in zip(texts, stopper.texts)]
+  return GenerateOutput(tokens=rows.tokens, lengths=rows.lengths,
+                        prompt_lengths=prep.lengths[:len(rows.lengths)],
+                        texts=texts, stats=stats, logprobs=rows.logprobs, top_ids=rows.top_ids,
+                        top_logprobs=rows.top_lp, prompt_logprobs=prompt_lp,
+                        stop_reasons=reasons)
 
 
 DEFAULT = Engine()  # the engine of `jaxspec.api`'s functions

@@ -20,8 +20,8 @@ from jaxspec.checks import check_int, is_int
 from jaxspec.decoding import limits
 from jaxspec.decoding.adaptive import CostModel
 from jaxspec.decoding.drafter import Drafter, resolve_coupled
-from jaxspec.decoding.functional import (check_drafter_for, check_stop_ids, eos_ids_of,
-                                        rollout_keys, working_set)
+from jaxspec.decoding.functional import (check_drafter_for, check_logprobs, check_stop_ids,
+                                         eos_ids_of, rollout_keys, working_set)
 from jaxspec.decoding.limits import MAX_POSITIONS
 from jaxspec.decoding.loop import Policy, resolve_policy
 from jaxspec.decoding.protocol import Target, as_target
@@ -427,7 +427,7 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                  sampling: Sampling | None = None, temperature: float | None = None,
                  auto=None, cost: CostModel | None = None, max_len: int | None = None,
                  stop_ids: Sequence[int] | None = None, key=None,
-                 logprobs: bool = False, held: int = 0, tokenizer=None,
+                 logprobs: bool | int = False, held: int = 0, tokenizer=None,
                  chat: bool | None = None, prompt_lengths=None, n: int = 1,
                  bucket: bool = False) -> SpecRequest:
   """Everything a speculative call checks before compiling (the arguments of
@@ -445,8 +445,9 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
   sp_user = resolve_sampling(sampling)
   check_drafter(target, drafter)
+  keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
-                               logprobs=bool(logprobs))
+                               logprobs=keep_lp, top_logprobs=top_n)
   # A drafter that samples its drafts is coupled with the target's draws under "auto" (unless
   # it says otherwise), so a timed k schedule cannot change the text.
   drafter = resolve_coupled(drafter, policy.auto)

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -236,10 +237,24 @@ def check_target(config: Mapping[str, Any], target, where: str,
           " one (check_fingerprint=False loads it anyway; outputs stay exact, acceptance drops)")
 
 
-def load_head_model(dir_or_name: str | os.PathLike, target,
+def model_first(fn: str, target, dir_or_name):
+  """(target, dir_or_name) of a call made model first, or of one in the order before issue 49
+  (a directory or name first, the model second), which still works with a DeprecationWarning
+  naming the new order."""
+  if isinstance(target, (str, os.PathLike)) and not isinstance(dir_or_name, (str, os.PathLike)):
+    warnings.warn(f"{fn}(dir_or_name, target) is deprecated: pass the model first,"
+                  f" {fn}(target, dir_or_name), as resolve_drafter(target, name) does",
+                  DeprecationWarning, stacklevel=3)
+    return dir_or_name, target
+  return target, dir_or_name
+
+
+def load_head_model(target, dir_or_name: str | os.PathLike,
                     check_fingerprint: bool = True) -> tuple[str, nnx.Module, dict[str, Any]]:
-  """Reads a saved head: (kind, module with float32 weights, config dict); a malformed
-  config.json or weights file comes out as a `CheckpointError` naming the file."""
+  """Reads a saved head for `target` (model first, as `load_head`): (kind, module with float32
+  weights, config dict); a malformed config.json or weights file comes out as a
+  `CheckpointError` naming the file."""
+  target, dir_or_name = model_first("load_head_model", target, dir_or_name)
   from jaxspec.models.errors import read_checkpoint
   return read_checkpoint(dir_or_name, _load_head_model, dir_or_name, target, check_fingerprint)
 
@@ -289,21 +304,24 @@ def fill_module(abstract: nnx.Module, tensors: Mapping[str, np.ndarray], where: 
   return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, new))
 
 
-def load_head(dir_or_name: str | os.PathLike, target, check_fingerprint: bool = True,
+def load_head(target, dir_or_name: str | os.PathLike, check_fingerprint: bool = True,
               tree=None):
   """The `Drafter` of a saved head for `target` (a `Model`).
 
   Args:
+    target: the target `Model` the head was trained for (first, as in every public function;
+      the order before issue 49, `load_head(dir_or_name, target)`, still works with a
+      DeprecationWarning).
     dir_or_name: a directory written by `save_head`, or "eagle" / "medusa" / "mlp" for the head
       bundled under jaxspec/assets/heads/.
-    target: the target `Model` the head was trained for.
     check_fingerprint: refuse a head recorded for another target of the same shapes.
     tree: draft a tree each step (Medusa, EAGLE): a `jaxspec.decoding.tree.Tree`,
       `DynamicTree`, a list of paths, or a number of nodes (`jaxspec.decoding.tree.default_tree`).
   Raises:
     CheckpointError: missing or corrupted files, or a head trained for another target.
   """
-  kind, model, config = load_head_model(dir_or_name, target, check_fingerprint)
+  target, dir_or_name = model_first("load_head", target, dir_or_name)
+  kind, model, config = load_head_model(target, dir_or_name, check_fingerprint)
   drafter = HEADS[kind].drafter(model, target)
   acc = (config.get("meta") or {}).get("topk_accuracy")
   if acc is not None:

@@ -180,7 +180,7 @@ def _verify_path_hlo(model) -> str:
   cfg, b, k = model.cfg, 2, 3
 
   def path(params, cache, last, drafts, sp, keys):
-    p, _, _ = verify(params, cache, last, drafts, cfg, sp)
+    p, _, _ = verify(cfg, params, cache, last, drafts, sp)
     return rejection_sample(p, None, drafts, keys, greedy=sp.temperature == 0)
 
   args = (model.params, init_cache(cfg, b, 16), jnp.zeros((b,), jnp.int32),

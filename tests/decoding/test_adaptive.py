@@ -313,7 +313,7 @@ def test_auto_stream_stops_plain_runs_at_each_chunk(tiny_target, poor_draft, ref
   for new, info in speculative_stream(tiny_target, DraftModel(poor_draft), PROMPTS[0],
                                       max_new_tokens=N_NEW, auto=AutoK(k_max=4), cost=CPU_LIKE,
                                       stop_ids=(), chunk=chunk):
-    toks += new
+    toks += new[0]
     passes.append(info["stats"]["target_passes"])
   assert toks == reference.row(0)
   assert all(p == chunk * i for i, p in enumerate(passes[:-1])), passes

@@ -51,7 +51,7 @@ def reference_loop(target: Target, drafter, dparams, prompt, prompt_len, key, sp
         keys, seq_len)
     prop, state = draft(drafter, dparams, state, ctx, k, sp, draft_keys)
     # Verify: one target pass over [last, d_1 .. d_k] writes k + 1 cache entries.
-    p_target, _, new_cache = verify(params, cache, last, prop.tokens, lm, sp)
+    p_target, _, new_cache = verify(lm, params, cache, last, prop.tokens, sp)
     # Accept: the accepted drafts, then the target's own token at the first rejection.
     n_acc, emitted = rejection_sample(p_target, prop.q, prop.tokens,
                                       position_keys(keys, n_out, k + 1), prop.n_valid,

@@ -133,9 +133,9 @@ def test_own_model_through_the_host_wrappers_equals_the_functional_api(own, smal
   np.testing.assert_array_equal(spec.tokens, np.asarray(fn.tokens))
   # The streams take it too: row 0's tokens as the batch call gives them.
   streamed = [t for new, _ in jaxspec.generate_stream(own, PROMPTS[0], max_new_tokens=N_NEW)
-              for t in new]
+              for t in new[0]]
   spec_streamed = [t for new, _ in jaxspec.speculative_stream(
-      own, NGram(), PROMPTS[0], max_new_tokens=N_NEW, num_draft_tokens=K) for t in new]
+      own, NGram(), PROMPTS[0], max_new_tokens=N_NEW, num_draft_tokens=K) for t in new[0]]
   alone = jaxspec.generate(own, [PROMPTS[0]], max_new_tokens=N_NEW)
   assert streamed == spec_streamed == alone.row(0)
 

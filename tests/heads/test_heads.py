@@ -381,7 +381,7 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
   model = trained["eagle3"]["model"]
   path = heads.save_head(tmp_path / "h", "eagle", model, tiny_target, meta={"steps": 15},
                          dtype="float32")
-  drafter = heads.load_head(path, tiny_target)
+  drafter = heads.load_head(tiny_target, path)
   ref = heads.HEADS["eagle"].drafter(model, tiny_target)
   assert drafter == ref  # same static structure: reuses the compiled loop
   # The directory as a drafter name (the compiled loop of test_greedy_equals_generate is reused).
@@ -404,14 +404,14 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
                 init_params(tiny_config(hidden_size=32, num_heads=2, num_kv_heads=1),
                             jax.random.key(1)))
   with pytest.raises(CheckpointError, match="hidden_size=64.*hidden_size=32"):
-    heads.load_head(path, other)
+    heads.load_head(other, path)
   rope = Model(dataclasses.replace(tiny_target.cfg, rope_theta=5e5), tiny_target.params)
   with pytest.raises(CheckpointError, match="rope_theta=10000.0.*rope_theta=500000.0"):
-    heads.load_head(path, rope)
+    heads.load_head(rope, path)
   twin = Model(tiny_target.cfg, init_params(tiny_target.cfg, jax.random.key(9)))
   with pytest.raises(CheckpointError, match="another target of the same shapes"):
-    heads.load_head(path, twin)
-  heads.load_head(path, twin, check_fingerprint=False)  # allowed on request
+    heads.load_head(twin, path)
+  heads.load_head(twin, path, check_fingerprint=False)  # allowed on request
   # A record whose fingerprint was deleted or nulled no longer passes for any target.
   saved = json.loads((path / "config.json").read_text())
   for edit in ("delete", "null"):
@@ -422,7 +422,7 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
       rec["target"]["fingerprint"] = None
     (path / "config.json").write_text(json.dumps(rec))
     with pytest.raises(CheckpointError, match="records no fingerprint"):
-      heads.load_head(path, tiny_target)
+      heads.load_head(tiny_target, path)
   (path / "config.json").write_text(json.dumps(saved))
   with pytest.raises(ValueError, match="built for a target"):
     heads.HEADS["eagle"].drafter(model, other)
@@ -432,16 +432,16 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
   raw = weights.read_bytes()
   weights.write_bytes(raw[: len(raw) // 2])
   with pytest.raises(CheckpointError):
-    heads.load_head(path, tiny_target)
+    heads.load_head(tiny_target, path)
   weights.unlink()
   with pytest.raises(CheckpointError, match="head.safetensors is missing"):
-    heads.load_head(path, tiny_target)
+    heads.load_head(tiny_target, path)
   cfg_file = path / "config.json"
   cfg_file.write_text(cfg_file.read_text()[:-20])
   with pytest.raises(CheckpointError, match="not valid JSON"):
-    heads.load_head(path, tiny_target)
+    heads.load_head(tiny_target, path)
   with pytest.raises(CheckpointError, match="does not exist"):
-    heads.load_head(tmp_path / "nowhere", tiny_target)
+    heads.load_head(tiny_target, tmp_path / "nowhere")
 
   path2 = heads.save_head(tmp_path / "m", "medusa", trained["medusa"]["model"], tiny_target.cfg)
   from jaxspec.models.hf_loader import read_safetensors, write_safetensors
@@ -449,11 +449,11 @@ def test_save_load_roundtrip_and_errors(tmp_path, tiny_target, trained):
   t.pop("b")
   write_safetensors(path2 / "head.safetensors", t)
   with pytest.raises(CheckpointError, match="no tensor 'b'"):
-    heads.load_head(path2, tiny_target, check_fingerprint=False)
+    heads.load_head(tiny_target, path2, check_fingerprint=False)
   assert json.loads((path2 / "config.json").read_text())["target"]["fingerprint"] is None
   # Saved without the target's weights, it names no target: refused unless asked not to check.
   with pytest.raises(CheckpointError, match="records no fingerprint"):
-    heads.load_head(path2, tiny_target)
+    heads.load_head(tiny_target, path2)
 
 
 def test_bundled_head_names(tiny_target):
@@ -461,7 +461,7 @@ def test_bundled_head_names(tiny_target):
   for kind in ("eagle", "medusa", "mlp"):
     installed = (heads.ASSETS / kind / "config.json").exists()
     with pytest.raises(CheckpointError, match="trained for a target" if installed else "train one"):
-      heads.load_head(kind, tiny_target)
+      heads.load_head(tiny_target, kind)
   assert heads.bundled_head_for(tiny_target) is None
 
 

@@ -91,7 +91,7 @@ def test_tree_speculation_is_exact_on_smollm2(smollm2, greedy, kind):
   from jaxspec.heads import load_head
   prompts, ours = greedy
   pick = [10, 0]
-  drafter = load_head(kind, smollm2, tree=16)  # EAGLE-2 / Medusa's measured-accuracy tree
+  drafter = load_head(smollm2, kind, tree=16)  # EAGLE-2 / Medusa's measured-accuracy tree
   assert drafter.tree.num_nodes == 17
   out = speculative_generate(smollm2, drafter, [prompts[i] for i in pick], max_new_tokens=NS,
                              stop_ids=[2])

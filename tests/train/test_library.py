@@ -90,7 +90,7 @@ def test_train_head_with_own_optimizer_and_a_plain_generator(tiny_target, tmp_pa
   jax.tree.map(np.testing.assert_array_equal, _params(still.model), _params(fresh))
   drafter = run.drafter(tiny_target)
   assert drafter == heads.HEADS["eagle"].drafter(run.model, tiny_target)
-  back = heads.load_head(run.save(tmp_path / "saved", tiny_target, dtype="float32"), tiny_target)
+  back = heads.load_head(tiny_target, run.save(tmp_path / "saved", tiny_target, dtype="float32"))
   assert back == drafter
 
 
