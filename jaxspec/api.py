@@ -81,7 +81,9 @@ def generate(model: Model | Target, prompts, *, max_new_tokens: int = 128,
       own key only (its seed, or fold_in(key, b)).
   Returns:
     `GenerateOutput` with tokens [B * n, max_new_tokens] (-1 past each row's length), lengths,
-    texts (with a tokenizer) and stats (seconds, compile seconds, tokens/s).
+    texts (with a tokenizer) and stats (seconds, compile seconds, tokens/s). Batch sizes and
+    max_new_tokens are bucketed (`jaxspec.engine.io.bucket_rows` / `bucket_new_tokens`), so
+    nearby calls reuse one compiled program; the outputs are those of the exact sizes.
   Raises:
     ValueError: a bad argument (named, with the fix), before anything compiles.
   """
@@ -174,7 +176,10 @@ def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
     `GenerateOutput`; `stats` adds target_passes, drafted/accepted per row, acceptance rate per
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
     the bonus token), the k chosen at every step and, with "auto", `cost_model`: the
-    `CostModel` it weighed (pass it as `cost=` to skip the timing; `to_dict()` for JSON).
+    `CostModel` it weighed (pass it as `cost=` to skip the timing; `to_dict()` for JSON),
+    `cost_seconds` (the time spent timing it, apart from `compile_seconds`) and `cost_source`
+    ("measured", "cached" in this process, "disk" from an earlier one, or "given"). Batch sizes
+    and max_new_tokens are bucketed in the fused loop, as in `generate`.
   Raises:
     ValueError: a bad argument (named, with the fix), before anything compiles.
   """

@@ -40,13 +40,15 @@ from jaxspec.sharding.rules import place_drafter
 
 @dataclasses.dataclass
 class GenerateOutput:
-  """What `generate` and `speculative_generate` return.
+  """What `generate` and `speculative_generate` return. B is the caller's rows: the prompts,
+  each repeated n times (prompt-major) with `n=`; a bucket's pad rows never appear.
 
   Attributes:
     tokens: [B, max_new_tokens] int32 new tokens; -1 past each row's length.
     lengths: [B] number of new tokens per row (a stop token, when hit, is included).
     prompt_lengths: [B] prompt tokens per row.
-    texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer.
+    texts: decoded new text per row (stop tokens skipped), when the model has a tokenizer
+      or one is given (`tokenizer=`).
     stats: timing and, for speculative decoding, acceptance statistics.
     logprobs: [B, max_new_tokens] float32 (with logprobs=True or N) the target's
       log-probability of each new token under the sampling parameters (log_softmax of the
