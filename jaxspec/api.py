@@ -109,8 +109,8 @@ def generate_stream(model: Model | Target, prompts, *, max_new_tokens: int = 128
   row that reaches a stop string yields its tokens up to the one that completed it.
 
   `info` holds: seconds (since the prefill began), first_chunk_seconds, compile_seconds,
-  done ([B] bools), stats (target_passes so far); with logprobs, `logprobs` [B][n] for the
-  yielded tokens, and with logprobs=N `top_ids` / `top_logprobs` [B][n][N]; and in the last
+  done ([B] bools), stats (target_passes so far); with logprobs, `logprobs` `[B][n]` for the
+  yielded tokens, and with logprobs=N `top_ids` / `top_logprobs` `[B][n][N]`; and in the last
   yield `output`, the call's `GenerateOutput` (texts cut at stop strings, prompt_logprobs).
   (Before issue 49 a stream took one prompt and yielded row 0's tokens as a flat list.)
   """

@@ -61,7 +61,7 @@ class ParallelDraft(DraftModel):
     trained_k: the most drafts the model was trained to propose (`max_draft_tokens`: a larger
       num_draft_tokens, or AutoK.k_max, is refused); None: no limit known.
     p_min, coupled: as `DraftModel`'s (a row's drafts stop at the first position whose top
-    probability is below p_min; coupled draws with the target's noise).
+      probability is below p_min; coupled draws with the target's noise).
   """
 
   mask_id: int | None = None
