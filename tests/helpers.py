@@ -7,6 +7,7 @@ and the fused "auto" loop run with k forced. Imported as `helpers` from every fo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -197,6 +198,22 @@ def exact_joint(target, prompt, sp):
   p2 = np.asarray(probs(lg[::v, -2], sampling_arrays_row(arr, v)))  # [a, t2]
   p3 = np.asarray(probs(lg[:, -1], arr)).reshape(v, v, v)  # [a, c, t3]
   return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def exact_tables(target, prompt, sp):
+  """The target's conditionals after the prompt: [V] p(t1), [V, V] p(t2 | t1), [V, V, V]
+  p(t3 | t1 t2), [V]*4 p(t4 | t1..t3) and [V]*5 p(t5 | t1..t4)."""
+  v = target.cfg.vocab_size
+  seqs = np.array([list(prompt) + list(t) for t in itertools.product(range(v), repeat=4)])
+  n = seqs.shape[0]
+  lg, _, _ = forward(target.params, jnp.asarray(seqs, jnp.int32),
+                     init_cache(target.cfg, n, seqs.shape[1]), target.cfg)
+  arr = sp.arrays(n)
+  p = np.asarray(jax.vmap(lambda x: probs(x, arr), in_axes=1, out_axes=1)(lg), np.float64)
+  p = p.reshape((v,) * 4 + p.shape[1:])  # [t1, t2, t3, t4, position, V]
+  lp = len(prompt)
+  return (p[0, 0, 0, 0, lp - 1], p[:, 0, 0, 0, lp], p[:, :, 0, 0, lp + 1],
+          p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
 
 
 def sampling_arrays_row(arr, n):

@@ -3,7 +3,6 @@ batch, fixed k and "auto", under jit and vmap, through the host wrapper), the sa
 distribution at later positions, PARD-format checkpoints, and bad input before compilation."""
 
 import dataclasses
-import itertools
 import json
 
 import jax
@@ -20,8 +19,8 @@ from jaxspec.drafters import DraftModel, ParallelDraft, load_pard, resolve_draft
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.model import Model
-from jaxspec.sampling import Sampling, probs
-from helpers import CPU_LIKE, assert_first_tokens_follow
+from jaxspec.sampling import Sampling
+from helpers import CPU_LIKE, assert_first_tokens_follow, exact_tables
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 16
@@ -128,20 +127,6 @@ def test_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
   np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), plain.tokens)
 
 
-def _exact_tables(target, prompt, sp):
-  """The target's conditionals after the prompt: p(t1), p(t2 | t1), ..., p(t5 | t1..t4)."""
-  v = target.cfg.vocab_size
-  seqs = np.array([list(prompt) + list(t) for t in itertools.product(range(v), repeat=4)])
-  n = seqs.shape[0]
-  lg, _, _ = forward(target.params, jnp.asarray(seqs, jnp.int32),
-                     init_cache(target.cfg, n, seqs.shape[1]), target.cfg)
-  arr = sp.arrays(n)
-  p = np.asarray(jax.vmap(lambda x: probs(x, arr), in_axes=1, out_axes=1)(lg), np.float64)
-  p = p.reshape((v,) * 4 + p.shape[1:])  # [t1, t2, t3, t4, position, V]
-  lp = len(prompt)
-  return (p[0, 0, 0, 0, lp - 1], p[:, 0, 0, 0, lp], p[:, :, 0, 0, lp + 1],
-          p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
-
 
 def test_sampled_distribution_at_later_positions(small_vocab):
   """The 4th and 5th new tokens over 10000 mapped calls with k = 2 (so they come from a second
@@ -151,7 +136,7 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   v = target.cfg.vocab_size
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
   prompt = [1, 2, 3, 4]
-  p1, p2, p3, p4, p5 = _exact_tables(target, prompt, sp)
+  p1, p2, p3, p4, p5 = exact_tables(target, prompt, sp)
   d = ParallelDraft(draft, mask_id=7)
   ids, lens = _padded([prompt], 4)
 

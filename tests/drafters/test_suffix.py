@@ -3,7 +3,6 @@ its length following the match), the corpus ring (fixed size, oldest evicted fir
 greedy output with the corpus carried across calls (under jit and vmap), the sampled
 distribution at later positions, and bad input."""
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +15,8 @@ from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import speculative_decode
 from jaxspec.drafters import SuffixCorpus, SuffixDecoding, corpus_from, resolve_drafter
 from jaxspec.drafters.suffix import SEP, append_rows
-from jaxspec.models import forward, init_cache
-from jaxspec.sampling import Sampling, probs
-from helpers import assert_first_tokens_follow
+from jaxspec.sampling import Sampling
+from helpers import assert_first_tokens_follow, exact_tables
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 20
@@ -168,21 +166,6 @@ def test_greedy_equals_plain_under_vmap_and_through_the_host_wrapper(tiny_target
   np.testing.assert_array_equal(host.tokens, plain.tokens)
 
 
-def _exact_tables(target, prompt, sp):
-  """The target's conditionals after the prompt: [V] p(t1), [V, V] p(t2 | t1), [V, V, V]
-  p(t3 | t1 t2), [V]*4 p(t4 | t1..t3) and [V]*5 p(t5 | t1..t4)."""
-  v = target.cfg.vocab_size
-  seqs = np.array([list(prompt) + list(t) for t in itertools.product(range(v), repeat=4)])
-  n = seqs.shape[0]
-  lg, _, _ = forward(target.params, jnp.asarray(seqs, jnp.int32),
-                     init_cache(target.cfg, n, seqs.shape[1]), target.cfg)
-  arr = sp.arrays(n)
-  p = np.asarray(jax.vmap(lambda x: probs(x, arr), in_axes=1, out_axes=1)(lg), np.float64)
-  p = p.reshape((v,) * 4 + p.shape[1:])  # [t1, t2, t3, t4, position, V]
-  lp = len(prompt)
-  return (p[0, 0, 0, 0, lp - 1], p[:, 0, 0, 0, lp], p[:, :, 0, 0, lp + 1],
-          p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
-
 
 def test_sampled_distribution_at_later_positions(small_vocab):
   """The 4th and 5th new tokens of row 1 (which drafts from row 0 and from a corpus of earlier
@@ -192,7 +175,7 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   v = target.cfg.vocab_size
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
   prompt = [1, 2, 3, 4]
-  p1, p2, p3, p4, p5 = _exact_tables(target, prompt, sp)
+  p1, p2, p3, p4, p5 = exact_tables(target, prompt, sp)
   # Earlier outputs: 12 samples of t1..t5 drawn from the exact conditionals.
   rng = np.random.default_rng(0)
   earlier = []
