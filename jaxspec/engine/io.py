@@ -335,11 +335,6 @@ def check_chunk(chunk) -> int:
   return int(chunk)
 
 
-def check_model(model) -> None:
-  """Raises ValueError unless `model` is a jaxspec `Model` or a `Target` (`as_host_target`)."""
-  as_host_target(model)
-
-
 def _describe(model: Model) -> str:
   return f"{model.name} ({model.cfg.architecture}, vocabulary of {model.cfg.vocab_size})"
 
