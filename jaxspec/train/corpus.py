@@ -70,8 +70,8 @@ from jaxspec.checks import check_int
 from jaxspec.models.model import Model
 from jaxspec.train import data as _data
 from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, DataError, Prompt,
-                                encode_prompts, make_progress, store_hidden_states,
-                                target_fingerprint)
+                                encode_prompts, fingerprint_matches, make_progress,
+                                store_hidden_states, target_fingerprint)
 
 FORMAT = "jaxspec-corpus"
 VERSION = 1
@@ -708,7 +708,7 @@ class Corpus:
   def check_target(self, target: Model) -> None:
     """Raises DataError unless this corpus was written by `target`."""
     got, want = self.index["target"]["fingerprint"], target_fingerprint(target)
-    if got != want:
+    if not fingerprint_matches(got, target):
       raise DataError(f"{self.path} was written by target {self.index['target']['name']!r}"
                       f" (fingerprint {got}), not by {target.name!r} ({want}): write a corpus"
                       " for this target")

@@ -431,15 +431,33 @@ def target_fingerprint(target: Model) -> str:
   return fingerprint(target)
 
 
+# The config fields the old rule hashed: frozen, so a field LlamaConfig gains later (its
+# `attention_kernel` came hours after the unification) does not orphan what the rule stamped.
+_V1_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+              "tie_embeddings", "attention_bias", "sliding_window", "max_position_embeddings",
+              "bos_token_id", "eos_token_ids", "dtype", "compute_dtype", "architecture",
+              "hidden_act", "qk_norm", "post_norms", "norm_offset", "embed_scale",
+              "attn_softcap", "final_softcap", "query_pre_attn_scalar", "layer_types",
+              "sliding_rope_theta", "partial_rotary_factor")
+
+
 def _fingerprint_v1(target: Model) -> str:
-  """The rule datasets were stamped with before the fingerprint was unified (the whole config,
-  dtype included, and float32 weights): still accepted, so those datasets stay usable."""
-  h = hashlib.sha256(json.dumps(dataclasses.asdict(target.cfg), sort_keys=True,
+  """The rule datasets and corpora were stamped with before the fingerprint was unified (the
+  config of that day, dtype included, and float32 weights): still accepted, so they stay
+  usable."""
+  cfg = dataclasses.asdict(target.cfg)
+  h = hashlib.sha256(json.dumps({k: cfg[k] for k in _V1_FIELDS if k in cfg}, sort_keys=True,
                                 default=str).encode())
   p = target.params
   for a in (p.final_norm, p.embed[:4, :16], _wq_corner(p)):
     h.update(np.ascontiguousarray(np.asarray(a, np.float32)).tobytes())
   return h.hexdigest()[:16]
+
+
+def fingerprint_matches(stamp: str, target: Model) -> bool:
+  """Whether data stamped `stamp` was written by `target` (today's rule or the old one)."""
+  return stamp == target_fingerprint(target) or stamp == _fingerprint_v1(target)
 
 
 def make_progress(enabled: bool | str = True, every: float = 30.0):
@@ -870,7 +888,7 @@ class Dataset:
     """
     want = target_fingerprint(target)
     got = self.meta["target"]["fingerprint"]
-    if got != want and got != _fingerprint_v1(target):  # datasets stamped before unification
+    if not fingerprint_matches(got, target):  # today's rule, or the one before unification
       raise DataError(f"{self.path} was written by target {self.meta['target']['name']!r}"
                       f" (fingerprint {got}), not by {target.name!r} ({want}): write new data"
                       " for this target (drop --data-dir)")

@@ -591,3 +591,19 @@ def test_multi_turn_prompts_give_their_user_turns(chat_target, tmp_path):
                            + list(turns.user_to_assistant))
         seen += 1
   assert seen >= 2
+
+
+def test_committed_corpus_serves_the_bundled_model(smollm2):
+  """data/corpus/smollm2-135m was stamped by the fingerprint rule of before the unification, with
+  the config fields of that day: a field LlamaConfig gained later (attention_kernel) once made
+  every such corpus refuse the very model that wrote it."""
+  from pathlib import Path
+  path = Path(__file__).resolve().parents[2] / "data" / "corpus" / "smollm2-135m"
+  if not (path / "index.json").is_file():
+    pytest.skip(f"no committed corpus at {path}")
+  corpus = Corpus(path)
+  corpus.check_target(smollm2)  # raises DataError on a mismatch
+  # Another target's stamp is still refused.
+  corpus.index["target"]["fingerprint"] = "0123456789abcdef"
+  with pytest.raises(DataError, match="fingerprint 0123456789abcdef"):
+    corpus.check_target(smollm2)
