@@ -17,8 +17,8 @@ from flax import nnx
 
 from jaxspec.heads.common import Buffer, F32, make_config, normal_init, shift, target_dims
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.llama import (Params, apply_rope, attention, embed_tokens, logits_from_hidden,
-                                  rms_norm, rope_inv_freq, write_cache)
+from jaxspec.models.llama import (Params, apply_rope, attention, embed_tokens, lm_head_weight,
+                                  logits_from_hidden, rms_norm, rope_inv_freq, write_cache)
 
 _NEG = -1e30
 
@@ -80,6 +80,8 @@ class EagleConfig:
   norm_before_residual: bool = False
 
 
+LM_HEAD_INITS = ("random", "target")
+
 # EAGLE-3 switches of the `speculators` format (`EagleConfig`): EAGLE version 1 has none.
 EAGLE3_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
 
@@ -90,10 +92,16 @@ def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def _eagle_config(target_cfg: LlamaConfig, options: Mapping[str, Any]) -> EagleConfig:
-  opts = {k: v for k, v in options.items() if k not in ("draft_vocab", "token_counts")}
+  opts = {k: v for k, v in options.items() if k not in _CREATE_ONLY}
   version = opts.get("version", 1)
   if version not in (1, 3):
     raise ValueError(f"EAGLE version must be 1 or 3, got {version!r}")
+  init = options.get("lm_head_init", "random")
+  if init not in LM_HEAD_INITS:
+    raise ValueError(f"lm_head_init must be one of {LM_HEAD_INITS}, got {init!r}")
+  if init == "target" and version != 3:
+    raise ValueError("lm_head_init='target' starts EAGLE-3's own LM head from the target's;"
+                     " version 1 uses the target's LM head itself: drop it or use version=3")
   if version == 3:
     opts.setdefault("ttt_steps", 3)
     opts.setdefault("token_weight", 1.0)
@@ -197,6 +205,19 @@ class EagleHead(nnx.Module):
     # EAGLE 3.1's norms of the fused layers (`EagleConfig.norm_before_fc`, `fc_norm`).
     self.fc_in_norm = nnx.Param(jnp.ones((nl * d,), F32)) if cfg.norm_before_fc else None  # [nD]
     self.fc_norms = nnx.Param(jnp.ones((nl, d), F32)) if cfg.fc_norm else None  # [n, D]
+
+  def init_from_target(self, params: Params) -> None:
+    """Starts the own LM head and its norm from the target's: the output rows of the draft
+    vocabulary (`draft_ids`) and the final norm (`create_eagle(..., lm_head_init="target")`)."""
+    if self.lm_head is None:
+      raise ValueError("an EAGLE (version 1) head has no LM head of its own to initialise")
+    w = lm_head_weight(params)  # [D, V] float32
+    if w.shape[0] != self.lm_head.shape[0] or params.final_norm.shape != self.norm.shape:
+      raise ValueError(f"target_params do not fit this head: LM head {w.shape}, final norm"
+                       f" {params.final_norm.shape}, the head's width {self.norm.shape}: pass"
+                       " the Params of the target the head is created for")
+    self.lm_head[...] = jnp.take(w, self.draft_ids[...], axis=1)
+    self.norm[...] = jnp.asarray(params.final_norm, F32)
 
   # -- the pieces shared by training and decoding --
 
@@ -383,10 +404,26 @@ def token_counts(tokens: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> 
   return np.bincount(tokens[keep].reshape(-1), minlength=vocab_size)[:vocab_size]
 
 
+# Options of `create_eagle` that are not config fields (not saved with the head).
+_CREATE_ONLY = ("draft_vocab", "token_counts", "lm_head_init", "target_params")
+
+
 def create_eagle(target_cfg, *, rngs, **options):
-  """An `EagleHead` for the target; options: `EagleConfig`'s fields, and for EAGLE-3's reduced
-  vocabulary `draft_vocab=` (target ids) or `token_counts=` (the most frequent are kept)."""
+  """An `EagleHead` for the target.
+
+  Options: `EagleConfig`'s fields; for EAGLE-3's reduced vocabulary `draft_vocab=` (target ids)
+  or `token_counts=` (the most frequent are kept); and how EAGLE-3's own LM head starts,
+  `lm_head_init=`: "random" (normal, std 0.02; the default) or "target" (with
+  `target_params=`): the target's output rows of the draft vocabulary and its final norm, so
+  training starts from the target's token geometry instead of learning a [D, N] table from
+  scratch. Neither is a config field: a loaded head's weights are its own.
+  """
   cfg = _eagle_config(target_cfg, options)
+  target_params = options.get("target_params")
+  init = options.get("lm_head_init", "random")
+  if init == "target" and target_params is None:
+    raise ValueError("lm_head_init='target' copies the target's LM head: pass"
+                     " target_params=<the target's Params> (train_head does)")
   ids = options.get("draft_vocab")
   if cfg.version == 3 and cfg.draft_vocab_size and ids is None:
     counts = options.get("token_counts")
@@ -395,7 +432,10 @@ def create_eagle(target_cfg, *, rngs, **options):
                        " pass draft_vocab=<target ids> or token_counts=<[V] counts>"
                        " (jaxspec.heads.token_counts over the training data)")
     ids = draft_vocab_from_counts(counts, cfg.draft_vocab_size)
-  return EagleHead(target_cfg, cfg, rngs=rngs, draft_vocab=ids)
+  head = EagleHead(target_cfg, cfg, rngs=rngs, draft_vocab=ids)
+  if init == "target":
+    head.init_from_target(target_params)
+  return head
 
 
 def eagle_required_layers(target_cfg, options) -> tuple[int, ...]:

@@ -155,7 +155,8 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
   opts = dict(options or {})
   if head is None:
     opts = _with_vocab(kind, opts, data, target.cfg.vocab_size)
-    model = spec.create(target.cfg, rngs=nnx.Rngs(seed), **opts)
+    extra = {"target_params": target.params} if opts.get("lm_head_init") == "target" else {}
+    model = spec.create(target.cfg, rngs=nnx.Rngs(seed), **opts, **extra)
   else:
     from jaxspec.heads import head_kind
     if head_kind(head) != kind:

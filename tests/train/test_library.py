@@ -94,6 +94,38 @@ def test_train_head_with_own_optimizer_and_a_plain_generator(tiny_target, tmp_pa
   assert back == drafter
 
 
+def test_eagle_lm_head_starts_from_the_target(tiny_target, tmp_path):
+  """lm_head_init="target": the own LM head is the target's output rows of the draft vocabulary
+  and its norm the target's final norm, so at step 0 the head's logits over the draft vocabulary
+  are the target's logits of whatever hidden state the layer produces; a creation option, not
+  a config field: the saved head loads without the target's weights."""
+  from jaxspec.models.llama import lm_head_weight
+  v = tiny_target.cfg.vocab_size
+  ids = np.array([5, 3, 40, 7, v - 1, 11, 0, 64], np.int32)
+  run = train_head(tiny_target, "eagle", random_batches(v), steps=1, optimizer=optax.sgd(0.0),
+                   options=dict(EAGLE3, draft_vocab=ids, lm_head_init="target"))
+  w = np.asarray(lm_head_weight(tiny_target.params))
+  np.testing.assert_array_equal(np.asarray(run.model.lm_head[...]), w[:, ids])
+  np.testing.assert_array_equal(np.asarray(run.model.norm[...]),
+                                np.asarray(tiny_target.params.final_norm, np.float32))
+  assert run.options["lm_head_init"] == "target" and "target_params" not in run.options
+  _, back, _ = heads.load_head_model(tiny_target,
+                                     run.save(tmp_path / "h", tiny_target, dtype="float32"))
+  np.testing.assert_array_equal(np.asarray(back.lm_head[...]), w[:, ids])
+  # The default stays random; the option needs the target's weights and an own LM head.
+  rand = heads.HEADS["eagle"].create(tiny_target.cfg, rngs=nnx.Rngs(0), **EAGLE3)
+  assert not np.allclose(np.asarray(rand.lm_head[...]), w)
+  with pytest.raises(ValueError, match="pass target_params"):
+    heads.HEADS["eagle"].create(tiny_target.cfg, rngs=nnx.Rngs(0), lm_head_init="target",
+                                **EAGLE3)
+  with pytest.raises(ValueError, match="version 1 uses the target's LM head"):
+    heads.HEADS["eagle"].create(tiny_target.cfg, rngs=nnx.Rngs(0), lm_head_init="target",
+                                target_params=tiny_target.params)
+  with pytest.raises(ValueError, match="lm_head_init must be one of"):
+    heads.HEADS["eagle"].create(tiny_target.cfg, rngs=nnx.Rngs(0), lm_head_init="zeros",
+                                **EAGLE3)
+
+
 def test_plain_iterables_are_checked(tiny_target):
   v = tiny_target.cfg.vocab_size
   with pytest.raises(ValueError, match="ran out after 2 batches, before steps=5"):
