@@ -1,5 +1,6 @@
 """What every head shares: float32, the never-trained `Buffer`, weight initialisation, the
-position shift that aligns a position with a later token, and config building."""
+position shift that aligns a position with a later token, the masks of packed rows (several
+conversations in one row, `segment_ids`), and config building."""
 
 from __future__ import annotations
 
@@ -41,6 +42,27 @@ def shift(x: jax.Array, n: int, fill=0) -> jax.Array:
     return x
   pad = jnp.full((x.shape[0], min(n, x.shape[1])) + x.shape[2:], fill, x.dtype)
   return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def packed_attention_mask(segment_ids):
+  """[B, T, T] bool: query t may read key s when s <= t and both are in the same conversation
+  (padding, segment 0, reads only padding). Works on numpy and jax arrays alike."""
+  t = segment_ids.shape[-1]
+  same = segment_ids[..., :, None] == segment_ids[..., None, :]
+  causal = np.tril(np.ones((t, t), bool))
+  return same & causal
+
+
+def same_segment_ahead(segment_ids, d: int):
+  """[B, T] bool: position t + d exists and is in t's conversation (not padding): where a label
+  d tokens ahead may train position t. Works on numpy and jax arrays alike."""
+  t = segment_ids.shape[-1]
+  ahead = segment_ids[..., d:]
+  ok = (ahead == segment_ids[..., : t - d]) & (ahead > 0)
+  pad = np.zeros(segment_ids.shape[:-1] + (min(d, t),), bool)
+  if isinstance(segment_ids, np.ndarray):
+    return np.concatenate([ok, pad], axis=-1)
+  return jnp.concatenate([ok, jnp.asarray(pad)], axis=-1)
 
 
 def target_dims(cfg: LlamaConfig) -> tuple[int, int, int]:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.heads.common import Buffer, F32, make_config, normal_init, shift, target_dims
+from jaxspec.heads.common import (Buffer, F32, make_config, normal_init, packed_attention_mask,
+                                  shift, target_dims)
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (Params, apply_rope, attention, embed_tokens, lm_head_weight,
                                   logits_from_hidden, rms_norm, rope_inv_freq, write_cache)
@@ -281,19 +282,21 @@ class EagleHead(nnx.Module):
     return full.at[..., self.draft_ids[...]].set(lg)
 
 
-def _ttt_attention(q, k0, v0, ks, vs):
+def _ttt_attention(q, k0, v0, ks, vs, mask=None):
   """Training-time-test attention.
 
   q [B, T, H, K] are step j's queries; k0, v0 [B, T, G, K] step 0's keys and values (read
-  causally); ks, vs the keys and values of steps 1..j [B, T, G, K] each, read at the query's own
-  position only. That is exactly what decoding sees at draft step j from position t: the real
-  pairs 0..t in the cache, then its own entries for steps 1..j.
+  causally, or by `mask` [B, T, T]: a packed row's `packed_attention_mask`); ks, vs the keys and
+  values of steps 1..j [B, T, G, K] each, read at the query's own position only. That is exactly
+  what decoding sees at draft step j from position t: the real pairs 0..t in the cache, then its
+  own entries for steps 1..j.
   """
   b, t, h, kd = q.shape
   g = k0.shape[2]
   qg = q.astype(F32).reshape(b, t, g, h // g, kd) / math.sqrt(kd)
   s0 = jnp.einsum("btgrk,bsgk->bgrts", qg, k0.astype(F32))
-  s0 = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s0, _NEG)
+  seen = jnp.tril(jnp.ones((t, t), bool)) if mask is None else mask[:, None, None]
+  s0 = jnp.where(seen, s0, _NEG)
   sd = [jnp.einsum("btgrk,btgk->bgrt", qg, k.astype(F32))[..., None] for k in ks]
   p = jax.nn.softmax(jnp.concatenate([s0] + sd, axis=-1), axis=-1)
   out = jnp.einsum("bgrts,bsgk->btgrk", p[..., :t], v0.astype(F32))
@@ -302,15 +305,22 @@ def _ttt_attention(q, k0, v0, ks, vs):
   return out.reshape(b, t, h, kd)
 
 
-def _eagle_rollout(model: EagleHead, frozen, tokens, hidden_final, hidden_layers, steps):
+def _eagle_rollout(model: EagleHead, frozen, tokens, hidden_final, hidden_layers, steps,
+                   segment_ids=None, positions=None):
   """The training-time forward: per step j, logits [B, T, N] and features h_j [B, T, D].
 
   Step j at position t reads the token x_{t+1+j} at rotary position t + 1 + j (the position of
-  that token, as decoding and `speculators` number them).
+  that token, as decoding and `speculators` number them). A packed row (`segment_ids` [B, T],
+  `positions` [B, T] restarting per conversation) attends within its conversation, at the
+  conversation's own positions; predictions whose label lies in the next conversation are
+  masked by the loss (`same_segment_ahead`).
   """
   b, t = tokens.shape
   feat = model.real_feature(hidden_final, hidden_layers)
-  base = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32)[None], (b, t))
+  if positions is None:
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+  base = jnp.broadcast_to(positions.astype(jnp.int32) + 1, (b, t))
+  mask = None if segment_ids is None else packed_attention_mask(segment_ids)
   k0 = v0 = None
   ks, vs, logits, feats = [], [], [], []
   for j in range(steps):
@@ -321,7 +331,7 @@ def _eagle_rollout(model: EagleHead, frozen, tokens, hidden_final, hidden_layers
     else:
       ks.append(k)
       vs.append(v)
-    feat = model.finish(resid, _ttt_attention(q, k0, v0, ks, vs))
+    feat = model.finish(resid, _ttt_attention(q, k0, v0, ks, vs, mask))
     feats.append(feat)
     logits.append(model.logits(frozen, feat))
   return jnp.stack(logits, axis=2), jnp.stack(feats, axis=2)
@@ -330,7 +340,8 @@ def _eagle_rollout(model: EagleHead, frozen, tokens, hidden_final, hidden_layers
 def eagle_predict(model: EagleHead, batch, frozen, steps):
   """The training-time forward: (logits [B, T, steps, N], features h_j [B, T, steps, D])."""
   return _eagle_rollout(model, frozen, batch["tokens"], batch["hidden_final"],
-                        batch.get("hidden_layers"), steps)
+                        batch.get("hidden_layers"), steps, batch.get("segment_ids"),
+                        batch.get("positions"))
 
 
 def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: jax.Array, *,

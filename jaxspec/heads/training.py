@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.heads.common import F32, shift
+from jaxspec.heads.common import F32, same_segment_ahead, shift
 from jaxspec.heads.eagle import EagleHead
 from jaxspec.models.llama import Params, lm_head_weight, logits_from_hidden
 
@@ -68,6 +68,14 @@ class Objective:
         raise ValueError(f"step_weights must be >= 0, got {self.step_weights}")
 
 
+def label_weights(batch, mask: jax.Array, d: int) -> jax.Array:
+  """mask[t + d] at t (0 past the end), and 0 where t + d lies in another conversation of a packed
+  row (`segment_ids`): the weight of a label d tokens ahead of position t."""
+  w = shift(mask, d, 0)
+  seg = batch.get("segment_ids")
+  return w if seg is None else w * same_segment_ahead(seg, d).astype(w.dtype)
+
+
 def _token_loss(model, logits, batch, frozen, soft: bool, decay: float, loss: str | None = None,
                 step_weights: tuple[float, ...] | None = None):
   """Cross-entropy, forward KL or total variation of every step's predictions, step j weighted
@@ -100,7 +108,7 @@ def _token_loss(model, logits, batch, frozen, soft: bool, decay: float, loss: st
   metrics = {}
   for j in range(logits.shape[2]):
     y = shift(tokens, 2 + j)
-    w = shift(mask, 2 + j, 0.0)
+    w = label_weights(batch, mask, 2 + j)
     logq = jax.nn.log_softmax(logits[:, :, j], axis=-1)
     if soft:
       logp = jax.nn.log_softmax(shift(t_logits, 1 + j), axis=-1)
@@ -150,7 +158,7 @@ def head_loss(spec, model, batch, frozen, objective: Objective | None = None):
       mask = batch["loss_mask"].astype(F32)
       fl = jnp.zeros((), F32)
       for j in range(steps):
-        w = shift(mask, 1 + j, 0.0)
+        w = label_weights(batch, mask, 1 + j)
         fj = jnp.sum(_smooth_l1(feats[:, :, j], shift(f, 1 + j, 0.0)) * w)
         fl = fl + (cfg.loss_decay ** j) * fj / jnp.maximum(jnp.sum(w), 1.0)
       metrics["feature_loss"] = fl
@@ -179,9 +187,9 @@ def chain_lengths(model, logits: jax.Array, batch, frozen) -> tuple[jax.Array, j
     if ids is not None:
       pred = ids[pred]
     y = shift(tokens, 2 + j, -1)
-    ok.append((pred == y) & (y == shift(greedy, 1 + j, -2)) & shift(mask, 2 + j, False))
+    ok.append((pred == y) & (y == shift(greedy, 1 + j, -2)) & label_weights(batch, mask, 2 + j))
   run = jnp.cumprod(jnp.stack(ok, axis=-1).astype(jnp.int32), axis=-1).sum(-1)
-  return run, shift(mask, 2, False)
+  return run, label_weights(batch, mask, 2)
 
 
 @functools.partial(nnx.jit, static_argnames=("predict", "k"))

@@ -67,6 +67,7 @@ import jax
 import numpy as np
 
 from jaxspec.checks import check_int
+from jaxspec.heads.common import packed_attention_mask, same_segment_ahead  # noqa: F401 (public here)
 from jaxspec.models.model import Model
 from jaxspec.train import data as _data
 from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, DataError, Prompt,
@@ -791,28 +792,6 @@ def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray,
       out["positions"][i, at:at + n] = np.arange(n)
       at += n
   return out
-
-
-def packed_attention_mask(segment_ids):
-  """[B, T, T] bool: query t may read key s when s <= t and both are in the same conversation
-  (padding, segment 0, reads only padding). Works on numpy and jax arrays alike."""
-  t = segment_ids.shape[-1]
-  same = segment_ids[..., :, None] == segment_ids[..., None, :]
-  causal = np.tril(np.ones((t, t), bool))
-  return same & causal
-
-
-def same_segment_ahead(segment_ids, d: int):
-  """[B, T] bool: position t + d exists and is in t's conversation (not padding): where a label
-  d tokens ahead may train position t. Works on numpy and jax arrays alike."""
-  t = segment_ids.shape[-1]
-  ahead = segment_ids[..., d:]
-  ok = (ahead == segment_ids[..., : t - d]) & (ahead > 0)
-  pad = np.zeros(segment_ids.shape[:-1] + (min(d, t),), bool)
-  if isinstance(segment_ids, np.ndarray):
-    return np.concatenate([ok, pad], axis=-1)
-  import jax.numpy as jnp
-  return jnp.concatenate([ok, jnp.asarray(pad)], axis=-1)
 
 
 class PackedCorpus:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxspec.heads.common import packed_attention_mask
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import Params, forward, init_cache
 
@@ -45,10 +46,7 @@ def target_hidden(frozen: Params, tokens: jax.Array, cfg: LlamaConfig,
   """
   b, t = tokens.shape
   uniq = tuple(dict.fromkeys(int(i) for i in layers))
-  mask = None
-  if segment_ids is not None:
-    causal = jnp.tril(jnp.ones((t, t), bool))[None]
-    mask = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [B, T, T]
+  mask = None if segment_ids is None else packed_attention_mask(segment_ids)  # [B, T, T]
   _, hidden, _ = forward(frozen, tokens, init_cache(cfg, b, t), cfg, hidden_layers=uniq,
                          logits=False, fresh=True, block_mask=mask, positions=positions)
   final = jax.lax.stop_gradient(hidden.final.astype(jnp.float32))

@@ -126,6 +126,41 @@ def test_eagle_lm_head_starts_from_the_target(tiny_target, tmp_path):
                                 **EAGLE3)
 
 
+@pytest.mark.parametrize("kind, options", [("eagle", EAGLE3), ("medusa", dict(num_heads=3)),
+                                             ("mlp", dict(n_predict=3))])
+def test_packed_row_trains_as_its_conversations_apart(tiny_target, kind, options):
+  """Two conversations packed into one row (segment_ids, positions restarting) give the loss and
+  metrics of the same two conversations as separate rows: the head attends within its own
+  conversation, at its positions, and no label is taken from the next conversation."""
+  v = tiny_target.cfg.vocab_size
+  rng = np.random.default_rng(5)
+  convs = [rng.integers(3, v, size=n).astype(np.int32) for n in (7, 9)]
+  t = 20
+  packed = {k: np.zeros((1, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32),
+                                                ("segment_ids", np.int32), ("positions", np.int32))}
+  apart = {k: np.zeros((2, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32))}
+  at = 0
+  for i, c in enumerate(convs):
+    n = len(c)
+    packed["tokens"][0, at:at + n] = c
+    packed["loss_mask"][0, at + 2:at + n] = 1  # answers from the third token on
+    packed["segment_ids"][0, at:at + n] = i + 1
+    packed["positions"][0, at:at + n] = np.arange(n)
+    apart["tokens"][i, :n] = c
+    apart["loss_mask"][i, 2:n] = 1
+    at += n
+  spec = heads.HEADS[kind]
+  model = spec.create(tiny_target.cfg, rngs=nnx.Rngs(1), **options)
+  layers = spec.required_layers(tiny_target.cfg, options)
+  loss = with_hidden_states(spec.loss, tiny_target.cfg, layers, mode="online")
+  got = loss(model, jax.tree.map(jnp.asarray, packed), tiny_target.params)
+  want = loss(model, jax.tree.map(jnp.asarray, apart), tiny_target.params)
+  np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=1e-6)
+  assert set(got[1]) == set(want[1])
+  for name in want[1]:
+    np.testing.assert_allclose(got[1][name], want[1][name], rtol=2e-5, atol=1e-6, err_msg=name)
+
+
 def test_plain_iterables_are_checked(tiny_target):
   v = tiny_target.cfg.vocab_size
   with pytest.raises(ValueError, match="ran out after 2 batches, before steps=5"):
