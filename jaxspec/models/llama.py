@@ -898,6 +898,9 @@ def _blocked_prefill(qg, kn, vn, block_mask, positions, window, score, g: int, r
         vb = lax.dynamic_slice_in_dim(vn, ks, blk, axis=1)
         return m2, l * c + p.sum(-1, keepdims=True), acc * c + bdot(p.astype(vb.dtype), vb)
 
+      # Differentiated, a tile's scores are recomputed rather than kept for the backward pass:
+      # its memory then follows the tiles' softmax statistics, not T x T probabilities.
+      read = jax.checkpoint(read, prevent_cse=False)
       return lax.cond((j >= first) & (j <= last), read, lambda c: c, carry), None
 
     init = (jnp.full((bg, r * blk, 1), neg), jnp.zeros((bg, r * blk, 1), jnp.float32),
