@@ -839,10 +839,12 @@ def _blocked_prefill(qg, kn, vn, block_mask, positions, window, score, g: int, r
   rows are made (or sliced from `block_mask`) inside the loop. A loop over query blocks
   (`lax.map`) of a loop over every key block whose skipped blocks are a `lax.cond` passing the
   softmax through: both loops have static trip counts, so `jax.grad` differentiates them (a
-  `lax.while_loop` with a traced trip count would not). A T not a multiple of blk ends with a
-  block read ending at T, its positions shared with the block before masked out (as keys) or
-  taken from the block before (as queries). Assumes, as the dense softmax does, that every
-  query sees at least one key (itself, in every mask jaxspec builds).
+  `lax.while_loop` with a traced trip count would not), and both are checkpointed, so the
+  backward pass recomputes tiles instead of keeping T x T probabilities (flash-attention
+  style). A T not a multiple of blk ends with a block read ending at T, its positions shared
+  with the block before masked out (as keys) or taken from the block before (as queries).
+  Assumes, as the dense softmax does, that every query sees at least one key (itself, in every
+  mask jaxspec builds).
 
   Args:
     qg: [B*G, R*T, K] queries in `_attention`'s (b, g) x (r, t) order.
@@ -898,17 +900,18 @@ def _blocked_prefill(qg, kn, vn, block_mask, positions, window, score, g: int, r
         vb = lax.dynamic_slice_in_dim(vn, ks, blk, axis=1)
         return m2, l * c + p.sum(-1, keepdims=True), acc * c + bdot(p.astype(vb.dtype), vb)
 
-      # Differentiated, a tile's scores are recomputed rather than kept for the backward pass:
-      # its memory then follows the tiles' softmax statistics, not T x T probabilities.
-      read = jax.checkpoint(read, prevent_cse=False)
       return lax.cond((j >= first) & (j <= last), read, lambda c: c, carry), None
 
     init = (jnp.full((bg, r * blk, 1), neg), jnp.zeros((bg, r * blk, 1), jnp.float32),
             jnp.zeros((bg, r * blk, kd), jnp.float32))
-    (_, l, acc), _ = lax.scan(key_block, init, jnp.arange(n, dtype=jnp.int32))
+    # Differentiated, a tile's scores are recomputed rather than kept for the backward pass.
+    (_, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init,
+                              jnp.arange(n, dtype=jnp.int32))
     return (acc / l).reshape(bg, r, blk, kd)
 
-  outs = lax.map(query_block, jnp.arange(n, dtype=jnp.int32))  # [n, B*G, R, blk, K]
+  # (Checkpointed too: the backward pass keeps no query block's key-block statistics either.)
+  outs = lax.map(jax.checkpoint(query_block, prevent_cse=False),
+                 jnp.arange(n, dtype=jnp.int32))  # [n, B*G, R, blk, K]
   # The last block's rows that the block before already holds are dropped.
   tail = outs[-1][:, :, (n - 1) * blk - (t - blk):]
   out = jnp.concatenate([jnp.moveaxis(outs[:-1], 0, 2).reshape(bg, r, (n - 1) * blk, kd),
