@@ -8,7 +8,14 @@ the target's own continuation (every step verifies 5 positions and emits 5 token
 Tables (ms per step, the prefill excluded: see `time_rounds`):
   1. 80 cached tokens (16-token prompts, 64 new tokens; speculative 256) for each `max_len`;
   2. against the cached length (prompts of P tokens, max_len fixed at the largest);
-  3. a ragged batch (rows of 100 and 8,000 tokens) against two rows of 8,000 and two of 100.
+  3. a ragged batch (rows of 100 and 8,000 tokens) against two rows of 8,000 and two of 100;
+  4. (`--tables prefill`, not in the default) the prefill itself: seconds and XLA's temporary
+     memory (`compiled.memory_analysis()`) of one `forward(fresh=True)` over prompts of
+     `--prefill-lens` tokens (batch 1) and over rows of 100 and 8,000 tokens, with the
+     attention within the prompt as one [T, T] product ("dense", `ATTENTION_BLOCK` raised
+     above T), tile by tile ("blocked", the default for T > `ATTENTION_BLOCK`), or as chunks of
+     `ATTENTION_BLOCK` tokens each attending to the cache the chunks before wrote ("chunked",
+     the alternative design: it cannot take a mask spanning chunks or be differentiated).
 
 Every configuration is compiled first, then they are timed round-robin (`--repeats` rounds; the
 median per configuration), so machine noise falls on all of them alike.
@@ -23,6 +30,8 @@ run on the CPU at small shapes, not a timing.
     python3 benchmarks/bench_attention.py --kernel xla,auto --batches 1,8   # on a GPU
     .venv/bin/python benchmarks/bench_attention.py --kernel triton_interpret,mosaic_interpret \
       --tables max_len --batches 1 --max-lens 80,600 --new 8 --repeats 1   # CPU dry run
+    .venv/bin/python benchmarks/bench_attention.py --tables prefill --repeats 2 \
+      --out benchmarks/results/attention_prefill.json
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import numpy as np
 from common import ROOT, machine, write_json
 from jaxspec.decoding import decode, speculative_decode
 from jaxspec.drafters import Oracle
+from jaxspec.models import llama
 from jaxspec.models.config import ATTENTION_KERNELS, tiny_config
 from jaxspec.models.synthetic import random_model
 
@@ -96,6 +106,65 @@ def time_rounds(runs: dict, new: int, steps_per_token: float, repeats: int) -> d
   return {name: 1e3 * (min(ts[new]) - min(ts[short])) / steps for name, ts in times.items()}
 
 
+PREFILL_MODES = ("dense", "blocked", "chunked")
+
+
+def make_prefill(model, lengths, mode: str):
+  """A compiled prefill of prompts of `lengths` (right-padded to the longest) under `mode`:
+  (a function of no arguments returning the hidden states and cache, XLA's temporary bytes)."""
+  cfg = model.cfg
+  lengths = np.asarray(lengths, np.int32)
+  b, t = len(lengths), int(lengths.max())
+  ids = jnp.asarray(np.random.default_rng(0).integers(1, CFG["vocab_size"], (b, t)), jnp.int32)
+  lens = jnp.asarray(lengths)
+  blk = llama.ATTENTION_BLOCK
+
+  def prefill(params, ids, lens):
+    cache = llama.init_cache(cfg, b, t)
+    if mode != "chunked":
+      _, hidden, cache = llama.forward(params, ids, cache, cfg, logits=False, fresh=True,
+                                       seq_lengths=lens)
+      return hidden.final, cache
+    finals = []
+    for c in range(0, t, blk):
+      _, hidden, cache = llama.forward(params, ids[:, c:c + blk], cache, cfg, logits=False,
+                                       fresh=c == 0)
+      finals.append(hidden.final)
+    return jnp.concatenate(finals, axis=1), cache
+
+  # The threshold is read when the program is traced: raised above T, the dense product.
+  llama.ATTENTION_BLOCK = t + 1 if mode == "dense" else blk
+  try:
+    compiled = jax.jit(prefill).lower(model.params, ids, lens).compile()
+  finally:
+    llama.ATTENTION_BLOCK = blk
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  return lambda: compiled(model.params, ids, lens), temp
+
+
+def prefill_table(model, shapes: dict, repeats: int) -> dict:
+  """Seconds (fastest of `repeats`, round-robin) and temporary MiB of each shape's prefill in
+  each mode."""
+  runs, rows = {}, {}
+  for name, lengths in shapes.items():
+    for mode in PREFILL_MODES:
+      runs[name, mode], temp = make_prefill(model, lengths, mode)
+      rows.setdefault(name, {})[mode] = dict(temp_mib=temp / 2**20)
+  for fn in runs.values():
+    jax.block_until_ready(fn())
+  for _ in range(repeats):
+    for (name, mode), fn in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      s = time.perf_counter() - t0
+      row = rows[name][mode]
+      row["seconds"] = min(row.get("seconds", s), s)
+  for name, row in rows.items():
+    print(f"prefill {name}:", {m: f"{v['seconds']:.3f} s, {v['temp_mib']:.0f} MiB"
+                               for m, v in row.items()})
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--max-lens", default="80,1024,8192,32768")
@@ -103,7 +172,9 @@ def main():
   ap.add_argument("--batches", default="1,4")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--new", type=int, default=64)
-  ap.add_argument("--tables", default="max_len,cached,ragged")
+  ap.add_argument("--tables", default="max_len,cached,ragged",
+                  help="any of max_len, cached, ragged, prefill (separated by commas)")
+  ap.add_argument("--prefill-lens", default="512,2048,8192")
   ap.add_argument("--kernel", default="auto",
                   help="attention_kernel, or several separated by commas: "
                        + ", ".join(ATTENTION_KERNELS))
@@ -172,6 +243,14 @@ def main():
       result["tables"][label(k, "ragged/plain/batch2")] = dict(max_len=ml, rows=rows)
       print(label(k, "ragged"), f"max_len {ml}:",
             {k: f"{v['ms_per_step']:.2f} ms" for k, v in rows.items()})
+
+  # 4. The prefill: dense, blocked and chunked attention within the prompt.
+  if "prefill" in tables:
+    shapes = {f"batch1/{p}": [p] for p in map(int, args.prefill_lens.split(","))}
+    shapes["batch2/100+8000"] = [100, 8000]
+    result["tables"]["prefill"] = dict(attention_block=llama.ATTENTION_BLOCK,
+                                       rows=prefill_table(models[kernels[0]], shapes,
+                                                          args.repeats))
   write_json(Path(args.out), result)
 
 

@@ -601,7 +601,9 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 # Positions of the cache read per step of the blocked attention (`attention`): a cache of at
 # most this many positions is read whole (one product, no loop); a larger one block by block,
 # up to the batch's longest row only, so a step costs what is cached rather than what was
-# allocated.
+# allocated. A prefill (an empty cache) of more than this many tokens attends within its block
+# in tiles of this many queries by this many keys (`_blocked_prefill`), a shorter one in one
+# product.
 ATTENTION_BLOCK = 512
 
 
@@ -614,7 +616,10 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
   A cache of more than `ATTENTION_BLOCK` positions is read in blocks of that many, from the
   first block a row may see (the oldest position inside a sliding window) to the block holding
   the batch's longest row, under an online softmax (a `lax.while_loop` with a traced trip
-  count): the work follows the cached length, not the allocated one.
+  count): the work follows the cached length, not the allocated one. With an empty cache (a
+  prefill) of more than `ATTENTION_BLOCK` new tokens, the new block attends to itself tile by
+  tile under an online softmax, skipping the tiles its mask hides (above the causal diagonal,
+  outside a window): no [T, T] scores (`_blocked_prefill`).
 
   Args:
     q: [B, T, H, K] rotated queries.
@@ -623,7 +628,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask, 
       [L, B, G, S, K] cache (only `layer`'s blocks are read: no per-layer copy of the cache).
     length: [B] valid cache entries per row.
     positions: [B, T] absolute position of every new token.
-    block_mask: [B, T, T] bool, which new tokens each new token may attend to.
+    block_mask: [B, T, T] bool, which new tokens each new token may attend to; None: causal
+      (key index <= query index; a long prefill then builds no [B, T, T] mask).
     sliding: whether this layer attends within `cfg.sliding_window` only (a Python bool, or a
       traced one inside a scan over mixed layers); None: as every layer of `cfg` does when its
       layers are alike (`LlamaConfig.is_sliding`).
@@ -687,7 +693,8 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
                                               precision=_precision(x, y),
                                               preferred_element_type=jnp.float32)
   cap = cfg.attn_softcap
-  score = lambda keys: softcap(bdot(qg, keys, 2, 2) * scale, cap)  # [BG, RT, S]
+  score_of = lambda qs, keys: softcap(bdot(qs, keys, 2, 2) * scale, cap)  # [BG, RT, S]
+  score = functools.partial(score_of, qg)
   if sliding is None:
     sliding = not cfg.mixed_layers and cfg.is_sliding(0)
   windowed = cfg.sliding_window is not None and sliding is not False
@@ -715,6 +722,12 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
   neg = jnp.float32(-1e30)
   kn = jnp.transpose(k_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
   vn = jnp.transpose(v_new, (0, 2, 1, 3)).reshape(b * g, t, kd)
+  if fresh and t > ATTENTION_BLOCK:  # a long prefill: tile by tile, never the [T, T] scores
+    out = _blocked_prefill(qg, kn, vn, block_mask, positions, (w, sliding) if windowed else None,
+                           score_of, g, r)
+    return _finish(out, b, t, h, kd, q.dtype)
+  if block_mask is None:
+    block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   if windowed:
     in_block = positions[:, None, :] > positions[:, :, None] - w
     block_mask = block_mask & (in_block if sliding is True else in_block | ~sliding)
@@ -813,6 +826,97 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, positions, block_mask,
   else:  # "xla", or a shape the kernel does not take
     out = xla_cache()
   return _finish(out, b, t, h, kd, q.dtype)
+
+
+def _blocked_prefill(qg, kn, vn, block_mask, positions, window, score, g: int, r: int
+                     ) -> jax.Array:
+  """Attention within a long new block (a prefill), query block by key block.
+
+  The same function as `_attention`'s dense product over the new block, with the scores held
+  one [B*G, R*blk, blk] tile at a time under an online softmax, and only the key blocks a query
+  block may see read: from its oldest to its newest visible key over the batch (below the
+  causal diagonal, inside a sliding window). No [T, T] array is built: each query block's mask
+  rows are made (or sliced from `block_mask`) inside the loop. A loop over query blocks
+  (`lax.map`) of a loop over every key block whose skipped blocks are a `lax.cond` passing the
+  softmax through: both loops have static trip counts, so `jax.grad` differentiates them (a
+  `lax.while_loop` with a traced trip count would not), and both are checkpointed, so the
+  backward pass recomputes tiles instead of keeping T x T probabilities (flash-attention
+  style). A T not a multiple of blk ends with a block read ending at T, its positions shared
+  with the block before masked out (as keys) or taken from the block before (as queries).
+  Assumes, as the dense softmax does, that every query sees at least one key (itself, in every
+  mask jaxspec builds).
+
+  Args:
+    qg: [B*G, R*T, K] queries in `_attention`'s (b, g) x (r, t) order.
+    kn, vn: [B*G, T, K] the block's keys and values.
+    block_mask: [B, T, T] bool, which keys each query may see; None: causal (key <= query).
+    positions: [B, T] each token's position, for the window.
+    window: (W, sliding) for a sliding layer (sliding True, or a traced bool), else None.
+    score: ([B*G, n, K], [B*G, m, K]) -> [B*G, n, m] float32 scaled, soft-capped scores.
+  Returns:
+    [B*G, R*T, K] float32, in the order of `qg`.
+  """
+  bg, rt, kd = qg.shape
+  b, t = positions.shape
+  blk = ATTENTION_BLOCK
+  n = -(-t // blk)  # blocks per axis, the last one ending at T
+  idx = jnp.arange(t, dtype=jnp.int32)
+  q4 = qg.reshape(bg, r, t, kd)
+  neg = jnp.float32(-1e30)
+  bdot = lambda x, y: lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))),
+                                      precision=_precision(x, y),
+                                      preferred_element_type=jnp.float32)
+
+  def query_block(i):
+    qs = jnp.minimum(i * blk, t - blk)
+    qi = lax.dynamic_slice_in_dim(q4, qs, blk, axis=2).reshape(bg, r * blk, kd)
+    if block_mask is None:
+      vis = idx[None, None, :] <= (qs + jnp.arange(blk, dtype=jnp.int32))[None, :, None]
+    else:
+      vis = lax.dynamic_slice_in_dim(block_mask, qs, blk, axis=1)
+    if window is not None:
+      w, sliding = window
+      qpos = lax.dynamic_slice_in_dim(positions, qs, blk, axis=1)
+      inside = positions[:, None, :] > qpos[:, :, None] - w
+      vis = vis & (inside if sliding is True else inside | ~sliding)
+    vis = jnp.broadcast_to(vis, (b, blk, t))  # [B, blk, T] this query block's mask rows
+    # The key blocks holding this query block's oldest and newest visible key over the batch.
+    cols = vis.any(axis=(0, 1))
+    first = jnp.min(jnp.where(cols, idx, t)) // blk
+    last = jnp.max(jnp.where(cols, idx, -1)) // blk
+
+    def key_block(carry, j):
+      def read(carry):
+        m, l, acc = carry
+        ks = jnp.minimum(j * blk, t - blk)
+        tile = lax.dynamic_slice_in_dim(vis, ks, blk, axis=2)
+        tile = tile & (ks + jnp.arange(blk) >= j * blk)[None, None, :]  # [B, blk, blk]
+        tile = jnp.broadcast_to(tile[:, None, None], (b, g, r, blk, blk)).reshape(
+            bg, r * blk, blk)
+        s = jnp.where(tile, score(qi, lax.dynamic_slice_in_dim(kn, ks, blk, axis=1)), neg)
+        m2 = jnp.maximum(m, s.max(-1, keepdims=True))
+        p = jnp.exp(s - m2)
+        c = jnp.exp(m - m2)
+        vb = lax.dynamic_slice_in_dim(vn, ks, blk, axis=1)
+        return m2, l * c + p.sum(-1, keepdims=True), acc * c + bdot(p.astype(vb.dtype), vb)
+
+      return lax.cond((j >= first) & (j <= last), read, lambda c: c, carry), None
+
+    init = (jnp.full((bg, r * blk, 1), neg), jnp.zeros((bg, r * blk, 1), jnp.float32),
+            jnp.zeros((bg, r * blk, kd), jnp.float32))
+    # Differentiated, a tile's scores are recomputed rather than kept for the backward pass.
+    (_, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init,
+                              jnp.arange(n, dtype=jnp.int32))
+    return (acc / l).reshape(bg, r, blk, kd)
+
+  # (Checkpointed too: the backward pass keeps no query block's key-block statistics either.)
+  outs = lax.map(jax.checkpoint(query_block, prevent_cse=False),
+                 jnp.arange(n, dtype=jnp.int32))  # [n, B*G, R, blk, K]
+  # The last block's rows that the block before already holds are dropped.
+  tail = outs[-1][:, :, (n - 1) * blk - (t - blk):]
+  out = jnp.concatenate([jnp.moveaxis(outs[:-1], 0, 2).reshape(bg, r, (n - 1) * blk, kd),
+                         tail], axis=2)
+  return out.reshape(bg, rt, kd)
 
 
 def _finish(out, b, t, h, kd, dtype):
@@ -1000,7 +1104,8 @@ def forward(params: Params, tokens: jax.Array, cache: KVCache, cfg: LlamaConfig,
   _check_params_match(params, cfg)
   if positions is None:
     positions = length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  if block_mask is None:
+  if block_mask is None and not (fresh and t > ATTENTION_BLOCK):
+    # (A long prefill's attention makes its causal mask tile by tile: no [B, T, T] array.)
     block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   tables = rope_tables_for(cfg, positions, seq_lengths=seq_lengths)
   # Gemma 3's sliding layers rotate with their own base: a second set of tables.
