@@ -94,7 +94,8 @@ def rollout_settings_from_args(args):
                       batch_sizes=parse_batch_sizes(args.batch_sizes),
                       max_new_tokens=args.max_new_tokens, methods=methods,
                       num_draft_tokens=args.num_draft_tokens, k_max=args.k_max or 8,
-                      corpus_size=args.corpus_size, seed=args.seed, chat=not args.no_chat,
+                      corpus_size=args.corpus_size, tree_size=args.tree_size, seed=args.seed,
+                      chat=not args.no_chat,
                       out=args.out, progress=not args.no_progress)
   check_rollout(s)
   return s
