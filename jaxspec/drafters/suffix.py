@@ -24,13 +24,23 @@ candidates that agree, and a row stops drafting where the product of the confide
 below `min_prob`, or after `spec_factor` x the match length tokens. So the draft length of a
 row follows its match (`Proposal.n_valid`), capped by the step's k.
 
+`SuffixDecoding(..., tree=N)` (or `tree=SuffixTree(nodes=N, depth=D)`) drafts a speculation
+tree instead, as the paper does: the candidates' continuations merged into a trie, each prefix
+scored by the product of the empirical branch shares down to it (the share of candidates
+continuing with it), the best N kept (`speculation_tree`); the loop verifies all N in one target
+pass with the tree rule (`jaxspec.decoding.tree`), so a branch where the earlier outputs
+disagree tries several continuations at once. The tree fixes the step's shape: its width N + 1
+is verified every step, so it pays where a wide pass costs little more than a narrow one.
+
 Exact: the proposal of row b is a deterministic function of the corpus and of tokens already
 emitted (its own and the other rows'), never of the noise its own next tokens will be drawn
 with. Row b's token j is drawn with fold_in(row_key_b, j) and the verify pass's rejection rule;
 other rows' tokens depend on their own keys (and on row b's earlier tokens only), so the drafts
 are fixed before row b's future randomness is used, and rejection sampling of a deterministic
 (one-hot) draft then leaves row b's output distribution the target's. Greedy output equals plain
-greedy output token for token.
+greedy output token for token. A tree step draws the token of every position with the key
+plain decoding would use there and follows the child holding it (the tree rule's coupled form),
+so several children per node stay exact and sampled text is `generate`'s for the key.
 """
 
 from __future__ import annotations
