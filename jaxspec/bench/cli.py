@@ -46,9 +46,10 @@ def add_bench_parser(sub) -> None:
                  help="the most drafts per step with 'auto' (default 8, capped at a head's"
                       " limit)")
   p.add_argument("--tree-size", type=int, default=8,
-                 help="nodes of the eagle-tree and medusa-tree methods' trees (default 8, the"
-                      " fastest size on a 2-core CPU; 16 was the fastest of 8, 16 and 64 for"
-                      " SmolLM2 on an H200; EAGLE-2 uses 60 for 7B+ targets on GPUs)")
+                 help="nodes of the eagle-tree, medusa-tree and (rollout) suffix-tree methods'"
+                      " trees (default 8, EAGLE's fastest size on a 2-core CPU; 16 was the"
+                      " fastest of 8, 16 and 64 for SmolLM2 on an H200; EAGLE-2 uses 60 for 7B+"
+                      " targets on GPUs)")
   p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
   add_scan_layers(p)
   add_compile_cache(p, on=False)
@@ -94,7 +95,8 @@ def rollout_settings_from_args(args):
                       batch_sizes=parse_batch_sizes(args.batch_sizes),
                       max_new_tokens=args.max_new_tokens, methods=methods,
                       num_draft_tokens=args.num_draft_tokens, k_max=args.k_max or 8,
-                      corpus_size=args.corpus_size, seed=args.seed, chat=not args.no_chat,
+                      corpus_size=args.corpus_size, tree_size=args.tree_size, seed=args.seed,
+                      chat=not args.no_chat,
                       out=args.out, progress=not args.no_progress)
   check_rollout(s)
   return s

@@ -25,10 +25,10 @@ from jaxspec.drafters.oracle import Oracle, OracleParams
 from jaxspec.drafters.pard import ParallelDraft, load_pard
 from jaxspec.drafters.resolve import resolve_drafter
 from jaxspec.drafters.self_draft import self_drafter
-from jaxspec.drafters.suffix import SuffixCorpus, SuffixDecoding, corpus_from
+from jaxspec.drafters.suffix import SuffixCorpus, SuffixDecoding, SuffixTree, corpus_from
 from jaxspec.heads.drafting import EagleDrafter, HeadDrafter, MedusaDrafter, MLPDrafter
 
 __all__ = ["MAX_NGRAM", "DraftModel", "DraftModelState", "EagleDrafter", "HeadDrafter",
            "MLPDrafter", "MedusaDrafter", "NGram", "Oracle", "OracleParams", "ParallelDraft",
-           "SuffixCorpus", "SuffixDecoding", "corpus_from", "load_pard", "resolve_drafter",
-           "self_drafter"]
+           "SuffixCorpus", "SuffixDecoding", "SuffixTree", "corpus_from", "load_pard",
+           "resolve_drafter", "self_drafter"]

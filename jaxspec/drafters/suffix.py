@@ -24,13 +24,23 @@ candidates that agree, and a row stops drafting where the product of the confide
 below `min_prob`, or after `spec_factor` x the match length tokens. So the draft length of a
 row follows its match (`Proposal.n_valid`), capped by the step's k.
 
+`SuffixDecoding(..., tree=N)` (or `tree=SuffixTree(nodes=N, depth=D)`) drafts a speculation
+tree instead, as the paper does: the candidates' continuations merged into a trie, each prefix
+scored by the product of the empirical branch shares down to it (the share of candidates
+continuing with it), the best N kept (`speculation_tree`); the loop verifies all N in one target
+pass with the tree rule (`jaxspec.decoding.tree`), so a branch where the earlier outputs
+disagree tries several continuations at once. The tree fixes the step's shape: its width N + 1
+is verified every step, so it pays where a wide pass costs little more than a narrow one.
+
 Exact: the proposal of row b is a deterministic function of the corpus and of tokens already
 emitted (its own and the other rows'), never of the noise its own next tokens will be drawn
 with. Row b's token j is drawn with fold_in(row_key_b, j) and the verify pass's rejection rule;
 other rows' tokens depend on their own keys (and on row b's earlier tokens only), so the drafts
 are fixed before row b's future randomness is used, and rejection sampling of a deterministic
 (one-hot) draft then leaves row b's output distribution the target's. Greedy output equals plain
-greedy output token for token.
+greedy output token for token. A tree step draws the token of every position with the key
+plain decoding would use there and follows the child holding it (the tree rule's coupled form),
+so several children per node stay exact and sampled text is `generate`'s for the key.
 """
 
 from __future__ import annotations
@@ -39,9 +49,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, is_int
 from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal
+from jaxspec.decoding.tree import MAX_NODES, TreeProposal
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 # Marks empty slots and the end of every corpus entry and row: it equals no token and no
@@ -132,6 +144,35 @@ def corpus_from(tokens, vocab_size: int, corpus_size: int) -> SuffixCorpus:
   return append_rows(out, jnp.asarray(arr), lens, jnp.zeros_like(lens))
 
 
+@dataclasses.dataclass(frozen=True)
+class SuffixTree:
+  """The shape of `SuffixDecoding`'s speculation tree: `nodes` candidate tokens verified per
+  step (the root excluded), at most `depth` deep (a row also stops at spec_factor x its match +
+  spec_offset)."""
+
+  nodes: int = 24
+  depth: int = 8
+
+  def __post_init__(self):
+    for name in ("nodes", "depth"):
+      v = getattr(self, name)
+      if not is_int(v, numpy=False) or v < 1:
+        raise ValueError(f"SuffixTree.{name} must be an integer >= 1, got {v!r}")
+    if self.nodes + 1 > MAX_NODES:
+      raise ValueError(f"SuffixTree(nodes={self.nodes}) exceeds the static budget of"
+                       f" {MAX_NODES - 1} nodes")
+    if self.depth > 64:
+      raise ValueError(f"SuffixTree.depth must be <= 64, got {self.depth}")
+
+  @property
+  def num_nodes(self) -> int:
+    """Nodes including the root (the verify pass's width)."""
+    return self.nodes + 1
+
+  def describe(self) -> str:
+    return f"suffix speculation tree ({self.nodes} nodes, depth {self.depth})"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SuffixDecoding(Drafter):
   """Suffix decoding over the batch's rows and a carried corpus of earlier outputs (see the
@@ -149,6 +190,10 @@ class SuffixDecoding(Drafter):
       tokens (and at most the step's k).
     context: prompt tokens kept before each output in the corpus (so a later call's first
       tokens find the continuation of the same prompt); default max_match.
+    tree: None (the default) drafts one chain a step; a `SuffixTree` (or its node count)
+      drafts a speculation tree instead (`speculation_tree`: the candidates' most frequent
+      continuations, several per branch), verified in one target pass by the tree rule. A tree
+      sets the draft's shape: call the loop with num_draft_tokens="auto" (no AutoK).
   """
 
   vocab: int
@@ -160,10 +205,18 @@ class SuffixDecoding(Drafter):
   spec_factor: float = 1.0
   spec_offset: int = 1
   context: int | None = None
+  tree: SuffixTree | None = None
   name: str = "suffix"
   free_proposals = True  # a scan, not a model pass
 
   def __post_init__(self):
+    if self.tree is not None and not isinstance(self.tree, SuffixTree):
+      if not is_int(self.tree, numpy=False):
+        raise ValueError(f"SuffixDecoding.tree must be a SuffixTree, a node count or None, got"
+                         f" {self.tree!r}")
+      object.__setattr__(self, "tree", SuffixTree(nodes=self.tree))
+    if self.tree is not None and self.name == "suffix":
+      object.__setattr__(self, "name", "suffix-tree")
     for name in ("vocab", "corpus_size", "max_match", "min_match", "candidates",
                  "spec_offset"):  # Python ints: the drafter is a static argument
       check_int(f"SuffixDecoding.{name}", getattr(self, name), numpy=False)
@@ -184,6 +237,17 @@ class SuffixDecoding(Drafter):
     if self.spec_offset < 0 or (self.context is not None and self.context < 0):
       raise ValueError(f"spec_offset and context must be >= 0, got spec_offset="
                        f"{self.spec_offset}, context={self.context}")
+    if self.tree is not None and self.tree.nodes > min(self.candidates, self.corpus_size) \
+        * self.tree.depth:
+      raise ValueError(f"a tree of {self.tree.nodes} nodes needs more than candidates x depth ="
+                       f" {self.candidates} x {self.tree.depth} prefixes: raise candidates or"
+                       " lower SuffixTree.nodes")
+
+  def with_tree(self, tree) -> SuffixDecoding:
+    """This drafter drafting a speculation tree (a `SuffixTree` or a node count), or chains
+    (None)."""
+    base = self.name.removesuffix("-tree")
+    return dataclasses.replace(self, tree=tree, name=base)
 
   @property
   def vocab_size(self) -> int:
@@ -223,10 +287,12 @@ class SuffixDecoding(Drafter):
     start = jnp.maximum(ctx.prompt_len - keep, 0)
     return append_rows(params, ctx.seq, ctx.seq_len, start)
 
-  def propose(self, params, state, ctx, k, sp, keys):
+  def _matches(self, state, ctx, width: int):
+    """The candidate matches of every row: (cont [B, N, width] the `width` tokens after each,
+    SEP past an entry's end; alive [B, N] the real candidates; best [B] the longest match)."""
     seq, n = ctx.seq, ctx.seq_len
     b, s = seq.shape
-    m, c = self.max_match, state.corpus.shape[0]
+    m = self.max_match
     # The haystack: the corpus, then every row up to its length, each followed by a SEP.
     rows = jnp.where(jnp.arange(s + 1)[None, :] < n[:, None],
                      jnp.pad(seq, ((0, 0), (0, 1))), SEP)
@@ -257,10 +323,19 @@ class SuffixDecoding(Drafter):
         jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32), (b, h)), mode="drop")
     alive = (jnp.arange(nc)[None, :] < jnp.sum(longest, axis=1)[:, None]) \
         & (best >= self.min_match)[:, None]
-    padded = jnp.concatenate([hay, jnp.full((k + 1,), SEP, hay.dtype)])
-    cont = padded[cand[:, :, None] + 1 + jnp.arange(k)[None, None, :]]  # [B, N, k]
-    limit = jnp.minimum(jnp.floor(self.spec_factor * best).astype(jnp.int32)
-                        + self.spec_offset, k)
+    padded = jnp.concatenate([hay, jnp.full((width + 1,), SEP, hay.dtype)])
+    cont = padded[cand[:, :, None] + 1 + jnp.arange(width)[None, None, :]]  # [B, N, width]
+    return cont, alive, best
+
+  def _limit(self, best, width: int):
+    """[B] the most tokens a row drafts: spec_factor x its match + spec_offset, at most width."""
+    return jnp.minimum(jnp.floor(self.spec_factor * best).astype(jnp.int32) + self.spec_offset,
+                       width)
+
+  def propose(self, params, state, ctx, k, sp, keys):
+    cont, alive, best = self._matches(state, ctx, k)
+    b = cont.shape[0]
+    limit = self._limit(best, k)
     prob = jnp.ones((b,), jnp.float32)
     going = jnp.ones((b,), bool)
     tokens, valid = [], []
@@ -278,3 +353,68 @@ class SuffixDecoding(Drafter):
       alive = alive & (t == tok[:, None])
     n_valid = jnp.sum(jnp.stack(valid, axis=1), axis=1).astype(jnp.int32)
     return Proposal(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32), n_valid=n_valid), state
+
+  def propose_tree(self, params, state, ctx, sp, keys):
+    """The speculation tree of every row (`speculation_tree`): the continuations of its
+    candidate matches merged into a trie, the `tree.nodes` most frequent prefixes kept.
+    Deterministic, so the tree rule verifies it exactly (several children per node included)."""
+    depth = self.tree.depth
+    cont, alive, best = self._matches(state, ctx, depth)
+    prop = speculation_tree(cont, alive, self._limit(best, depth), self.tree.nodes,
+                            self.min_prob)
+    return prop, state
+
+
+def speculation_tree(cont: jax.Array, alive: jax.Array, limit: jax.Array, nodes: int,
+                     min_prob: float) -> TreeProposal:
+  """The suffix tree's speculation tree from a row's candidate matches.
+
+  The candidates' continuations form a trie: its node at depth d is a distinct prefix of d
+  tokens, and the product of the empirical branch shares down to it (count of children over
+  count of parent, at every branch) is the share of the candidates continuing with that prefix.
+  The `nodes` prefixes of highest share (at least `min_prob`, at most limit[b] deep, never
+  across an entry's end) are kept; ties go to the shallower, then to the most recent candidate,
+  so a kept node's parent (whose share is at least the node's, one level up) is always kept:
+  the result is a tree. Unused nodes hold token -1 under the root (never accepted).
+
+  Args:
+    cont: [B, N, D] int32 the D tokens after each candidate (SEP past an entry's end), the most
+      recent candidate first.
+    alive: [B, N] bool the real candidates.
+    limit: [B] int32 the deepest node per row.
+    nodes: static, candidate nodes (the root excluded).
+  Returns:
+    a `TreeProposal` of nodes + 1 nodes, the most frequent first (node 0: the root).
+  """
+  b, n, d = cont.shape
+  rows = jnp.arange(b)[:, None]
+  # peers[b, i, e, j]: candidate j is alive and continues with candidate i's first e + 1 tokens.
+  differ = jnp.cumsum(cont[:, :, None, :] != cont[:, None, :, :], axis=3) > 0  # [B, i, j, D]
+  peers = jnp.moveaxis(~differ, 3, 2) & alive[:, None, None, :]  # [B, i, D, j]
+  count = jnp.sum(peers, axis=3)  # [B, N, D]
+  real = (jnp.cumsum(cont < 0, axis=2) == 0) & alive[:, :, None] \
+      & (jnp.arange(d)[None, None, :] < limit[:, None, None])
+  # A prefix is taken by the first (most recent) candidate continuing with it.
+  first = jnp.argmax(peers, axis=3)  # [B, N, D] the first such j (i itself when alive)
+  rep = real & (first == jnp.arange(n)[None, :, None])
+  share = count / jnp.maximum(jnp.sum(alive, axis=1), 1)[:, None, None]
+  keep = rep & (share >= min_prob)
+  # Order: count, then shallower, then the earlier (candidate, depth) slot; strictly above the
+  # key of every descendant, so every kept node's parent is ranked before it.
+  flat = jnp.arange(n * d, dtype=jnp.int32).reshape(n, d)
+  level = jnp.arange(d, dtype=jnp.int32)[None, :]
+  key = (count * (d + 1) + (d - level)) * (n * d) + (n * d - 1 - flat)
+  top, sel = lax.top_k(jnp.where(keep, key, -1).reshape(b, n * d), nodes)  # [B, M]
+  valid = top >= 0
+  ci, lv = sel // d, sel % d
+  tok = cont[rows, ci, lv]
+  # The parent: the representative of the prefix one token shorter, a node ranked earlier.
+  up = jnp.maximum(lv - 1, 0)
+  par_flat = first[rows, ci, up] * d + up  # [B, M]
+  pos = jnp.argmax(sel[:, None, :] == par_flat[:, :, None], axis=2)  # [B, M]
+  parent = jnp.where(valid & (lv > 0), pos + 1, 0)
+  root = lambda v: jnp.full((b, 1), v, jnp.int32)
+  return TreeProposal(
+      tokens=jnp.concatenate([root(0), jnp.where(valid, tok, -1)], axis=1).astype(jnp.int32),
+      parents=jnp.concatenate([root(-1), parent], axis=1).astype(jnp.int32),
+      depth=jnp.concatenate([root(0), jnp.where(valid, lv + 1, 1)], axis=1).astype(jnp.int32))
