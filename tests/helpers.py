@@ -216,6 +216,21 @@ def exact_tables(target, prompt, sp):
           p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
 
 
+def sample_continuations(prompt, tables, n, seed=0):
+  """n sequences prompt + t1..t5, each t drawn from `exact_tables`' conditionals (a corpus of
+  earlier samples for the drafters that read one)."""
+  p1, *rest = tables
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    t = [rng.choice(p1.shape[0], p=p1 / p1.sum())]
+    for table in rest:
+      q = table[tuple(t)]
+      t.append(rng.choice(q.shape[0], p=q / q.sum()))
+    out.append(list(prompt) + [int(x) for x in t])
+  return out
+
+
 def sampling_arrays_row(arr, n):
   return jax.tree.map(lambda x: x[:n], arr)
 

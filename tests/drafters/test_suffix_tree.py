@@ -14,7 +14,7 @@ from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import speculative_decode
 from jaxspec.drafters import SuffixDecoding, SuffixTree, corpus_from
 from jaxspec.sampling import Sampling
-from helpers import assert_first_tokens_follow, exact_tables
+from helpers import assert_first_tokens_follow, exact_tables, sample_continuations
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 20
@@ -170,15 +170,9 @@ def test_sampled_tree_distribution_at_later_positions(small_vocab):
   v = target.cfg.vocab_size
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
   prompt = [1, 2, 3, 4]
-  p1, p2, p3, p4, p5 = exact_tables(target, prompt, sp)
-  rng = np.random.default_rng(0)
-  earlier = []
-  for _ in range(12):
-    t = [rng.choice(v, p=p1 / p1.sum())]
-    for table in (p2, p3, p4, p5):
-      q = table[tuple(t)]
-      t.append(rng.choice(v, p=q / q.sum()))
-    earlier.append(prompt + [int(x) for x in t])
+  tables = exact_tables(target, prompt, sp)
+  p1, p2, p3, p4, p5 = tables
+  earlier = sample_continuations(prompt, tables, 12)  # earlier outputs, drawn exactly
   d = SuffixDecoding(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2,
                      tree=SuffixTree(nodes=6, depth=3))
   corpus = corpus_from(earlier, v, 96)
