@@ -248,11 +248,18 @@ class EagleHead(nnx.Module):
 
   def qkv(self, x: jax.Array, positions: jax.Array):
     """x [B, T, Din], positions [B, T] -> rotated q [B, T, H, K], k and v [B, T, G, K]."""
-    inv = rope_inv_freq(self.layer_cfg)
+    return (self.query(x, positions),) + self.keys_values(x, positions)
+
+  def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, Din], positions [B, T] -> rotated q [B, T, H, K]."""
     q = jnp.einsum("btd,dhk->bthk", x, self.wq[...])
+    return apply_rope(q, positions, rope_inv_freq(self.layer_cfg))
+
+  def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, Din], positions [B, T] -> rotated k and v [B, T, G, K]."""
     k = jnp.einsum("btd,dgk->btgk", x, self.wk[...])
     v = jnp.einsum("btd,dgk->btgk", x, self.wv[...])
-    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
+    return apply_rope(k, positions, rope_inv_freq(self.layer_cfg)), v
 
   def finish(self, resid: jax.Array, attn: jax.Array) -> jax.Array:
     """Output projection, residual and SwiGLU MLP: the step's output feature [B, T, D], the
@@ -380,17 +387,18 @@ def eagle_prefill(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok:
   empty draft cache, and the layer's output at pair `at` [B] only: h [B, D].
 
   The same function as `eagle_block(..., fresh=True)` read at `at`: the cache needs every pair's
-  keys and values, but the next draft only that one output, so attention, output projection and
-  MLP run for one position per row (on a long prompt they were most of the pass), reading the
-  pairs before it as a cached prefix.
+  keys and values, but the next draft only that one output, so the query, attention, output
+  projection and MLP run for one position per row (on a long prompt they were most of the pass),
+  reading the pairs before it as a cached prefix.
   """
   b, t = tok.shape
   x, resid = model.layer_input(frozen, feat, tok)
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-  q, k, v = model.qkv(x, pos + 1)
+  k, v = model.keys_values(x, pos + 1)
   cache = write_cache(cache, k[None], v[None], positions_start=jnp.zeros((b,), jnp.int32))
   pick = lambda a: jnp.take_along_axis(a, at.reshape((b,) + (1,) * (a.ndim - 1)), axis=1)
-  attn = attention(pick(q), pick(k), pick(v), cache.k[0], cache.v[0], at, at[:, None],
+  q = model.query(pick(x), pick(pos) + 1)  # the one query read: not T of them
+  attn = attention(q, pick(k), pick(v), cache.k[0], cache.v[0], at, at[:, None],
                    jnp.ones((b, 1, 1), bool), model.layer_cfg)
   return model.finish(pick(resid), attn.astype(F32))[:, 0], cache
 
