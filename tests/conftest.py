@@ -82,6 +82,19 @@ def _fresh_engine():
 
 
 @pytest.fixture
+def no_compile(monkeypatch):
+  """Fails the test if the functional core's jitted loops are reached: the checks under test
+  must come before any tracing or compiling."""
+  from jaxspec.decoding import functional
+
+  def refuse(*a, **kw):
+    raise AssertionError("the functional core's loop was traced before its arguments were"
+                         " checked")
+  monkeypatch.setattr(functional, "_decode_jit", refuse)
+  monkeypatch.setattr(functional, "_speculative_jit", refuse)
+
+
+@pytest.fixture
 def garbage_cache_pool():
   """fill(model, batch, max_len, seed): keeps large random values as the cache buffers the
   next call of those shapes prefills into (`Engine.take_cache_buffers`); returns them. A call

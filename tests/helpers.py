@@ -231,6 +231,15 @@ def sample_continuations(prompt, tables, n, seed=0):
   return out
 
 
+def assert_tokens_4_5_follow(tokens, tables):
+  """Chi-square of the 4th and 5th new tokens [n, 2] against their exact joint, P(t4, t5) = the
+  sum over t1..t3 of the chain of `exact_tables`' conditionals."""
+  p1, p2, p3, p4, p5 = tables
+  joint = np.einsum("a,ab,abc,abcd,abcde->de", p1, p2, p3, p4, p5)  # [V, V] of (t4, t5)
+  assert abs(joint.sum() - 1) < 1e-4
+  assert_first_tokens_follow(np.asarray(tokens), joint, what="the target's support")
+
+
 def sampling_arrays_row(arr, n):
   return jax.tree.map(lambda x: x[:n], arr)
 

@@ -54,15 +54,6 @@ def test_working_set_estimate_within_25_percent_of_compiled_programs(shape):
   assert 0.75 < est.total / got < 1.25, (est, got)
 
 
-@pytest.fixture
-def no_compile(monkeypatch):
-  """The functional core's jitted programs fail the test if they are reached."""
-  def fail(*a, **k):
-    raise AssertionError("compiled before the size check")
-  monkeypatch.setattr(F, "_decode_jit", fail)
-  monkeypatch.setattr(F, "_speculative_jit", fail)
-
-
 def test_functional_core_refuses_what_does_not_fit_before_compiling(tiny_target, no_compile,
                                                                     monkeypatch):
   prompt, lens = jnp.array([[1, 2, 3]]), jnp.array([3])

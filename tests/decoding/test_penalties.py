@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec import heads
-from jaxspec.decoding import decode, functional, join_tokens, score, speculative_decode
+from jaxspec.decoding import decode, join_tokens, score, speculative_decode
 from jaxspec.decoding.plain import prefill
 from jaxspec.drafters import DraftModel, NGram
 from jaxspec.models import forward, init_cache
@@ -282,15 +282,6 @@ def test_adjustments_left_off_compile_the_program_without_them(target):
 def test_bad_values_raise_naming_the_argument(kw, match):
   with pytest.raises(ValueError, match=match):
     Sampling(**kw)
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-  """Fails any trace of the loops: the checks under test must come before it."""
-  def refuse(*a, **kw):
-    raise AssertionError("the loop was traced before the arguments were checked")
-  monkeypatch.setattr(functional, "_speculative_jit", refuse)
-  monkeypatch.setattr(functional, "_decode_jit", refuse)
 
 
 @pytest.mark.parametrize("sampling, match", [
