@@ -40,6 +40,7 @@ from flax import nnx
 from jax import lax
 
 from jaxspec import sampling as sampling_lib
+from jaxspec.checks import check_int
 from jaxspec.decoding import tree as tree_lib
 from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, position_draft_keys
 from jaxspec.heads.common import target_dims
@@ -267,11 +268,28 @@ class EagleDrafter(HeadDrafter):
 
   Cache entry t holds the pair (feature_t, x_{t+1}); entries past `length` are scratch (the
   drafting steps write there and `commit` overwrites them), so a rollback is the length alone.
+
+  `context_window` (None: the whole context): the draft layer attends to the last
+  `context_window` pairs only, a sliding window. The prefill then runs the head's input
+  projection and keys and values over the prompt's last `context_window` pairs, not all of them
+  (on a 1,187-token prompt that was most of the head's fixed cost). `load_head` sets it to the
+  window a head was trained on (`jaxspec train --window`, 128 for the bundled heads): such a
+  head never attended further during training. Exactness does not depend on it.
   """
 
   name: str = "eagle"
+  context_window: int | None = None
   tree_kinds = (tree_lib.DynamicTree, tree_lib.Tree)
   defer_commit = True  # a plain step's commit runs the draft layer; `commit` takes any width
+
+  def __post_init__(self):
+    if self.context_window is not None:
+      check_int("context_window", self.context_window, 1, why="pairs the draft layer attends to",
+                numpy=False)
+
+  def with_context_window(self, window: int | None) -> EagleDrafter:
+    """This drafter attending to the last `window` pairs (None: the whole context)."""
+    return dataclasses.replace(self, context_window=window)
 
   def _model(self, params):
     return self.module(params)
@@ -318,7 +336,7 @@ class EagleDrafter(HeadDrafter):
       x_par = cat(x_par, front_par)
       mask = tree_lib.ancestor_mask(x_par, s)
       h, _ = eagle_block(model, frozen, state.cache, x_feat, x_tok, offsets=x_off,
-                                   mask=mask, write=False)
+                                   mask=mask, write=False, window=self.context_window)
       h_new = h[:, (s - 1) * k:]  # [B, K, D] the newest nodes' outputs
       vals, toks = self._top(model, frozen, h_new, k)  # [B, K, K]
       child_score = (front_score[:, :, None] + vals).reshape(b, k * k)
@@ -369,7 +387,8 @@ class EagleDrafter(HeadDrafter):
       mask = tree_lib.ancestor_mask(jnp.broadcast_to(jnp.asarray(par_local), (b, len(upto))), d)
       off = jnp.broadcast_to(jnp.asarray(depths[upto] - 1), (b, len(upto)))
       h, _ = eagle_block(model, frozen, state.cache, feat_in, tokens[:, upto],
-                                   offsets=off, mask=mask, write=False)
+                                   offsets=off, mask=mask, write=False,
+                                   window=self.context_window)
       h_prev, prev_local = h, local
       nxt = np.nonzero(depths == d + 1)[0]
       src = np.array([local[int(parents[g])] for g in nxt])
@@ -383,14 +402,24 @@ class EagleDrafter(HeadDrafter):
       raise ValueError("EAGLE drafts from the target's hidden states: the loop must pass them")
     model = self._model(params)
     b, p = prompt.shape
-    feat = model.real_feature(hidden.final, _layers_btnd(hidden))  # [B, P, D] feature_t
     tok = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)  # x_{t+1}
-    cache = init_cache(model.layer_cfg, b, max_len, dtype=F32)
-    # The next draft reads the output of pair P - 2 only (version 1: none).
-    h, cache = eagle_prefill(model, params.target, cache, feat, tok,
-                             jnp.maximum(prompt_len - 2, 0))
+    final, layers = hidden.final, _layers_btnd(hidden)
     # Pairs t = 0 .. P-2 are real (x_{t+1} is a prompt token); the last one is padding.
-    cache = dataclasses.replace(cache, length=jnp.maximum(prompt_len - 1, 0))
+    n = jnp.maximum(prompt_len - 1, 0)
+    w = self.context_window
+    if w is not None and w < p:  # only the last w real pairs, at cache positions 0 .. m-1
+      m = jnp.minimum(n, w)
+      idx = jnp.minimum((n - m)[:, None] + jnp.arange(w)[None, :], p - 1)  # [B, w]
+      take = lambda a: jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)),
+                                           axis=1)
+      final, tok = take(final), take(tok)
+      layers = None if layers is None else take(layers)
+      n = m
+    feat = model.real_feature(final, layers)  # [B, T, D] feature_t
+    cache = init_cache(model.layer_cfg, b, max_len, dtype=F32)
+    # The next draft reads the output of the last real pair only (version 1: none).
+    h, cache = eagle_prefill(model, params.target, cache, feat, tok, jnp.maximum(n - 1, 0))
+    cache = dataclasses.replace(cache, length=n)
     if model.cfg.version == 1:  # the target's head on f_{P-1} drafts x_P exactly
       start = _gather(hidden.final, prompt_len - 1).astype(F32)
     else:
@@ -408,7 +437,8 @@ class EagleDrafter(HeadDrafter):
 
     def body(carry, key_j):
       feat, tok, cache, hist = carry
-      h, cache = eagle_block(model, frozen, cache, feat[:, None], tok[:, None])
+      h, cache = eagle_block(model, frozen, cache, feat[:, None], tok[:, None],
+                             window=self.context_window)
       q, nxt, hist = _adjusted_draw(model.target_logits(frozen, h[:, 0]), sp, hist, key_j)
       return (h[:, 0], nxt, cache, hist), (nxt, q)
 
@@ -447,7 +477,8 @@ class EagleDrafter(HeadDrafter):
   def commit(self, params, state: EagleState, ctx: DraftContext) -> EagleState:
     model = self._model(params)
     feat, tok = self._pairs(model, ctx)
-    h, cache = eagle_block(model, params.target, state.cache, feat, tok)
+    h, cache = eagle_block(model, params.target, state.cache, feat, tok,
+                           window=self.context_window)
     return self._kept(state, cache, h, ctx, ctx.n_new > 0)
 
   def catch_up_where(self, params, state: EagleState, ctx: DraftContext, width: int, when):
@@ -460,7 +491,7 @@ class EagleDrafter(HeadDrafter):
     def run(_):
       feat, tok = self._pairs(model, ctx)
       return eagle_block(model, params.target, state.cache, feat, tok, write=False,
-                         return_block=True)
+                         return_block=True, window=self.context_window)
 
     h, (k, v) = lax.cond(when, run, lambda _: jax.tree.map(
         lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(run, None)), None)

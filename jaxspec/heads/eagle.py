@@ -353,7 +353,8 @@ def eagle_predict(model: EagleHead, batch, frozen, steps):
 
 def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: jax.Array, *,
                 fresh: bool = False, offsets: jax.Array | None = None,
-                mask: jax.Array | None = None, write: bool = True, return_block: bool = False):
+                mask: jax.Array | None = None, write: bool = True, return_block: bool = False,
+                window: int | None = None):
   """Decoding: T pairs (feat [B, T, D], tok [B, T]) on top of the draft cache.
 
   Pair t of a row goes to cache position length + t with rotary position length + t + 1 (as in
@@ -364,6 +365,9 @@ def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: j
   unchanged. With write=False and return_block, the pairs' keys and values come back instead of
   the cache, as (k, v) [1, B, T, G, K] for `write_cache`: a caller inside a `lax.cond` writes
   them after it, so the cache never passes through the conditional.
+
+  With `window`, every pair attends to the `window` pairs up to itself only (a sliding window
+  over cache positions: `EagleDrafter.context_window`).
   """
   b, t = tok.shape
   x, resid = model.layer_input(frozen, feat, tok)
@@ -373,8 +377,11 @@ def eagle_block(model: EagleHead, frozen: Params, cache, feat: jax.Array, tok: j
   q, k, v = model.qkv(x, pos + 1)
   if mask is None:
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  cfg = model.layer_cfg
+  if window is not None:
+    cfg = dataclasses.replace(cfg, sliding_window=window)
   attn = attention(q, k, v, None if fresh else cache.k[0], None if fresh else cache.v[0],
-                    cache.length, pos, mask, model.layer_cfg)
+                    cache.length, pos, mask, cfg)
   h = model.finish(resid, attn.astype(F32))
   if not write:
     return h, ((k[None], v[None]) if return_block else cache)

@@ -323,9 +323,15 @@ def load_head(target, dir_or_name: str | os.PathLike, check_fingerprint: bool = 
   target, dir_or_name = model_first("load_head", target, dir_or_name)
   kind, model, config = load_head_model(target, dir_or_name, check_fingerprint)
   drafter = HEADS[kind].drafter(model, target)
-  acc = (config.get("meta") or {}).get("topk_accuracy")
+  meta = config.get("meta") or {}
+  acc = meta.get("topk_accuracy")
   if acc is not None:
     drafter = dataclasses.replace(drafter, topk_accuracy=tuple(map(tuple, acc)))
+  # An EAGLE head trained on rows cropped to a window never attended further: it drafts over
+  # that many pairs (EagleDrafter.context_window; `with_context_window(None)`: the whole context).
+  if hasattr(drafter, "context_window") and is_int(meta.get("window"), numpy=False) \
+      and meta["window"] > 0:
+    drafter = drafter.with_context_window(int(meta["window"]))
   if tree is not None:
     from jaxspec.decoding.tree import default_tree
     if is_int(tree, numpy=False):

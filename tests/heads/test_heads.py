@@ -15,6 +15,7 @@ from flax import nnx
 from jaxspec import heads
 from jaxspec.drafters import DraftContext
 from jaxspec.api import generate
+from jaxspec.decoding import tree as tree_lib
 from jaxspec.decoding.plain import prefill
 from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.errors import CheckpointError
@@ -353,6 +354,69 @@ def test_eagle_prefill_equals_the_full_block_at_the_read_position(tiny_target, n
   np.testing.assert_allclose(h_at, h_all[jnp.arange(b), at], rtol=2e-5, atol=2e-5)
   np.testing.assert_array_equal(c_at.k, c_all.k)
   np.testing.assert_array_equal(c_at.v, c_all.v)
+
+
+def test_eagle_context_window_drafts_from_the_last_pairs_only(tiny_target, trained):
+  """`context_window` W: init runs the head over each row's last W prompt pairs only, and gives
+  the state (feature, first proposal) that the whole-context drafter gives on the prompt cut to
+  its last W + 1 tokens with the same target features (positions shift; rotary is relative).
+  Under the window, decoding stays token for token plain greedy decoding (chains, a tree,
+  "auto"), and a window too small to hold the context drafts differently (it is applied)."""
+  from jaxspec.decoding.plain import prefill
+  model = trained["eagle3"]["model"]
+  whole = heads.HEADS["eagle"].drafter(model, tiny_target)
+  w = 4
+  windowed = whole.with_context_window(w)
+  assert whole.context_window is None and windowed.context_window == w
+  cfg, layers = tiny_target.cfg, whole.hidden_layers
+  prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 12], [10, 11, 12], [7]]
+  pw = max(map(len, prompts))
+
+  keys = jax.random.split(jax.random.key(1), len(prompts))
+
+  def first(drafter, prompt, plen, hidden, keys):
+    state = drafter.init(drafter.params, prompt, plen, 32, hidden)
+    seq = jnp.zeros((prompt.shape[0], 32), jnp.int32).at[:, :prompt.shape[1]].set(prompt)
+    ctx = DraftContext(seq=seq, seq_len=plen, prompt_len=plen)
+    prop, _ = drafter.propose(drafter.params, state, ctx, 3, Sampling(temperature=1.0).arrays(
+        prompt.shape[0]), keys)
+    return state.feat, prop.tokens, prop.q
+
+  batch = np.zeros((3, pw), np.int32)
+  for i, p in enumerate(prompts):
+    batch[i, :len(p)] = p
+  plen = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  _, hid, _ = prefill(tiny_target.params, jnp.asarray(batch), plen, cfg, 32, logits=False,
+                      hidden_layers=layers)
+  feat, toks, q = jax.jit(lambda h: first(windowed, jnp.asarray(batch), plen, h, keys))(hid)
+  for i, p in enumerate(prompts):
+    cut = max(len(p) - (w + 1), 0)  # the last W + 1 tokens make the last W pairs
+    sub = dataclasses.replace(hid, final=hid.final[i:i + 1, cut:len(p)],
+                              layers=hid.layers[:, i:i + 1, cut:len(p)])
+    args = jnp.asarray([p[cut:]], jnp.int32), jnp.asarray([len(p) - cut]), sub, keys[i:i + 1]
+    ref = first(whole, *args)  # the state and the first draft read the prefill only
+    np.testing.assert_allclose(feat[i], ref[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(toks[i, 0], ref[1][0, 0])
+    np.testing.assert_allclose(q[i, 0], ref[2][0, 0], rtol=1e-5, atol=1e-6)
+    # Later drafts attend to the last W pairs up to themselves: the oldest prompt pair drops out.
+    ref = first(windowed, *args)
+    np.testing.assert_array_equal(toks[i], ref[1][0])
+    np.testing.assert_allclose(q[i], ref[2][0], rtol=1e-5, atol=1e-6)
+
+  n_new = 24
+  ref = generate(tiny_target, prompts, max_new_tokens=n_new, stop_ids=())
+  stats = {}
+  for name, d, k in (("w", windowed, 3), ("whole", whole, 3), ("w-auto", windowed, "auto"),
+                     ("w-tree", windowed.with_tree(tree_lib.DynamicTree(topk=2, depth=3,
+                                                                        total_tokens=5)),
+                      "auto")):
+    out = speculative_generate(tiny_target, d, prompts, max_new_tokens=n_new,
+                               num_draft_tokens=k, stop_ids=())
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=name)
+    stats[name] = out.stats
+  assert stats["w"]["accepted_per_row"] != stats["whole"]["accepted_per_row"]
+  with pytest.raises(ValueError, match="context_window"):
+    whole.with_context_window(0)
 
 
 # ----------------------------------------------------------------------------------------------
