@@ -30,7 +30,8 @@ scored by the product of the empirical branch shares down to it (the share of ca
 continuing with it), the best N kept (`speculation_tree`); the loop verifies all N in one target
 pass with the tree rule (`jaxspec.decoding.tree`), so a branch where the earlier outputs
 disagree tries several continuations at once. The tree fixes the step's shape: its width N + 1
-is verified every step, so it pays where a wide pass costs little more than a narrow one.
+is verified at every step where some live row has a candidate (otherwise the step is a plain
+one-token pass), so it pays where a wide pass costs little more than a narrow one.
 
 Exact: the proposal of row b is a deterministic function of the corpus and of tokens already
 emitted (its own and the other rows'), never of the noise its own next tokens will be drawn
