@@ -51,12 +51,13 @@ q_d(x) exactly), and the proposal carries q ([B, k, V], dense as a draft model's
 costs less than the one-hot rule's draw of the target's token over the vocabulary at every
 position). The rejection rule then accepts with probability sum_x min(p(x), q(x)), where the
 one-hot draft's is p(x) of the single most frequent x; when earlier rollouts are samples of the
-same target, q resembles p and the difference is large. Still exact: q_d depends on the corpus,
-on tokens already emitted (the row's and other rows') and on drafts 1..d-1, and the draw of x_d on the step's
-draft keys only (split per position from the loop's draft key, never the position keys the
-verify pass draws the row's tokens and uniforms with), so each x_d is distributed as q_d
-independently of the verification's noise, which is what rejection sampling needs; whether
-draft d counts (`Proposal.n_valid`) reads q_d and the earlier drafts, never x_d. Greedy rows
+same target, q resembles p and the difference is large. Still exact: q_d depends on the
+corpus, on tokens already emitted (the row's and other rows') and on drafts 1..d-1, and the draw
+of x_d on the step's draft keys only (split per position from the loop's draft key, never the
+position keys the verify pass draws the row's tokens and uniforms with), so each x_d is
+distributed as q_d independently of the verification's noise, which is what rejection sampling
+needs; whether draft d counts (`Proposal.n_valid`) reads q_d and the earlier drafts, never
+x_d. Greedy rows
 keep the deterministic chain (with a one-hot q), so greedy output is plain greedy's. Sampled
 text is exact in distribution but no longer `generate`'s for the same key (a rejection draws the
 residual with its own stream), as with a sampling `DraftModel`.
@@ -405,7 +406,7 @@ class SuffixDecoding(Drafter):
     limit), never the token drawn at d (`jaxspec.decoding.drafter`'s rule). Greedy rows
     (temperature 0) take the deterministic chain, with a one-hot q.
     """
-    b, n, _ = cont.shape
+    b = cont.shape[0]
     v = self.vocab_size
     rows = jnp.arange(b)
     alive0 = alive
@@ -436,10 +437,10 @@ class SuffixDecoding(Drafter):
       return sampled
     greedy = sp.temperature == 0  # [B]
     det = self._most_frequent(cont, alive0, best, k)
-    pick = lambda a, b_: jnp.where(greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, b_)
-    return Proposal(tokens=pick(det.tokens, sampled.tokens),
-                    q=pick(jax.nn.one_hot(det.tokens, v, dtype=jnp.float32), sampled.q),
-                    n_valid=pick(det.n_valid, sampled.n_valid))
+    per_row = lambda a, c: jnp.where(greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
+    return Proposal(tokens=per_row(det.tokens, sampled.tokens),
+                    q=per_row(jax.nn.one_hot(det.tokens, v, dtype=jnp.float32), sampled.q),
+                    n_valid=per_row(det.n_valid, sampled.n_valid))
 
   def propose_tree(self, params, state, ctx, sp, keys):
     """The speculation tree of every row (`speculation_tree`): the continuations of its
