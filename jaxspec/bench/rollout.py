@@ -34,6 +34,9 @@ ROLLOUT_METHODS = {
     "none": "plain `decode`",
     "ngram": "prompt lookup in the row's own context (NGram())",
     "suffix": "suffix decoding over the batch's rows and the carried corpus (SuffixDecoding)",
+    "suffix-sampled": "suffix decoding with drafts drawn from the candidates' continuation"
+                      " shares and that q verified by the rejection rule"
+                      " (SuffixDecoding(sample_drafts=True))",
     "suffix-tree": "suffix decoding drafting a speculation tree of --tree-size nodes, the"
                    " candidates' most frequent continuations (SuffixDecoding(tree=...))",
 }
@@ -108,6 +111,9 @@ def _drafter(name: str, target, s: RolloutSettings):
     return NGram()
   if name == "suffix":
     return SuffixDecoding(vocab=target.cfg.vocab_size, corpus_size=s.corpus_size)
+  if name == "suffix-sampled":
+    return SuffixDecoding(vocab=target.cfg.vocab_size, corpus_size=s.corpus_size,
+                          sample_drafts=True)
   if name == "suffix-tree":
     return SuffixDecoding(vocab=target.cfg.vocab_size, corpus_size=s.corpus_size,
                           tree=s.tree_size)
@@ -206,7 +212,8 @@ def run_rollout(s: RolloutSettings, argv: Sequence[str] | None = None, *, target
                  for m, d in drafters.items()}
         corpus = {m: None if d is None else d.params for m, d in drafters.items()}
         rec = {m: dict(seconds=0.0, tokens=0, row_steps=0, emitted=0, drafted=0, accepted=0,
-                       calls=0, target_passes=0) for m in s.methods}
+                       calls=0, target_passes=0, spec_row_steps=0, accepted_at=None)
+               for m in s.methods}
         ids0, lens0 = padded(encoded[0], b)
         for m in s.methods:  # compile (a throwaway corpus: the timed runs start empty)
           jax.block_until_ready(call(m, ids0, lens0, keys_of[0][:b], sampling, corpus[m],
@@ -234,11 +241,19 @@ def run_rollout(s: RolloutSettings, argv: Sequence[str] | None = None, *, target
                 r["emitted"] += int(st.emitted.sum())
                 r["drafted"] += int(st.drafted.sum())
                 r["accepted"] += int(st.accepted.sum())
+                r["spec_row_steps"] += int(st.spec_row_steps.sum())
+                at = np.asarray(st.accepted_at, np.int64)
+                r["accepted_at"] = (at if r["accepted_at"] is None else r["accepted_at"] + at)
               bar.advance(task)
         plain = rec.get("none")
         for m, r in rec.items():
           tps = r["tokens"] / r["seconds"] if r["seconds"] else None
-          cell = dict(temperature=temp, batch_size=b, method=m, tokens_per_second=tps, **r)
+          at = r["accepted_at"]
+          cell = dict(temperature=temp, batch_size=b, method=m, tokens_per_second=tps,
+                      **{**r, "accepted_at": None if at is None else at.tolist()})
+          # Per draft position i: the share of drafting row-steps whose draft i was accepted.
+          cell["acceptance_per_position"] = (None if at is None or not r["spec_row_steps"]
+                                             else (at / r["spec_row_steps"]).tolist())
           cell["tau"] = r["emitted"] / r["row_steps"] if r["row_steps"] else None
           cell["acceptance_rate"] = r["accepted"] / r["drafted"] if r["drafted"] else None
           cell["cost_model"] = None if costs[m] is None else costs[m].to_dict()
@@ -275,6 +290,9 @@ ROLLOUT_DEFINITIONS = {
     "speedup_over_ngram": "tokens_per_second over NGram's in the same temperature and batch"
                           " size",
     "acceptance_rate": "accepted drafts over real drafts verified",
+    "acceptance_per_position": "per draft position i, the live row-steps that verified drafts"
+                               " and accepted draft i over all live row-steps that verified"
+                               " drafts (unconditional, as vLLM reports)",
 }
 
 
@@ -303,13 +321,16 @@ def rollout_markdown(report: dict[str, Any]) -> str:
            f" each, {s['max_new_tokens']} new tokens, num_draft_tokens {s['num_draft_tokens']}"
            f" (k_max {s['k_max']}), suffix corpus {s['corpus_size']} tokens{tree}; model"
            f" {report['model']}.", "",
-           "| T | batch | method | tokens/s | τ | acceptance | speedup | vs ngram |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| T | batch | method | tokens/s | τ | acceptance | speedup | vs ngram |"
+           " acceptance per position |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for c in report["results"]:
+    at = c.get("acceptance_per_position")
     lines.append(f"| {c['temperature']} | {c['batch_size']} | {c['method']} |"
                  f" {f(c['tokens_per_second'], '{:.1f}')} | {f(c['tau'])} |"
                  f" {f(c['acceptance_rate'])} | {f(c['speedup'])} |"
-                 f" {f(c['speedup_over_ngram'])} |")
+                 f" {f(c['speedup_over_ngram'])} |"
+                 f" {'–' if at is None else ' '.join(f'{x:.2f}' for x in at)} |")
   lines.append("")
   for g in report["goals"]:
     lines.append(f"- {g['goal']}: {f(g['value'])} ({'met' if g['met'] else 'not met'})")

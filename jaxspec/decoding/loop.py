@@ -606,7 +606,7 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
   """One tree step: the drafter's tree, one target pass over all its nodes, the tree rule,
   and the accepted path committed as a chain of the same length would be."""
   drafter, depth = cfg.drafter, cfg.policy.k_max
-  _, draft_key, keys, last = step_inputs(s, depth + 1)
+  live, draft_key, keys, last = step_inputs(s, depth + 1)
   ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys,
                      history=s.history)
   with jax.named_scope("draft"):
@@ -615,22 +615,33 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
   # (an out-of-range id would read a NaN embedding into the pass and the cache).
   in_vocab = (prop.tokens >= 0) & (prop.tokens < cfg.lm.vocab_size)
   tokens = jnp.where(in_vocab, prop.tokens, 0).at[:, 0].set(last)
-  with jax.named_scope("verify"):
-    p, hidden, block, logits = tree_lib.verify_tree(
-        tparams, s.cache, tokens, prop.parents, prop.depth, cfg.lm, sp, max_depth=depth,
-        hidden_layers=cfg.hidden_layers, return_logits=True, history=s.history)
+
+  def verify_nodes(cache):
+    with jax.named_scope("verify"):
+      p, hidden, block, logits = tree_lib.verify_tree(
+          tparams, cache, tokens, prop.parents, prop.depth, cfg.lm, sp, max_depth=depth,
+          hidden_layers=cfg.hidden_layers, return_logits=True, history=s.history)
+    with jax.named_scope("accept"):
+      n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, keys, depth,
+                                                  greedy=sp.temperature == 0, valid=in_vocab,
+                                                  depth=prop.depth)
+      hidden, block = tree_lib.gather_path(path, hidden, block)
+      lp = top = None
+      if cfg.policy.logprobs:  # emitted token i was drawn from the target's logits at node i
+        at_path = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+        lp, top = emitted_logprobs(cfg, at_path, emitted, sp)
+      return outcome(cfg, n_acc=n_acc, emitted=emitted, hidden=hidden, block=block,
+                     n_valid=jnp.full((last.shape[0],), depth, jnp.int32), k=depth, logp=lp,
+                     top=top)
+
+  def plain(cache):  # the token every position's key draws: the tree's text when it has none
+    return verify_branch(tparams, cache, last, None, 0, sp, keys, live, False, cfg,
+                         history=s.history)
+
+  # No live row has a candidate node: a one-token pass costs less than verifying N filler
+  # nodes, as a chain step falls back (`verify_branch`).
+  out = lax.cond(jnp.any(live[:, None] & in_vocab[:, 1:]), verify_nodes, plain, s.cache)
   with jax.named_scope("accept"):
-    n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, keys, depth,
-                                                greedy=sp.temperature == 0, valid=in_vocab,
-                                                depth=prop.depth)
-    hidden, block = tree_lib.gather_path(path, hidden, block)
-    lp = top = None
-    if cfg.policy.logprobs:  # emitted token i was drawn from the target's logits at path node i
-      at_path = jnp.take_along_axis(logits, path[:, :, None], axis=1)
-      lp, top = emitted_logprobs(cfg, at_path, emitted, sp)
-    out = outcome(cfg, n_acc=n_acc, emitted=emitted, hidden=hidden, block=block,
-                  n_valid=jnp.full((last.shape[0],), depth, jnp.int32), k=depth, logp=lp,
-                  top=top)
     new, ctx = finish_step(s, out, cfg)
   return dataclasses.replace(new, draft_state=drafter.commit(dparams, dstate, ctx))
 

@@ -9,9 +9,16 @@ from jaxspec.decoding.drafter import Drafter
 from jaxspec.drafters.draft_model import DraftModel
 from jaxspec.drafters.ngram import NGram
 from jaxspec.drafters.pard import is_pard_dir, load_pard
-from jaxspec.drafters.suffix import SuffixDecoding
+from jaxspec.drafters.suffix import SuffixDecoding, SuffixTree
 from jaxspec.models.model import Model
 
+
+# The suffix drafters by name (what `jaxspec bench --workload rollout` calls its methods).
+SUFFIX_NAMES = {
+    "suffix": lambda v: SuffixDecoding(vocab=v),
+    "suffix-sampled": lambda v: SuffixDecoding(vocab=v, sample_drafts=True),
+    "suffix-tree": lambda v: SuffixDecoding(vocab=v, tree=SuffixTree()),
+}
 
 # Drafters built from a name, by target: loading a head or a draft model once per target.
 _NAMED: dict[tuple[str, int, str | None], tuple[Model, Drafter]] = {}
@@ -21,7 +28,9 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
   """A `Drafter`, or one named by a string.
 
   Names: "ngram" (`NGram()`); "suffix" (`SuffixDecoding(vocab=target.vocab_size)`: drafting
-  from the batch's rows; the host wrappers start every call from an empty corpus); "eagle" (or
+  from the batch's rows; the host wrappers start every call from an empty corpus),
+  "suffix-sampled" (`sample_drafts=True`: sampled drafts verified with their q) and
+  "suffix-tree" (`tree=SuffixTree()`: a speculation tree, num_draft_tokens "auto"); "eagle" (or
   "eagle3", the name its drafter reports), "medusa", "mlp" (the head bundled for the default
   SmolLM2 target under jaxspec/assets/heads/); a directory written by `jaxspec.heads.save_head`
   or `jaxspec train`; or the path of a draft model (.gguf file or Hugging Face directory),
@@ -33,12 +42,13 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
     return drafter
   if not isinstance(drafter, str):
     raise ValueError(f"drafter must be a jaxspec Drafter (NGram(), DraftModel(model), ...) or a"
-                     f" name (\"ngram\", \"suffix\", \"eagle\", \"medusa\", \"mlp\", or a path),"
+                     f" name (\"ngram\", \"suffix\", \"suffix-tree\", \"eagle\", \"medusa\","
+                     f" \"mlp\", or a path),"
                      f" got {type(drafter).__name__}")
   if drafter == "ngram":
     return NGram()
-  if drafter == "suffix":
-    return SuffixDecoding(vocab=target.vocab_size)
+  if drafter in SUFFIX_NAMES:
+    return SUFFIX_NAMES[drafter](target.vocab_size)
   if drafter == "eagle3":  # the bundled EAGLE head under the name its drafter reports
     drafter = "eagle"
   key = (drafter, id(target), dtype)
@@ -58,7 +68,8 @@ def resolve_drafter(target: Model, drafter, dtype: str | None = None) -> Drafter
       dtype = "bfloat16" if target.params.embed.dtype == jnp.bfloat16 else "float32"
     made = DraftModel(load(drafter, dtype=dtype))
   else:
-    raise ValueError(f"drafter {drafter!r} is not 'ngram', 'suffix', a bundled head"
+    raise ValueError(f"drafter {drafter!r} is not 'ngram', 'suffix', 'suffix-sampled',"
+                     " 'suffix-tree', a bundled head"
                      f" ({', '.join(sorted(heads_lib.HEADS) + ['eagle3'])}), a head directory"
                      " or the path of"
                      " a draft model (.gguf file or Hugging Face directory)")

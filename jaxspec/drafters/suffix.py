@@ -30,7 +30,8 @@ scored by the product of the empirical branch shares down to it (the share of ca
 continuing with it), the best N kept (`speculation_tree`); the loop verifies all N in one target
 pass with the tree rule (`jaxspec.decoding.tree`), so a branch where the earlier outputs
 disagree tries several continuations at once. The tree fixes the step's shape: its width N + 1
-is verified every step, so it pays where a wide pass costs little more than a narrow one.
+is verified at every step where some live row has a candidate (otherwise the step is a plain
+one-token pass), so it pays where a wide pass costs little more than a narrow one.
 
 Exact: the proposal of row b is a deterministic function of the corpus and of tokens already
 emitted (its own and the other rows'), never of the noise its own next tokens will be drawn
@@ -41,6 +42,25 @@ are fixed before row b's future randomness is used, and rejection sampling of a 
 greedy output token for token. A tree step draws the token of every position with the key
 plain decoding would use there and follows the child holding it (the tree rule's coupled form),
 so several children per node stay exact and sampled text is `generate`'s for the key.
+
+`SuffixDecoding(sample_drafts=True)` samples its chain in sampled rows instead: at draft
+position d, q_d is the empirical distribution of the next token over the remaining candidates
+(those that continued with drafts 1..d-1 and whose entry goes on: the suffix tree's child counts
+over its parent's), the draft is the token of one of them drawn uniformly (so it has probability
+q_d(x) exactly), and the proposal carries q ([B, k, V], dense as a draft model's: building it
+costs less than the one-hot rule's draw of the target's token over the vocabulary at every
+position). The rejection rule then accepts with probability sum_x min(p(x), q(x)), where the
+one-hot draft's is p(x) of the single most frequent x; when earlier rollouts are samples of the
+same target, q resembles p and the difference is large. Still exact: q_d depends on the
+corpus, on tokens already emitted (the row's and other rows') and on drafts 1..d-1, and the draw
+of x_d on the step's draft keys only (split per position from the loop's draft key, never the
+position keys the verify pass draws the row's tokens and uniforms with), so each x_d is
+distributed as q_d independently of the verification's noise, which is what rejection sampling
+needs; whether draft d counts (`Proposal.n_valid`) reads q_d and the earlier drafts, never
+x_d. Greedy rows
+keep the deterministic chain (with a one-hot q), so greedy output is plain greedy's. Sampled
+text is exact in distribution but no longer `generate`'s for the same key (a rejection draws the
+residual with its own stream), as with a sampling `DraftModel`.
 """
 
 from __future__ import annotations
@@ -176,7 +196,7 @@ class SuffixTree:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SuffixDecoding(Drafter):
   """Suffix decoding over the batch's rows and a carried corpus of earlier outputs (see the
-  module docstring). Deterministic (one-hot q); costs no model pass.
+  module docstring). Deterministic (one-hot q) unless `sample_drafts`; costs no model pass.
 
   Attributes:
     vocab: the target's vocabulary size (`vocab_size`; the corpus holds its token ids).
@@ -194,6 +214,10 @@ class SuffixDecoding(Drafter):
       drafts a speculation tree instead (`speculation_tree`: the candidates' most frequent
       continuations, several per branch), verified in one target pass by the tree rule. A tree
       sets the draft's shape: call the loop with num_draft_tokens="auto" (no AutoK).
+    sample_drafts: in sampled rows (temperature > 0), draw each draft from the candidates'
+      empirical continuation distribution q and pass q to the rejection rule, which then
+      accepts with probability sum_x min(p, q) rather than p(x) for the most frequent x; greedy
+      rows keep the most frequent continuation. Chains only (no `tree`).
   """
 
   vocab: int
@@ -206,6 +230,7 @@ class SuffixDecoding(Drafter):
   spec_offset: int = 1
   context: int | None = None
   tree: SuffixTree | None = None
+  sample_drafts: bool = False
   name: str = "suffix"
   free_proposals = True  # a scan, not a model pass
 
@@ -215,6 +240,12 @@ class SuffixDecoding(Drafter):
         raise ValueError(f"SuffixDecoding.tree must be a SuffixTree, a node count or None, got"
                          f" {self.tree!r}")
       object.__setattr__(self, "tree", SuffixTree(nodes=self.tree))
+    if not isinstance(self.sample_drafts, bool):
+      raise ValueError(f"SuffixDecoding.sample_drafts must be True or False, got"
+                       f" {self.sample_drafts!r}")
+    if self.sample_drafts and self.tree is not None:
+      raise ValueError("SuffixDecoding(sample_drafts=True) drafts chains: the tree rule verifies"
+                       " deterministic candidates only; drop tree= or sample_drafts=")
     if self.tree is not None and self.name == "suffix":
       object.__setattr__(self, "name", "suffix-tree")
     for name in ("vocab", "corpus_size", "max_match", "min_match", "candidates",
@@ -334,6 +365,15 @@ class SuffixDecoding(Drafter):
 
   def propose(self, params, state, ctx, k, sp, keys):
     cont, alive, best = self._matches(state, ctx, k)
+    if not self.sample_drafts:
+      return self._most_frequent(cont, alive, best, k), state
+    if keys is None:
+      raise ValueError("SuffixDecoding(sample_drafts=True) draws its drafts with the step's"
+                       " draft keys: call propose with keys (the loop passes them)")
+    return self._sampled(cont, alive, best, k, sp, keys), state
+
+  def _most_frequent(self, cont, alive, best, k: int) -> Proposal:
+    """The deterministic chain: at each position the token most candidates agree on."""
     b = cont.shape[0]
     limit = self._limit(best, k)
     prob = jnp.ones((b,), jnp.float32)
@@ -352,7 +392,55 @@ class SuffixDecoding(Drafter):
       valid.append(going)
       alive = alive & (t == tok[:, None])
     n_valid = jnp.sum(jnp.stack(valid, axis=1), axis=1).astype(jnp.int32)
-    return Proposal(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32), n_valid=n_valid), state
+    return Proposal(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32), n_valid=n_valid)
+
+  def _sampled(self, cont, alive, best, k: int, sp, keys) -> Proposal:
+    """Drafts drawn from the candidates' empirical continuation distribution, with q.
+
+    At position d, q_d(x) is the share of the remaining candidates (those that continued with
+    the drafts drawn so far and whose entry goes on) continuing with x: the suffix tree's child
+    counts over the parent's. The draft is the token of one such candidate drawn uniformly with
+    the row's draft key for position d, so it has probability q_d(x) exactly. Whether draft d
+    counts reads q_d and the earlier drafts only (some candidate goes on, the product of the
+    earlier drafts' q times q_d's largest share is at least `min_prob`, d below the match's
+    limit), never the token drawn at d (`jaxspec.decoding.drafter`'s rule). Greedy rows
+    (temperature 0) take the deterministic chain, with a one-hot q.
+    """
+    b = cont.shape[0]
+    v = self.vocab_size
+    rows = jnp.arange(b)
+    alive0 = alive
+    limit = self._limit(best, k)
+    step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
+    prob = jnp.ones((b,), jnp.float32)
+    going = jnp.ones((b,), bool)
+    tokens, qs, valid = [], [], []
+    for d in range(k):
+      t = cont[:, :, d]  # [B, N]
+      ok = alive & (t >= 0)  # the candidates whose entry continues
+      n_ok = jnp.sum(ok, axis=1)  # [B]
+      weight = jnp.where(ok, 1.0 / jnp.maximum(n_ok, 1)[:, None], 0.0)  # [B, N]
+      q = jnp.zeros((b, v), jnp.float32).at[rows[:, None], jnp.where(ok, t, v)].add(
+          weight, mode="drop")  # [B, V] the shares
+      pick = jax.vmap(jax.random.categorical)(step_keys[:, d], jnp.where(ok, 0.0, -jnp.inf))
+      tok = jnp.where(n_ok > 0, t[rows, pick], 0)
+      going = going & (n_ok > 0) & (prob * jnp.max(q, axis=1) >= self.min_prob) & (d < limit)
+      prob = prob * q[rows, tok]
+      tokens.append(tok)
+      qs.append(q)
+      valid.append(going)
+      alive = ok & (t == tok[:, None])
+    sampled = Proposal(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32),
+                       q=jnp.stack(qs, axis=1),
+                       n_valid=jnp.sum(jnp.stack(valid, axis=1), axis=1).astype(jnp.int32))
+    if sp is None:
+      return sampled
+    greedy = sp.temperature == 0  # [B]
+    det = self._most_frequent(cont, alive0, best, k)
+    per_row = lambda a, c: jnp.where(greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
+    return Proposal(tokens=per_row(det.tokens, sampled.tokens),
+                    q=per_row(jax.nn.one_hot(det.tokens, v, dtype=jnp.float32), sampled.q),
+                    n_valid=per_row(det.n_valid, sampled.n_valid))
 
   def propose_tree(self, params, state, ctx, sp, keys):
     """The speculation tree of every row (`speculation_tree`): the continuations of its

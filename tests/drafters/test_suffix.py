@@ -193,6 +193,132 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   assert_tokens_4_5_follow(toks, tables)
 
 
+# -- sampled drafts (sample_drafts=True) ----------------------------------------------------------
+
+
+def test_sampled_drafts_follow_the_continuation_shares():
+  """Drafts drawn from the candidates' continuations: after "1 2" the corpus continues with 3
+  twice and 4 once, so the first draft is 3 with probability 2/3 and its q is (2/3 at 3, 1/3
+  at 4); the next position's q comes from the candidates that continued with the drawn token
+  (after 3: 10 surely; after 4: 20), and a row drafts until its entries end. A greedy row
+  drafts the deterministic chain with a one-hot q."""
+  d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=0.0,
+                     sample_drafts=True)
+  corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [1, 2, 4, 20]], 100, 128)
+  ids, lens = _padded([[9, 1, 2]], 8)
+  state = d.init(corpus, ids, lens, 8)
+  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  sampled = Sampling(temperature=0.8).arrays(1)
+  one = lambda sp, key: d.propose(corpus, state, ctx, 4, sp, key[None])[0]
+  n = 3000
+  prop = jax.jit(jax.vmap(lambda key: one(sampled, key)))(jax.random.split(jax.random.key(0), n))
+  toks, q, nv = np.asarray(prop.tokens[:, 0]), np.asarray(prop.q[:, 0]), np.asarray(prop.n_valid)
+  threes = toks[:, 0] == 3
+  assert set(toks[:, 0]) == {3, 4}
+  assert abs(threes.mean() - 2 / 3) < 4 * np.sqrt(2 / 9 / n), threes.mean()
+  np.testing.assert_allclose(q[:, 0, [3, 4]], np.broadcast_to([2 / 3, 1 / 3], (n, 2)), rtol=1e-6)
+  assert np.all(q[:, 0].sum(axis=1) > 1 - 1e-6)
+  # After 3: 10 (both candidates), then 11 or 12 (one each), then the entries end.
+  np.testing.assert_array_equal(toks[threes, 1], 10)
+  np.testing.assert_allclose(q[threes, 1, 10], 1.0)
+  assert set(toks[threes, 2]) == {11, 12}
+  np.testing.assert_allclose(q[threes][:, 2, [11, 12]], 0.5)
+  np.testing.assert_array_equal(nv[threes, 0], 3)
+  np.testing.assert_array_equal(toks[~threes, 1], 20)
+  np.testing.assert_array_equal(nv[~threes, 0], 2)
+  # The draw is the draft keys': the same key, the same drafts; a greedy row ignores them.
+  again = jax.jit(jax.vmap(lambda key: one(sampled, key)))(jax.random.split(jax.random.key(0), n))
+  np.testing.assert_array_equal(np.asarray(again.tokens[:, 0]), toks)
+  greedy = one(Sampling(temperature=0.0).arrays(1), jax.random.key(1))
+  np.testing.assert_array_equal(np.asarray(greedy.tokens[0, :3]), [3, 10, 12])
+  assert int(greedy.n_valid[0]) == 3
+  np.testing.assert_array_equal(np.asarray(greedy.q[0, :3]).argmax(axis=1), [3, 10, 12])
+  np.testing.assert_array_equal(np.asarray(greedy.q[0, :3]).max(axis=1), 1.0)
+  with pytest.raises(ValueError, match="draft keys"):
+    d.propose(corpus, state, ctx, 4, sampled, None)
+
+
+def test_sampled_drafts_stop_on_q_never_on_the_drawn_token():
+  """min_prob stops a row where the product of the earlier drafts' q times the largest share at
+  the next position falls below it: after 3 (2/3) the next shares are 1/2 each, so with
+  min_prob 0.4 the third draft never counts, whichever token would be drawn there."""
+  d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=0.4,
+                     sample_drafts=True)
+  corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [1, 2, 4, 20]], 100, 128)
+  ids, lens = _padded([[9, 1, 2]], 8)
+  state = d.init(corpus, ids, lens, 8)
+  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  sp = Sampling(temperature=0.8).arrays(1)
+  prop = jax.jit(jax.vmap(lambda key: d.propose(corpus, state, ctx, 4, sp, key[None])[0]))(
+      jax.random.split(jax.random.key(2), 400))
+  toks, nv = np.asarray(prop.tokens[:, 0]), np.asarray(prop.n_valid[:, 0])
+  # 3 then 10: 2/3 x 1 >= 0.4, then 2/3 x 1/2 < 0.4: two drafts. 4 (1/3): 1/3 x 1 < 0.4 stops
+  # at the second; the first counts (its largest share 2/3 >= 0.4) whatever is drawn.
+  np.testing.assert_array_equal(nv[toks[:, 0] == 3], 2)
+  np.testing.assert_array_equal(nv[toks[:, 0] == 4], 1)
+
+
+def test_sampled_drafts_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
+  """sample_drafts changes nothing greedy: a ragged batch carrying the corpus across calls
+  under jit, mapped calls, and the host wrapper by name give plain greedy's tokens."""
+  v = tiny_target.cfg.vocab_size
+  d = SuffixDecoding(vocab=v, corpus_size=256, sample_drafts=True)
+  ids, lens = _padded(PROMPTS)
+
+  @jax.jit
+  def call(corpus, key):
+    out = speculative_decode(tiny_target, d, ids, lens, key, max_new_tokens=N_NEW,
+                             num_draft_tokens=4, stop_ids=(), drafter_params=corpus)
+    return out.tokens, out.stats.accepted.sum(), out.drafter_params
+
+  corpus = d.params
+  for i in range(2):
+    toks, acc, corpus = call(corpus, jax.random.key(i))
+    np.testing.assert_array_equal(np.asarray(toks), plain.tokens, err_msg=f"call {i}")
+  assert int(acc) > 40
+  rows = [_padded([p]) for p in PROMPTS]
+  ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
+  out = jax.jit(jax.vmap(lambda i, l: speculative_decode(
+      tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=(),
+      drafter_params=corpus)))(ids4, lens4)
+  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), plain.tokens)
+  # By name (a `jaxspec bench --workload rollout` method), through the host wrapper.
+  assert resolve_drafter(tiny_target, "suffix-sampled") == SuffixDecoding(vocab=v,
+                                                                          sample_drafts=True)
+  host = speculative_generate(tiny_target, "suffix-sampled", PROMPTS, max_new_tokens=N_NEW,
+                              num_draft_tokens=3, stop_ids=())
+  np.testing.assert_array_equal(host.tokens, plain.tokens)
+
+
+def test_sampled_drafts_distribution_at_later_positions(small_vocab):
+  """As the one-hot test above, with drafts drawn from the corpus's continuations and their q
+  passed to the rejection rule: the 4th and 5th tokens of row 1 follow the target's exact
+  joint, and the corpus (samples of the target itself) is accepted more often than the most
+  frequent continuation is."""
+  target, _ = small_vocab
+  v = target.cfg.vocab_size
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
+  prompt = [1, 2, 3, 4]
+  tables = exact_tables(target, prompt, sp)
+  corpus = corpus_from(sample_continuations(prompt, tables, 12), v, 96)
+  ids, lens = _padded([prompt, prompt], 4)
+
+  def run(d, n):
+    def one(key):
+      out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, num_draft_tokens=3,
+                               sampling=sp, max_len=16, drafter_params=corpus, logprobs=False)
+      return out.tokens[1, 3:5], out.stats.drafted[1], out.stats.accepted[1]
+    toks, drafted, accepted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(5), n))
+    return toks, int(accepted.sum()) / int(drafted.sum())
+
+  kw = dict(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2)
+  toks, rate = run(SuffixDecoding(**kw, sample_drafts=True), 10000)
+  assert 0.1 < rate < 0.95, rate  # both paths of the rejection rule
+  assert_tokens_4_5_follow(toks, tables)
+  _, rate_one_hot = run(SuffixDecoding(**kw), 2000)
+  assert rate > rate_one_hot + 0.05, (rate, rate_one_hot)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 
@@ -206,6 +332,8 @@ def test_sampled_distribution_at_later_positions(small_vocab):
     (dict(min_prob=1.5), "min_prob"),
     (dict(spec_offset=-1), "spec_offset"),
     (dict(corpus_size=8.0), "SuffixDecoding.corpus_size"),
+    (dict(sample_drafts=1), "sample_drafts must be True or False"),
+    (dict(sample_drafts=True, tree=4), "drafts chains: the tree rule"),
 ])
 def test_bad_settings(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -12,7 +12,7 @@ import pytest
 from jaxspec.api import generate, speculative_generate
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import speculative_decode
-from jaxspec.drafters import SuffixDecoding, SuffixTree, corpus_from
+from jaxspec.drafters import SuffixDecoding, SuffixTree, corpus_from, resolve_drafter
 from jaxspec.sampling import Sampling
 from helpers import assert_tokens_4_5_follow, exact_tables, sample_continuations
 
@@ -160,6 +160,34 @@ def test_sampled_tree_writes_generates_text(tiny_target):
     np.testing.assert_array_equal(host.tokens, ref.tokens)
   np.testing.assert_array_equal(np.asarray(out.tokens), ref.tokens)
   assert int(out.stats.accepted.sum()) > 40
+
+
+@pytest.mark.parametrize("sampling", [None, Sampling(temperature=1.0, top_k=40)])
+def test_a_tree_step_without_candidates_is_a_plain_step(tiny_target, sampling):
+  """Where no live row has a candidate node (nothing in the rows or the corpus matches yet),
+  the step is a one-token pass, as a chain step's fallback, not a pass over N filler nodes; the
+  text stays `generate`'s (greedy, and sampled for the key)."""
+  prompts = [[7], [40, 41]]
+  ref = generate(tiny_target, prompts, max_new_tokens=12, sampling=sampling, key=3, stop_ids=())
+  d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=64, tree=4)
+  ids, lens = _padded(prompts, 2)
+  out = speculative_decode(tiny_target, d, ids, lens, jax.random.key(3), max_new_tokens=12,
+                           sampling=sampling, stop_ids=(), num_draft_tokens="auto")
+  np.testing.assert_array_equal(np.asarray(out.tokens), ref.tokens)
+  ks = np.asarray(out.stats.k_history)[:int(out.stats.target_passes)].tolist()
+  assert ks[0] == 0 and set(ks) <= {0, d.tree.depth}, ks  # the first step has no match
+  assert int((np.asarray(out.stats.spec_row_steps) < np.asarray(out.stats.row_steps)).sum()) == 2
+
+
+def test_suffix_tree_by_name(tiny_target, plain):
+  """"suffix-tree" (a `jaxspec bench --workload rollout` method) resolves to the default tree,
+  and runs through the host wrapper with num_draft_tokens "auto"."""
+  v = tiny_target.cfg.vocab_size
+  assert resolve_drafter(tiny_target, "suffix-tree") == SuffixDecoding(vocab=v, tree=SuffixTree())
+  assert resolve_drafter(tiny_target, "suffix-tree").name == "suffix-tree"
+  host = speculative_generate(tiny_target, "suffix-tree", PROMPTS, max_new_tokens=N_NEW,
+                              num_draft_tokens="auto", stop_ids=())
+  np.testing.assert_array_equal(host.tokens, plain.tokens)
 
 
 def test_sampled_tree_distribution_at_later_positions(small_vocab):
