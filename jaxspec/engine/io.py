@@ -26,6 +26,7 @@ from jaxspec.decoding.limits import MAX_POSITIONS
 from jaxspec.decoding.loop import Policy, resolve_policy
 from jaxspec.decoding.protocol import Target, as_target
 from jaxspec.drafters import resolve_drafter
+from jaxspec.drafters.resolve import SUFFIX_NAMES
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling, resolve_sampling
 
@@ -429,12 +430,12 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
   `speculative_generate`), the drafter resolved by name; `bucket` as `prepare_prompts`'s."""
   tgt = as_host_target(target)
   if not isinstance(target, Model) and isinstance(drafter, str) \
-      and drafter not in ("ngram", "suffix"):
+      and drafter != "ngram" and drafter not in SUFFIX_NAMES:
     raise ValueError(
         f"the drafter {drafter!r} is built from a jaxspec Model (a bundled or saved head reads"
         " its hidden states and weights; a draft model's path is loaded in its dtype): with your"
-        " own model pass \"ngram\", \"suffix\" or a Drafter: NGram(), SuffixDecoding(vocab=...),"
-        " DraftModel(Target(draft_lm, draft_params))")
+        " own model pass \"ngram\", \"suffix\", \"suffix-sampled\", \"suffix-tree\" or a"
+        " Drafter: NGram(), SuffixDecoding(vocab=...), DraftModel(Target(draft_lm, draft_params))")
   drafter = resolve_drafter(tgt if not isinstance(target, Model) else target, drafter)
   if temperature is not None:
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)

@@ -210,6 +210,16 @@ def test_n_samples_rows_equal_the_functional_api_and_seeds(own):
   np.testing.assert_array_equal(both.tokens[3:], alone.tokens)
 
 
+def test_own_model_takes_every_suffix_name(own):
+  """The suffix drafters need only the vocabulary size: every name resolves for a model of the
+  user's own (`prepare_spec` checks before compiling, so nothing compiles here)."""
+  from jaxspec.drafters.resolve import SUFFIX_NAMES
+  from jaxspec.engine.io import prepare_spec
+  for name in SUFFIX_NAMES:
+    req = prepare_spec(own, name, PROMPTS, max_new_tokens=N_NEW, num_draft_tokens="auto")
+    assert isinstance(req.drafter, SuffixDecoding), name
+
+
 def _raises(fn, match):
   with pytest.raises(ValueError, match=match):
     fn()
