@@ -117,6 +117,18 @@ def plain(tiny_target):
   return generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
 
 
+def _carrying_call(target, d, ids, lens):
+  """One jitted call on the padded rows taking and returning the corpus: (tokens, drafts
+  accepted, the corpus after the call)."""
+  @jax.jit
+  def call(corpus, key):
+    out = speculative_decode(target, d, ids, lens, key, max_new_tokens=N_NEW,
+                             num_draft_tokens=4, stop_ids=(), drafter_params=corpus)
+    return out.tokens, out.stats.accepted.sum(), out.drafter_params
+
+  return call
+
+
 def test_greedy_equals_plain_with_the_corpus_carried_under_jit(tiny_target, plain):
   """A ragged batch, three calls carrying the corpus, inside the user's jax.jit (one
   compilation: the corpus is an argument): every call's tokens are plain greedy's, and later
@@ -124,11 +136,7 @@ def test_greedy_equals_plain_with_the_corpus_carried_under_jit(tiny_target, plai
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256)
   ids, lens = _padded(PROMPTS)
 
-  @jax.jit
-  def call(corpus, key):
-    out = speculative_decode(tiny_target, d, ids, lens, key, max_new_tokens=N_NEW,
-                             num_draft_tokens=4, stop_ids=(), drafter_params=corpus)
-    return out.tokens, out.stats.accepted.sum(), out.drafter_params
+  call = _carrying_call(tiny_target, d, ids, lens)
 
   corpus, accepted = d.params, []
   for i in range(3):
@@ -196,18 +204,24 @@ def test_sampled_distribution_at_later_positions(small_vocab):
 # -- sampled drafts (sample_drafts=True) ----------------------------------------------------------
 
 
+def _three_continuations(min_prob):
+  """A sampling suffix drafter on a corpus continuing "1 2" with "3 10 11", "3 10 12" and
+  "4 20", and its state and context for a row ending in "1 2"."""
+  d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=min_prob,
+                     sample_drafts=True)
+  corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [1, 2, 4, 20]], 100, 128)
+  ids, lens = _padded([[9, 1, 2]], 8)
+  state = d.init(corpus, ids, lens, 8)
+  return d, corpus, state, DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+
+
 def test_sampled_drafts_follow_the_continuation_shares():
   """Drafts drawn from the candidates' continuations: after "1 2" the corpus continues with 3
   twice and 4 once, so the first draft is 3 with probability 2/3 and its q is (2/3 at 3, 1/3
   at 4); the next position's q comes from the candidates that continued with the drawn token
   (after 3: 10 surely; after 4: 20), and a row drafts until its entries end. A greedy row
   drafts the deterministic chain with a one-hot q."""
-  d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=0.0,
-                     sample_drafts=True)
-  corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [1, 2, 4, 20]], 100, 128)
-  ids, lens = _padded([[9, 1, 2]], 8)
-  state = d.init(corpus, ids, lens, 8)
-  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  d, corpus, state, ctx = _three_continuations(min_prob=0.0)
   sampled = Sampling(temperature=0.8).arrays(1)
   one = lambda sp, key: d.propose(corpus, state, ctx, 4, sp, key[None])[0]
   n = 3000
@@ -242,12 +256,7 @@ def test_sampled_drafts_stop_on_q_never_on_the_drawn_token():
   """min_prob stops a row where the product of the earlier drafts' q times the largest share at
   the next position falls below it: after 3 (2/3) the next shares are 1/2 each, so with
   min_prob 0.4 the third draft never counts, whichever token would be drawn there."""
-  d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=0.4,
-                     sample_drafts=True)
-  corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [1, 2, 4, 20]], 100, 128)
-  ids, lens = _padded([[9, 1, 2]], 8)
-  state = d.init(corpus, ids, lens, 8)
-  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  d, corpus, state, ctx = _three_continuations(min_prob=0.4)
   sp = Sampling(temperature=0.8).arrays(1)
   prop = jax.jit(jax.vmap(lambda key: d.propose(corpus, state, ctx, 4, sp, key[None])[0]))(
       jax.random.split(jax.random.key(2), 400))
@@ -265,11 +274,7 @@ def test_sampled_drafts_greedy_equals_plain_under_jit_and_vmap(tiny_target, plai
   d = SuffixDecoding(vocab=v, corpus_size=256, sample_drafts=True)
   ids, lens = _padded(PROMPTS)
 
-  @jax.jit
-  def call(corpus, key):
-    out = speculative_decode(tiny_target, d, ids, lens, key, max_new_tokens=N_NEW,
-                             num_draft_tokens=4, stop_ids=(), drafter_params=corpus)
-    return out.tokens, out.stats.accepted.sum(), out.drafter_params
+  call = _carrying_call(tiny_target, d, ids, lens)
 
   corpus = d.params
   for i in range(2):
