@@ -216,6 +216,31 @@ def exact_tables(target, prompt, sp):
           p[:, :, :, 0, lp + 2], p[:, :, :, :, lp + 3])
 
 
+def padded(prompts, width=16):
+  """Prompts (lists of ids) right-padded with 0 to `width`: (ids [B, width], lengths [B])."""
+  ids = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def suffix_sampling_case(target):
+  """The suffix drafters' later-position sampling case: two rows of the prompt 1 2 3 4 (row 1
+  drafts from row 0), a corpus of 12 earlier samples drawn exactly, the sampling settings, their
+  `exact_tables` and the drafter options every variant shares. Returns (sp, tables, corpus, ids,
+  lens, options)."""
+  from jaxspec.drafters import corpus_from
+  from jaxspec.sampling import Sampling
+  v = target.cfg.vocab_size
+  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
+  prompt = [1, 2, 3, 4]
+  tables = exact_tables(target, prompt, sp)
+  corpus = corpus_from(sample_continuations(prompt, tables, 12), v, 96)
+  ids, lens = padded([prompt, prompt], 4)
+  options = dict(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2)
+  return sp, tables, corpus, ids, lens, options
+
+
 def sample_continuations(prompt, tables, n, seed=0):
   """n sequences prompt + t1..t5, each t drawn from `exact_tables`' conditionals (a corpus of
   earlier samples for the drafters that read one)."""

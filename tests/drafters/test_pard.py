@@ -20,18 +20,11 @@ from jaxspec.models import forward, init_cache, init_params, tiny_config
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
-from helpers import CPU_LIKE, assert_tokens_4_5_follow, exact_tables
+from helpers import CPU_LIKE, assert_tokens_4_5_follow, exact_tables, padded
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 16
 MASK = 3
-
-
-def _padded(prompts, width=16):
-  ids = np.zeros((len(prompts), width), np.int32)
-  for i, p in enumerate(prompts):
-    ids[i, :len(p)] = p
-  return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +41,7 @@ def test_one_pass_reads_the_context_then_the_masks(tiny_target):
   d = ParallelDraft(tiny_target, mask_id=MASK)
   rows = [[5, 6, 7, 8, 9], [10, 11], [4]]  # the last row holds one token
   k = 3
-  ids, lens = _padded(rows, 12)
+  ids, lens = padded(rows, 12)
   params = d.params
   state = d.init(params, ids, lens, 16)
   ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
@@ -73,7 +66,7 @@ def test_one_pass_reads_the_context_then_the_masks(tiny_target):
 
 def test_p_min_stops_at_the_first_unconfident_position(tiny_target):
   d = ParallelDraft(tiny_target, mask_id=MASK)
-  ids, lens = _padded([[5, 6, 7, 8, 9], [10, 11]], 12)
+  ids, lens = padded([[5, 6, 7, 8, 9], [10, 11]], 12)
   ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
   sp = Sampling(temperature=0.0).arrays(2)
   keys = jax.random.split(jax.random.key(0), 2)
@@ -108,7 +101,7 @@ def test_greedy_equals_plain_fixed_k_and_auto(tiny_target, poor_draft, plain):
 
 def test_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
   d = ParallelDraft(tiny_target, mask_id=MASK)
-  ids, lens = _padded(PROMPTS)
+  ids, lens = padded(PROMPTS)
 
   @jax.jit
   def call(dparams, key):
@@ -119,7 +112,7 @@ def test_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
   toks, acc = call(d.params, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(toks), plain.tokens)
   assert int(acc) > 0
-  rows = [_padded([p]) for p in PROMPTS]
+  rows = [padded([p]) for p in PROMPTS]
   ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
   out = jax.jit(jax.vmap(lambda i, l: speculative_decode(
       tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=())))(
@@ -138,7 +131,7 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   prompt = [1, 2, 3, 4]
   tables = exact_tables(target, prompt, sp)
   d = ParallelDraft(draft, mask_id=7)
-  ids, lens = _padded([prompt], 4)
+  ids, lens = padded([prompt], 4)
 
   def one(key):
     out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, num_draft_tokens=2,
@@ -194,7 +187,7 @@ def test_loads_a_pard_checkpoint_and_decodes_exactly(tiny_target, plain, tmp_pat
 
 def test_bad_input_is_an_error_before_compiling(tiny_target, tmp_path):
   v = tiny_target.cfg.vocab_size
-  ids, lens = _padded(PROMPTS[:1])
+  ids, lens = padded(PROMPTS[:1])
   before = functional._speculative_jit._cache_size()
   with pytest.raises(ValueError, match=r"mask_id must be an integer in \[0, 127\]"):
     ParallelDraft(tiny_target, mask_id=v)

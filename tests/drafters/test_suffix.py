@@ -16,23 +16,16 @@ from jaxspec.decoding.functional import speculative_decode
 from jaxspec.drafters import SuffixCorpus, SuffixDecoding, corpus_from, resolve_drafter
 from jaxspec.drafters.suffix import SEP, append_rows
 from jaxspec.sampling import Sampling
-from helpers import assert_tokens_4_5_follow, exact_tables, sample_continuations
+from helpers import assert_tokens_4_5_follow, padded, suffix_sampling_case
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 20
 
 
-def _padded(prompts, width=16):
-  ids = np.zeros((len(prompts), width), np.int32)
-  for i, p in enumerate(prompts):
-    ids[i, :len(p)] = p
-  return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
-
-
 def _propose(drafter, rows, corpus=None, k=4):
   """The proposal for rows (lists of ids) with the given corpus (default empty)."""
   corpus = drafter.params if corpus is None else corpus
-  ids, lens = _padded(rows, max(len(r) for r in rows) + k + 1)
+  ids, lens = padded(rows, max(len(r) for r in rows) + k + 1)
   state = drafter.init(corpus, ids, lens, ids.shape[1])
   ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
   prop, _ = drafter.propose(corpus, state, ctx, k, None, None)
@@ -94,7 +87,7 @@ def test_corpus_is_a_fixed_ring_that_evicts_the_oldest_first():
   rng = np.random.default_rng(0)
   for step in range(6):
     rows = [list(rng.integers(0, 100, size=n)) for n in rng.integers(1, 9, size=3)]
-    ids, lens = _padded(rows, 10)
+    ids, lens = padded(rows, 10)
     corpus = append_rows(corpus, ids, lens, jnp.zeros_like(lens))
     for r in rows:
       stream += r + [SEP]
@@ -134,7 +127,7 @@ def test_greedy_equals_plain_with_the_corpus_carried_under_jit(tiny_target, plai
   compilation: the corpus is an argument): every call's tokens are plain greedy's, and later
   calls draft from the corpus (far more drafts accepted)."""
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256)
-  ids, lens = _padded(PROMPTS)
+  ids, lens = padded(PROMPTS)
 
   call = _carrying_call(tiny_target, d, ids, lens)
 
@@ -158,7 +151,7 @@ def test_greedy_equals_plain_under_vmap_and_through_the_host_wrapper(tiny_target
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=128)
   corpus = corpus_from([p + list(t) for p, t in zip(PROMPTS, plain.tokens)],
                        tiny_target.cfg.vocab_size, 128)
-  rows = [_padded([p]) for p in PROMPTS]
+  rows = [padded([p]) for p in PROMPTS]
   ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
   out = jax.jit(jax.vmap(lambda i, l, c: speculative_decode(
       tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=(),
@@ -180,14 +173,8 @@ def test_sampled_distribution_at_later_positions(small_vocab):
   samples) over 10000 mapped calls: chi-square against the target's exact joint at the 1e-4
   tail, with drafts both accepted and rejected."""
   target, _ = small_vocab
-  v = target.cfg.vocab_size
-  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
-  prompt = [1, 2, 3, 4]
-  tables = exact_tables(target, prompt, sp)
-  earlier = sample_continuations(prompt, tables, 12)  # earlier outputs, drawn exactly
-  d = SuffixDecoding(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2)
-  corpus = corpus_from(earlier, v, 96)
-  ids, lens = _padded([prompt, prompt], 4)
+  sp, tables, corpus, ids, lens, options = suffix_sampling_case(target)
+  d = SuffixDecoding(**options)
 
   def one(key):
     out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, num_draft_tokens=3,
@@ -210,7 +197,7 @@ def _three_continuations(min_prob):
   d = SuffixDecoding(vocab=100, corpus_size=128, spec_factor=8.0, min_prob=min_prob,
                      sample_drafts=True)
   corpus = corpus_from([[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [1, 2, 4, 20]], 100, 128)
-  ids, lens = _padded([[9, 1, 2]], 8)
+  ids, lens = padded([[9, 1, 2]], 8)
   state = d.init(corpus, ids, lens, 8)
   return d, corpus, state, DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
 
@@ -272,7 +259,7 @@ def test_sampled_drafts_greedy_equals_plain_under_jit_and_vmap(tiny_target, plai
   under jit, mapped calls, and the host wrapper by name give plain greedy's tokens."""
   v = tiny_target.cfg.vocab_size
   d = SuffixDecoding(vocab=v, corpus_size=256, sample_drafts=True)
-  ids, lens = _padded(PROMPTS)
+  ids, lens = padded(PROMPTS)
 
   call = _carrying_call(tiny_target, d, ids, lens)
 
@@ -281,7 +268,7 @@ def test_sampled_drafts_greedy_equals_plain_under_jit_and_vmap(tiny_target, plai
     toks, acc, corpus = call(corpus, jax.random.key(i))
     np.testing.assert_array_equal(np.asarray(toks), plain.tokens, err_msg=f"call {i}")
   assert int(acc) > 40
-  rows = [_padded([p]) for p in PROMPTS]
+  rows = [padded([p]) for p in PROMPTS]
   ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
   out = jax.jit(jax.vmap(lambda i, l: speculative_decode(
       tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=(),
@@ -301,12 +288,7 @@ def test_sampled_drafts_distribution_at_later_positions(small_vocab):
   joint, and the corpus (samples of the target itself) is accepted more often than the most
   frequent continuation is."""
   target, _ = small_vocab
-  v = target.cfg.vocab_size
-  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
-  prompt = [1, 2, 3, 4]
-  tables = exact_tables(target, prompt, sp)
-  corpus = corpus_from(sample_continuations(prompt, tables, 12), v, 96)
-  ids, lens = _padded([prompt, prompt], 4)
+  sp, tables, corpus, ids, lens, options = suffix_sampling_case(target)
 
   def run(d, n):
     def one(key):
@@ -316,11 +298,10 @@ def test_sampled_drafts_distribution_at_later_positions(small_vocab):
     toks, drafted, accepted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(5), n))
     return toks, int(accepted.sum()) / int(drafted.sum())
 
-  kw = dict(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2)
-  toks, rate = run(SuffixDecoding(**kw, sample_drafts=True), 10000)
+  toks, rate = run(SuffixDecoding(**options, sample_drafts=True), 10000)
   assert 0.1 < rate < 0.95, rate  # both paths of the rejection rule
   assert_tokens_4_5_follow(toks, tables)
-  _, rate_one_hot = run(SuffixDecoding(**kw), 2000)
+  _, rate_one_hot = run(SuffixDecoding(**options), 2000)
   assert rate > rate_one_hot + 0.05, (rate, rate_one_hot)
 
 
@@ -348,7 +329,7 @@ def test_bad_settings(kw, match):
 def test_bad_corpus_is_an_error_before_compiling(tiny_target):
   v = tiny_target.cfg.vocab_size
   d = SuffixDecoding(vocab=v, corpus_size=32)
-  ids, lens = _padded(PROMPTS[:1])
+  ids, lens = padded(PROMPTS[:1])
   before = functional._speculative_jit._cache_size()
   cases = [(SuffixCorpus.empty(32, v + 1), "vocabulary of 129, the drafter's is 128"),
            (SuffixCorpus.empty(64, v), "64,\\) token slots, the drafter 32"),

@@ -14,7 +14,7 @@ from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import speculative_decode
 from jaxspec.drafters import SuffixDecoding, SuffixTree, corpus_from, resolve_drafter
 from jaxspec.sampling import Sampling
-from helpers import assert_tokens_4_5_follow, exact_tables, sample_continuations
+from helpers import assert_tokens_4_5_follow, padded, suffix_sampling_case
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 20
@@ -22,16 +22,9 @@ N_NEW = 20
 CORPUS = [[1, 2, 3, 10, 11], [1, 2, 3, 10, 12], [5, 1, 2, 4, 20]]
 
 
-def _padded(prompts, width=16):
-  ids = np.zeros((len(prompts), width), np.int32)
-  for i, p in enumerate(prompts):
-    ids[i, :len(p)] = p
-  return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
-
-
 def _tree(drafter, rows, corpus):
   """(tokens, parents, depth) of the drafter's tree for rows (lists of ids), as lists."""
-  ids, lens = _padded(rows, max(len(r) for r in rows) + 1)
+  ids, lens = padded(rows, max(len(r) for r in rows) + 1)
   state = drafter.init(corpus, ids, lens, ids.shape[1])
   ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
   prop, _ = drafter.propose_tree(corpus, state, ctx, None, None)
@@ -110,7 +103,7 @@ def plain(tiny_target):
 def test_greedy_tree_equals_plain_with_the_corpus_carried_under_jit(tiny_target, plain):
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256,
                      tree=SuffixTree(nodes=6, depth=4))
-  ids, lens = _padded(PROMPTS)
+  ids, lens = padded(PROMPTS)
 
   @jax.jit
   def call(corpus, key):
@@ -131,7 +124,7 @@ def test_greedy_tree_equals_plain_under_vmap(tiny_target, plain):
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=128, tree=5)
   corpus = corpus_from([p + list(t) for p, t in zip(PROMPTS, plain.tokens)],
                        tiny_target.cfg.vocab_size, 128)
-  rows = [_padded([p]) for p in PROMPTS]
+  rows = [padded([p]) for p in PROMPTS]
   ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
   out = jax.jit(jax.vmap(lambda i, l, c: speculative_decode(
       tiny_target, d, i, l, 0, max_new_tokens=N_NEW, stop_ids=(), num_draft_tokens="auto",
@@ -151,7 +144,7 @@ def test_sampled_tree_writes_generates_text(tiny_target):
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256, tree=8)
   for corpus in (d.params, corpus_from([p + list(t) for p, t in zip(PROMPTS, ref.tokens)],
                                        tiny_target.cfg.vocab_size, 256)):
-    ids, lens = _padded(PROMPTS)
+    ids, lens = padded(PROMPTS)
     out = speculative_decode(tiny_target, d, ids, lens, jax.random.key(6), max_new_tokens=N_NEW,
                              sampling=sp, stop_ids=(), num_draft_tokens="auto",
                              drafter_params=corpus)
@@ -170,7 +163,7 @@ def test_a_tree_step_without_candidates_is_a_plain_step(tiny_target, sampling):
   prompts = [[7], [40, 41]]
   ref = generate(tiny_target, prompts, max_new_tokens=12, sampling=sampling, key=3, stop_ids=())
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=64, tree=4)
-  ids, lens = _padded(prompts, 2)
+  ids, lens = padded(prompts, 2)
   out = speculative_decode(tiny_target, d, ids, lens, jax.random.key(3), max_new_tokens=12,
                            sampling=sampling, stop_ids=(), num_draft_tokens="auto")
   np.testing.assert_array_equal(np.asarray(out.tokens), ref.tokens)
@@ -195,15 +188,8 @@ def test_sampled_tree_distribution_at_later_positions(small_vocab):
   drafting a tree from row 0 and a corpus of earlier samples, chi-square against the exact
   joint, with nodes both accepted and rejected."""
   target, _ = small_vocab
-  v = target.cfg.vocab_size
-  sp = Sampling(temperature=0.9, top_k=6, top_p=0.95)
-  prompt = [1, 2, 3, 4]
-  tables = exact_tables(target, prompt, sp)
-  earlier = sample_continuations(prompt, tables, 12)  # earlier outputs, drawn exactly
-  d = SuffixDecoding(vocab=v, corpus_size=96, max_match=4, min_prob=0.0, spec_offset=2,
-                     tree=SuffixTree(nodes=6, depth=3))
-  corpus = corpus_from(earlier, v, 96)
-  ids, lens = _padded([prompt, prompt], 4)
+  sp, tables, corpus, ids, lens, options = suffix_sampling_case(target)
+  d = SuffixDecoding(**options, tree=SuffixTree(nodes=6, depth=3))
 
   def one(key):
     out = speculative_decode(target, d, ids, lens, key, max_new_tokens=6, sampling=sp,
@@ -234,6 +220,6 @@ def test_bad_tree_settings(kw, match):
 
 def test_a_tree_takes_no_fixed_k(tiny_target):
   d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, tree=4)
-  ids, lens = _padded(PROMPTS[:1])
+  ids, lens = padded(PROMPTS[:1])
   with pytest.raises(ValueError, match="leave num_draft_tokens at \"auto\""):
     speculative_decode(tiny_target, d, ids, lens, 0, max_new_tokens=4, num_draft_tokens=2)
