@@ -161,6 +161,15 @@ def position_draft_keys(ctx: DraftContext, k: int, who: str = "drafter") -> jax.
   return sampling_lib.position_keys(ctx.row_keys, ctx.seq_len - ctx.prompt_len, k)
 
 
+def split_draft_keys(drafter, keys: jax.Array, ctx: DraftContext, k: int) -> jax.Array:
+  """[B, k] the keys a drafter draws its k drafts with: each row's step draft key (`keys`
+  [B]) split k ways (the standard rule), or, for a coupled drafter, the keys the target draws
+  those tokens with (`position_draft_keys`)."""
+  if getattr(drafter, "coupled", False):
+    return position_draft_keys(ctx, k, drafter.name)
+  return jax.vmap(lambda kk: jax.random.split(kk, k))(keys)
+
+
 def resolve_coupled(drafter: Drafter, auto: bool) -> Drafter:
   """The drafter with `coupled` decided: where it is None, coupled exactly under "auto"."""
   if getattr(drafter, "coupled", False) is None:

@@ -11,7 +11,7 @@ from jax import lax
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.decoding import protocol
-from jaxspec.decoding.drafter import Drafter, Proposal, position_draft_keys
+from jaxspec.decoding.drafter import Drafter, Proposal, split_draft_keys
 from jaxspec.decoding.protocol import Target
 from jaxspec.drafters.ngram import last_tokens
 from jaxspec.models.config import LlamaConfig
@@ -120,10 +120,7 @@ class DraftModel(Drafter):
     start = state.cache.length
     logits, _, cache = protocol.forward(lm, params, two, state.cache)
     cache = protocol.with_length(cache, start + jnp.where(single, 1, 2))
-    if self.coupled:
-      step_keys = position_draft_keys(ctx, k, self.name)
-    else:
-      step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
+    step_keys = split_draft_keys(self, keys, ctx, k)  # [B, k]
     v = lm.vocab_size
 
     def pick(logits_i, key_i, hist):

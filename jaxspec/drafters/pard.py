@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxspec import sampling as sampling_lib
 from jaxspec.checks import check_int, is_int
 from jaxspec.decoding import protocol
-from jaxspec.decoding.drafter import Proposal, position_draft_keys
+from jaxspec.decoding.drafter import Proposal, split_draft_keys
 from jaxspec.drafters.draft_model import DraftModel, DraftModelState
 from jaxspec.drafters.ngram import last_tokens
 from jaxspec.models.errors import CheckpointError
@@ -113,10 +113,7 @@ class ParallelDraft(DraftModel):
     # Only the real tokens are kept: the masks' entries lie past the length.
     cache = protocol.with_length(cache, start + jnp.where(single, 1, 2))
     q = sampling_lib.probs(lg, sp)  # [B, k, V]
-    if self.coupled:
-      step_keys = position_draft_keys(ctx, k, self.name)
-    else:
-      step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
+    step_keys = split_draft_keys(self, keys, ctx, k)  # [B, k]
     greedy = sp.temperature == 0
     drafts = jax.vmap(lambda kk, qq: sampling_lib.sample_from_probs(kk, qq, greedy),
                       in_axes=(1, 1), out_axes=1)(step_keys, q)  # [B, k]

@@ -57,10 +57,9 @@ of x_d on the step's draft keys only (split per position from the loop's draft k
 position keys the verify pass draws the row's tokens and uniforms with), so each x_d is
 distributed as q_d independently of the verification's noise, which is what rejection sampling
 needs; whether draft d counts (`Proposal.n_valid`) reads q_d and the earlier drafts, never
-x_d. Greedy rows
-keep the deterministic chain (with a one-hot q), so greedy output is plain greedy's. Sampled
-text is exact in distribution but no longer `generate`'s for the same key (a rejection draws the
-residual with its own stream), as with a sampling `DraftModel`.
+x_d. Greedy rows keep the deterministic chain (with a one-hot q), so greedy output is plain
+greedy's. Sampled text is exact in distribution but no longer `generate`'s for the same key (a
+rejection draws the residual with its own stream), as with a sampling `DraftModel`.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.checks import check_int, is_int
-from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal
+from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, split_draft_keys
 from jaxspec.decoding.tree import MAX_NODES, TreeProposal
 from jaxspec.pytree import pytree_dataclass as _pytree
 
@@ -411,7 +410,7 @@ class SuffixDecoding(Drafter):
     rows = jnp.arange(b)
     alive0 = alive
     limit = self._limit(best, k)
-    step_keys = jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
+    step_keys = split_draft_keys(self, keys, None, k)  # [B, k] (never coupled)
     prob = jnp.ones((b,), jnp.float32)
     going = jnp.ones((b,), bool)
     tokens, qs, valid = [], [], []

@@ -42,7 +42,7 @@ from jax import lax
 from jaxspec import sampling as sampling_lib
 from jaxspec.checks import check_int
 from jaxspec.decoding import tree as tree_lib
-from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, position_draft_keys
+from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, split_draft_keys
 from jaxspec.heads.common import target_dims
 from jaxspec.heads.eagle import eagle_block, eagle_prefill
 from jaxspec.heads.training import draft_ids
@@ -81,18 +81,6 @@ def frozen_target_arrays(target_params: Params) -> Params:
                 lm_head=target_params.lm_head)
 
 
-def _row_keys(keys: jax.Array, k: int) -> jax.Array:
-  return jax.vmap(lambda kk: jax.random.split(kk, k))(keys)  # [B, k]
-
-
-def _draft_keys(drafter, keys: jax.Array, ctx, k: int) -> jax.Array:
-  """[B, k] the keys of the k drafts: the step's own split (the standard rule), or, coupled,
-  the keys the target draws those tokens with (the drafter protocol's `position_draft_keys`)."""
-  if drafter.coupled:
-    return position_draft_keys(ctx, k, drafter.name)
-  return _row_keys(keys, k)
-
-
 def _draw(key: jax.Array, q: jax.Array, sp) -> jax.Array:
   """One draft per row from q [B, V] (the target's Gumbel-max draw: coupled, `key` is the
   target's key for the token); greedy rows (one-hot q) take the argmax without drawing."""
@@ -105,10 +93,10 @@ def _sample_steps(drafter, logits: jax.Array, sp, keys: jax.Array, ctx):
   the k are drawn in turn."""
   if ctx.history is None or not sp.adjusts:
     q = sampling_lib.probs(logits, sp)
-    dk = _draft_keys(drafter, keys, ctx, logits.shape[1])
+    dk = split_draft_keys(drafter, keys, ctx, logits.shape[1])
     toks = jax.vmap(lambda kk, qq: _draw(kk, qq, sp), in_axes=(1, 1), out_axes=1)(dk, q)
     return toks, q
-  dk = _draft_keys(drafter, keys, ctx, logits.shape[1])
+  dk = split_draft_keys(drafter, keys, ctx, logits.shape[1])
   hist, toks, qs = ctx.history, [], []
   for j in range(logits.shape[1]):
     q, tok, hist = _adjusted_draw(logits[:, j], sp, hist, dk, j)
@@ -252,7 +240,7 @@ class MLPDrafter(_FeatureDrafter):
     model = self.checked_module(params, k)
     tok = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]  # x_{n-1}
     s = model.start(state.feat)
-    step_keys = _draft_keys(self, keys, ctx, k)
+    step_keys = split_draft_keys(self, keys, ctx, k)
     toks, qs, hist = [], [], ctx.history
     for j in range(k):
       s, logits = model.stage(params.target, j, s, tok)
@@ -429,7 +417,7 @@ class EagleDrafter(HeadDrafter):
   def propose(self, params, state: EagleState, ctx, k, sp, keys):
     model = self._model(params)
     frozen = params.target
-    step_keys = _draft_keys(self, keys, ctx, k)
+    step_keys = split_draft_keys(self, keys, ctx, k)
     # [B, V] q of draft 1; each q adjusted with the drafts before it (`ctx.history`).
     q0, d0, hist = _adjusted_draw(model.target_logits(frozen, state.feat), sp, ctx.history,
                                   step_keys, 0)
