@@ -6,7 +6,12 @@ Three pieces, each a pure function over arrays so they run inside the jitted loo
   how often draft i was tried (drafts 1..i-1 accepted) and accepted, giving the conditional
   acceptance probability a[b, i], shrunk towards the row's rate over all positions (so a
   position never tried yet is estimated from the others). Counts decay every step, observed or
-  not, so a row that stopped drafting drifts back to the prior and is probed again later. A
+  not, so a row that stopped drafting drifts back to the prior and is probed again later. The
+  row's pooled rate forgets four times slower than the positions' counts: a drafter whose
+  probes keep failing is probed again after about a hundred plain steps, not twenty (where a
+  probe costs much more than a plain step, as a wide verify on a CPU does, a drafter that is
+  never accepted would otherwise lose a step's worth of time every twenty), while a row whose
+  drafts are verified every step follows its positions' fast counts. A
   drafter whose proposals are free (made before k is chosen) is observed on plain steps too:
   the emitted token says whether its first draft would have been accepted (`update_counts`).
 * **A cost model.** The seconds of one loop step that drafts k tokens and verifies them, for
@@ -73,6 +78,13 @@ class AutoK:
       fraction. Both models are estimates (a cost timed once on a shared machine varies by
       +-10%); at a break-even prediction a draft is as likely to lose as to win, and losing
       costs more than the margin gives up.
+    carry: the host wrappers start a call's pooled acceptance (`AcceptanceCounts.row_tried`,
+      `row_accepted`) from where the engine's last call with the same target, drafter and
+      sampling ended, so a drafter that was never accepted is not probed afresh at every call
+      (each probe of a poor drafter costs a wide verify); the carried counts fade within
+      about a hundred steps, after which the drafter is probed again. Only where the emitted
+      text cannot depend on the k's chosen (greedy rows, or a coupled drafter: `coupled`),
+      on one device mesh. `stats["acceptance_carried"]` says what a call started from.
   """
 
   k_max: int = 8
@@ -80,6 +92,7 @@ class AutoK:
   decay: float = 0.95
   prior: tuple[float, float] = (0.5, 0.5)
   margin: float = 0.05
+  carry: bool = True
 
   def __post_init__(self):
     if not is_int(self.k_max) or not 1 <= self.k_max <= MAX_K:
@@ -98,6 +111,8 @@ class AutoK:
                        f" rejected), e.g. (0.5, 0.5), got {self.prior!r}")
     if not _is_real(self.margin) or not 0.0 <= self.margin < 1.0:
       raise ValueError(f"AutoK.margin must be a number in [0, 1), got {self.margin!r}")
+    if not isinstance(self.carry, (bool, np.bool_)):
+      raise ValueError(f"AutoK.carry must be True or False, got {self.carry!r}")
 
   def resolved_buckets(self) -> tuple[int, ...]:
     if self.buckets is not None:
@@ -127,6 +142,9 @@ class CostModel:
     per_token: for each k, the seconds a step gains per cached position (>= 0); None: the
       costs do not depend on the cache's length.
     length: the cache length (positions) `seconds` hold at.
+    steps: when measured, the fewest loop steps any k was timed over in a round (timing runs
+      `jaxspec.engine.costs.TIMED_STEPS`; fewer when the rows had no room to run them, and
+      then the engine does not keep the model for later calls); None otherwise.
   """
 
   ks: tuple[int, ...]
@@ -136,6 +154,7 @@ class CostModel:
   raw: tuple[float, ...] | None = None
   per_token: tuple[float, ...] | None = None
   length: int = 0
+  steps: int | None = None
 
   def __post_init__(self):
     if isinstance(self.ks, (str, bytes)) or not isinstance(self.ks, (Sequence, np.ndarray)) \
@@ -163,6 +182,9 @@ class CostModel:
     if not is_int(self.length) or self.length < 0:
       raise ValueError(f"CostModel.length must be an integer >= 0 (cache positions), got"
                        f" {self.length!r}")
+    if self.steps is not None and (not is_int(self.steps) or self.steps < 0):
+      raise ValueError(f"CostModel.steps must be None or an integer >= 0 (timed loop steps),"
+                       f" got {self.steps!r}")
 
   @classmethod
   def from_formula(cls, ks: Sequence[int], draft_cost: float, verify_cost) -> CostModel:
@@ -206,13 +228,14 @@ class CostModel:
     return dict(ks=[int(k) for k in self.ks], seconds=floats(self.seconds),
                 per_token=floats(self.per_token), length=int(self.length),
                 batch_size=None if self.batch_size is None else int(self.batch_size),
-                source=self.source, raw=floats(self.raw))
+                source=self.source, raw=floats(self.raw),
+                steps=None if self.steps is None else int(self.steps))
 
   @classmethod
   def from_dict(cls, d) -> CostModel:
     """The model `to_dict` wrote (as read back from JSON); keys it does not name are refused,
     so a dict of step times {k: seconds} is pointed to `from_ratios`."""
-    fields = ("ks", "seconds", "per_token", "length", "batch_size", "source", "raw")
+    fields = ("ks", "seconds", "per_token", "length", "batch_size", "source", "raw", "steps")
     if not isinstance(d, dict) or "ks" not in d or "seconds" not in d \
         or not set(d) <= set(fields):
       got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
@@ -222,7 +245,7 @@ class CostModel:
     opt = lambda v: None if v is None else tuple(v)  # noqa: E731
     return cls(tuple(d["ks"]), tuple(d["seconds"]), per_token=opt(d.get("per_token")),
                length=d.get("length", 0), batch_size=d.get("batch_size"),
-               source=d.get("source", "given"), raw=opt(d.get("raw")))
+               source=d.get("source", "given"), raw=opt(d.get("raw")), steps=d.get("steps"))
 
   @classmethod
   def from_measurements(cls, ks: Sequence[int], seconds: Sequence[float], *,
@@ -318,11 +341,20 @@ class AcceptanceCounts:
 
   tried: jax.Array  # [B, K] f32 draft i was verified with drafts 1..i-1 accepted
   accepted: jax.Array  # [B, K] f32 ... and was accepted
+  # [B] f32 the same summed over positions, decayed by decay ** POOLED_SLOWER: the row's pooled
+  # rate, with a longer memory (None: pooled from `tried` and `accepted`).
+  row_tried: jax.Array | None = None
+  row_accepted: jax.Array | None = None
+
+
+# The row's pooled counts decay as decay ** POOLED_SLOWER per step: 4 times the memory.
+POOLED_SLOWER = 0.25
 
 
 def init_counts(batch: int, k_max: int) -> AcceptanceCounts:
   z = jnp.zeros((batch, k_max), jnp.float32)
-  return AcceptanceCounts(tried=z, accepted=z)
+  zr = jnp.zeros((batch,), jnp.float32)
+  return AcceptanceCounts(tried=z, accepted=z, row_tried=zr, row_accepted=zr)
 
 
 def acceptance_estimate(counts: AcceptanceCounts, prior: tuple[float, float],
@@ -331,10 +363,17 @@ def acceptance_estimate(counts: AcceptanceCounts, prior: tuple[float, float],
 
   The pooled rate (all positions together, Beta `prior`) is the prior mean of every position
   with weight `strength`: a position the row has not tried yet (k never reached it) takes the
-  row's overall rate, so a drafter that is always right is trusted with longer drafts.
+  row's overall rate, so a drafter that is always right is trusted with longer drafts. The
+  pooled rate's own prior mean is the row's slowly decayed rate (`row_tried`, `row_accepted`,
+  itself shrunk to `prior`): recent counts decide while there are some; once they have faded
+  (a row that stopped drafting) the estimate returns to the row's long-run rate, and only
+  then to the prior.
   """
   a, r = prior
-  pooled = (counts.accepted.sum(1, keepdims=True) + a) / (counts.tried.sum(1, keepdims=True) + a + r)
+  base = a / (a + r)
+  if counts.row_tried is not None:  # the prior's mean, moved by the row's long memory
+    base = (counts.row_accepted + a) / (counts.row_tried + a + r)
+  pooled = ((counts.accepted.sum(1) + (a + r) * base) / (counts.tried.sum(1) + a + r))[:, None]
   return (counts.accepted + strength * pooled) / (counts.tried + strength)
 
 
@@ -364,8 +403,14 @@ def update_counts(counts: AcceptanceCounts, decay: float, verified: jax.Array,
     first = i == 0
     tried = tried | (first & shadow[:, None])
     accepted = accepted | (first & (shadow & shadow_hit)[:, None])
+  row_tried = row_accepted = None
+  if counts.row_tried is not None:
+    slow = decay ** POOLED_SLOWER
+    row_tried = slow * counts.row_tried + tried.sum(1)
+    row_accepted = slow * counts.row_accepted + accepted.sum(1)
   return AcceptanceCounts(tried=decay * counts.tried + tried,
-                          accepted=decay * counts.accepted + accepted)
+                          accepted=decay * counts.accepted + accepted,
+                          row_tried=row_tried, row_accepted=row_accepted)
 
 
 def expected_tokens(alpha: jax.Array, ks: Sequence[int], n_real: jax.Array | None = None):

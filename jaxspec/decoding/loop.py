@@ -56,6 +56,8 @@ class Policy:
   logprobs: bool = False
   # With logprobs: also the N most likely tokens at every emitting position (`SpecState.top_ids`).
   top_logprobs: int = 0
+  # `AutoK.carry`: read by the host wrappers only, so it is not part of the program's identity.
+  carry: bool = dataclasses.field(default=False, compare=False)
 
   @property
   def k_max(self) -> int:
@@ -68,7 +70,7 @@ class Policy:
   @classmethod
   def from_auto(cls, a: AutoK, logprobs: bool = False) -> Policy:
     return cls(buckets=a.resolved_buckets(), auto=True, decay=a.decay, prior=tuple(a.prior),
-               margin=a.margin, logprobs=logprobs)
+               margin=a.margin, logprobs=logprobs, carry=bool(a.carry))
 
 
 MAX_DRAFT_TOKENS = adaptive.MAX_K

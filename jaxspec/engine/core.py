@@ -177,6 +177,9 @@ class Engine:
     self.buffers: dict[Any, tuple[jax.Array, jax.Array]] = {}
     self.placed: dict[Any, Any] = {}
     self.cost_models: dict[Any, Any] = {}
+    # "auto"'s pooled acceptance (tried, accepted) where the last call of a target, drafter and
+    # sampling ended (`AutoK.carry`).
+    self.acceptance: dict[Any, tuple[float, float]] = {}
     self.listeners: list[Callable[[str | None], None]] = []
     self.released = 0  # programs released so far (`release_compiled`), for reports
     self.warned_release = False
@@ -189,12 +192,13 @@ class Engine:
     return None if self.cost_cache is False else Path(self.cost_cache).expanduser()
 
   def reset(self) -> None:
-    """Drops everything kept in memory (programs, buffers, placed weights, cost models; the
-    cost models on disk stay: `jaxspec.engine.clear_cost_cache`)."""
+    """Drops everything kept in memory (programs, buffers, placed weights, cost models and
+    carried acceptance; the cost models on disk stay: `jaxspec.engine.clear_cost_cache`)."""
     self.release_compiled()
     self.release_cache_buffers()
     self.placed.clear()
     self.cost_models.clear()
+    self.acceptance.clear()
 
   # -- compiled programs
 

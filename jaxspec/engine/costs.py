@@ -25,8 +25,12 @@ from jaxspec.decoding.loop import Policy, SpecState, costs_array
 from jaxspec.engine.io import to_host
 
 
+# Loop steps each k is timed over per round (after WARMUP_STEPS untimed ones).
+TIMED_STEPS, WARMUP_STEPS = 4, 2
+
+
 def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Policy, *,
-                  steps: int = 4, warmup: int = 2, rounds: int = 3,
+                  steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS, rounds: int = 3,
                   batch_size: int | None = None, short_state=None) -> CostModel:
   """Times the compiled loop forced to each k in `policy.buckets`, from copies of `state`.
 
@@ -36,7 +40,9 @@ def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Poli
   hits every k rather than one; each k's cost is its median ratio to the plain step of the
   same round, times the fastest plain step. A round runs `warmup` untimed
   steps from a fresh copy of the post-prefill state (the first steps on freshly copied buffers
-  are slow), then `steps` timed ones; rows that finish early shorten the count.
+  are slow), then `steps` timed ones; rows that finish early shorten the count, and the model's
+  `steps` says the fewest any k was timed over (the engine gives the rows room first:
+  `SpecRun.timing_state`).
 
   With `short_state` (the same state with a short cache, `state_at_length`), every k is timed
   at both lengths in the same rounds, and the cost model grows with the cache by the
@@ -47,6 +53,7 @@ def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Poli
   costs = jnp.asarray(costs_array(policy, None))
   states = [state] if short_state is None else [state, short_state]
   times = np.zeros((rounds, len(states), n))
+  fewest = steps
   for r in range(rounds):
     for j, start in enumerate(states):
       for i in range(n):
@@ -61,6 +68,7 @@ def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Poli
                                             jnp.int32(warmup + steps), jnp.int32(i)))
         dt = time.perf_counter() - t0
         ran = int(st.stats.target_passes) - done0
+        fewest = min(fewest, ran)
         times[r, j, i] = dt / ran if ran > 0 else first / max(done0, 1)
         del st
   # Each k relative to the plain step timed just before it in the same round (a slow spell of
@@ -71,7 +79,7 @@ def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Poli
   length = longest(state)
   if short_state is None:
     return CostModel.from_measurements(policy.buckets, best[0], length=length,
-                                       batch_size=batch_size, source="measured")
+                                       batch_size=batch_size, source="measured", steps=fewest)
   # Timed at the short length as `seconds` and grown to the prompt's: a difference under
   # NOISE_FRACTION of the step is timing noise (the same program timed twice), not growth.
   short_len = longest(short_state)
@@ -79,7 +87,7 @@ def measure_costs(loop_exe, tparams, dparams, state: SpecState, sp, policy: Poli
   grown = [f if f - s_ > NOISE_FRACTION * s_ else s_ for s_, f in zip(near, far)]
   return CostModel.from_measurements(policy.buckets, best[1], longer=grown, length=short_len,
                                      longer_length=length, batch_size=batch_size,
-                                     source="measured")
+                                     source="measured", steps=fewest)
 
 
 # Two timings of one step that differ by less than this fraction are taken as equal.
@@ -198,12 +206,7 @@ def load_cost(directory: Path, key: str, ks) -> CostModel | None:
       data = json.load(f)
     if data.get("format") != _FORMAT or data.get("version") != _VERSION or data.get("key") != key:
       return None
-    c = data["cost"]
-    opt = lambda v: None if v is None else tuple(float(x) for x in v)
-    cost = CostModel(ks=tuple(int(k) for k in c["ks"]),
-                     seconds=tuple(float(x) for x in c["seconds"]),
-                     batch_size=c.get("batch_size"), source="disk", raw=opt(c.get("raw")),
-                     per_token=opt(c.get("per_token")), length=int(c.get("length", 0)))
+    cost = CostModel.from_dict(dict(data["cost"], source="disk"))
   except Exception:  # noqa: BLE001 - any unreadable file means "not saved": time it again
     return None
   return cost if tuple(cost.ks) == tuple(ks) else None
@@ -213,11 +216,7 @@ def save_cost(directory: Path, key: str, cost: CostModel) -> bool:
   """Saves a measured cost model under `key` (written whole to a temporary file, then renamed,
   so a reader never sees half a file). A directory that cannot be written keeps nothing: the
   next process times again. Returns whether it was saved."""
-  data = dict(format=_FORMAT, version=_VERSION, key=key,
-              cost=dict(ks=list(cost.ks), seconds=list(cost.seconds), batch_size=cost.batch_size,
-                        raw=None if cost.raw is None else list(cost.raw),
-                        per_token=None if cost.per_token is None else list(cost.per_token),
-                        length=cost.length))
+  data = dict(format=_FORMAT, version=_VERSION, key=key, cost=cost.to_dict())
   path = Path(directory) / f"{key}.json"
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   try:

@@ -21,8 +21,8 @@ from jaxspec.decoding import two_mesh
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
-from jaxspec.engine.costs import (MIN_COST_SPAN, cost_key, load_cost, longest, measure_costs,
-                                  save_cost, state_at_length)
+from jaxspec.engine.costs import (MIN_COST_SPAN, TIMED_STEPS, cost_key, load_cost, longest,
+                                  measure_costs, save_cost, state_at_length)
 from jaxspec.engine.io import (SpecRequest, as_host_target, pad_rows, put_global, sharding_of,
                                shardings_of, to_host)
 from jaxspec.models.llama import init_cache
@@ -175,15 +175,62 @@ class SpecRun:
       state = self.init_exe(*self.init_args)
     if self.policy.auto and self.cost is None:
       self._measure_costs(state, self._loop_for_costs, self.sp)
-    return state
+    return self.seed_acceptance(state)
+
+  def carry_key(self):
+    """Where the pooled acceptance of this call is carried to the next (`AutoK.carry`), or
+    None: only where the emitted text cannot depend on the k's chosen (every row greedy, or a
+    coupled drafter), unsharded."""
+    req = self.req
+    if not (self.policy.auto and self.policy.carry) or sharding_of(req.target) is not None \
+        or not (req.sampling.greedy or getattr(req.drafter, "coupled", False) is True):
+      return None
+    return (req.lm, req.drafter, repr(req.sampling))
+
+  def seed_acceptance(self, state: SpecState) -> SpecState:
+    """The state with each row's pooled acceptance counts where the engine's last call of this
+    target, drafter and sampling ended (`AutoK.carry`)."""
+    key = self.carry_key()
+    self.acceptance_carried = None if key is None else self.engine.acceptance.get(key)
+    if self.acceptance_carried is None:
+      return state
+    tried, accepted = self.acceptance_carried
+    c = state.counts
+    return dataclasses.replace(state, counts=dataclasses.replace(
+        c, row_tried=jnp.full_like(c.row_tried, tried),
+        row_accepted=jnp.full_like(c.row_accepted, accepted)))
 
   def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
-    return self.loop_exe(tparams, dparams, state, sp, costs, until, force_idx, self.budget)
+    return self.loop_exe(tparams, dparams, state, sp, costs, until, force_idx,
+                         self._timing_budget)
+
+  def timing_state(self, state: SpecState) -> SpecState:
+    """The post-prefill state the costs are timed from: each of the caller's rows live, with a
+    budget (`_loop_for_costs`) of as many new tokens as the compiled width and the cache leave
+    room for, whatever this call's own max_new_tokens. A call of one new token (its rows done
+    at the prefill) would otherwise time no step at all, and the engine would keep that model
+    for later calls of the same shapes. Sharded, the state is left as it is (its arrays may
+    span hosts), and a timing cut short is not kept (`_measure_costs`)."""
+    self._timing_budget = self.budget
+    if sharding_of(self.target) is not None:
+      return state
+    k1 = self.policy.k_max + 1
+    room = jnp.clip(self.prep.max_len - state.prompt_len - k1, 0, self.prep.capacity)
+    self._timing_budget = jnp.where(self.budget > 0, room, 0).astype(self.budget.dtype)
+    done = (self.budget <= 0) | (state.seq_len - state.prompt_len >= self._timing_budget)
+    return dataclasses.replace(state, done=done)
 
   def finish(self, state: SpecState) -> None:
-    """Keeps the finished call's target cache for the next call of the same shapes."""
+    """Keeps the finished call's target cache for the next call of the same shapes, and where
+    its pooled acceptance ended (the mean over the caller's rows) for the next call of the same
+    target, drafter and sampling (`AutoK.carry`)."""
     if self.pooled:
       self.engine.keep_cache_buffers(self.target.cfg, state.cache.k, state.cache.v)
+    key = self.carry_key()
+    if key is not None:
+      c = to_host(state.counts)
+      self.engine.acceptance[key] = (float(np.mean(c.row_tried[:self.rows])),
+                                     float(np.mean(c.row_accepted[:self.rows])))
 
   def _measure_costs(self, state, run_loop, sp) -> None:
     """The engine's cost model for these shapes, else the one a process saved on disk for them
@@ -196,7 +243,7 @@ class SpecRun:
       key = cost_key(self.disk_key_parts())
       self.cost, self.cost_source = load_cost(disk, key, self.policy.buckets), "disk"
     if self.cost is None:
-      state = jax.block_until_ready(state)
+      state = self.timing_state(jax.block_until_ready(state))
       self.engine.report("measuring the step cost of each k")
       t0 = time.perf_counter()
       try:
@@ -206,6 +253,11 @@ class SpecRun:
         self.engine.report(None)
       self.cost_seconds = time.perf_counter() - t0
       self.cost_source = "measured"
+      # Timed over fewer steps than asked (rows with no room left): this call uses it, later
+      # calls of these shapes measure again.
+      if self.cost.steps is not None and self.cost.steps < TIMED_STEPS:
+        self.costs = costs_array(self.policy, self.cost)
+        return
       if disk is not None:
         save_cost(disk, key, self.cost)
     self.engine.cost_models[self.cost_key] = self.cost
@@ -250,6 +302,9 @@ class SpecRun:
       out["tree_nodes"] = self.drafter.tree.num_nodes - 1
     if self.policy.auto:  # the model itself: `cost=` of a later call (`to_dict` for JSON)
       out["cost_model"] = self.cost
+      carried = getattr(self, "acceptance_carried", None)
+      out["acceptance_carried"] = None if carried is None else dict(
+          tried=carried[0], accepted=carried[1])
     if self.placement is not None:
       out.update(placement=self.placement.describe(),
                  failover=None if self.failover is None else dataclasses.asdict(self.failover))
@@ -403,6 +458,12 @@ class HostRun(SpecRun):
 
   def short_state(self, state: two_mesh.HostState) -> None:
     return None  # two meshes: timed at the prompt's length only
+
+  def timing_state(self, state: two_mesh.HostState) -> two_mesh.HostState:
+    return state  # its programs are compiled for the call's own count of new tokens
+
+  def carry_key(self) -> None:
+    return None  # two meshes: each call starts from the prior
 
   def _loop_for_costs(self, tparams, dparams, state, sp, costs, until, force_idx):
     # A drafter that fails while the cost model is timed fails over as in the loop: the

@@ -182,3 +182,27 @@ def test_the_directory_env_var_compile_cache_and_clearing(tmp_path, monkeypatch)
   assert clear_cost_cache(tmp_path / "missing") == 0
   monkeypatch.setenv("JAXSPEC_COST_CACHE", str(d))
   assert save_cost(d, "ef" * 20, COST) and clear_cost_cache() == 1
+
+
+def test_a_short_call_times_the_steps_of_a_long_one(tiny_target):
+  """A call of one new token (its rows done at the prefill) still times every k over the full
+  count of steps, since its model is kept for later calls of the same shapes; a call whose
+  cache leaves no room for them times fewer, uses that, and the next call measures again."""
+  from jaxspec.engine.costs import TIMED_STEPS
+  prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]
+  kw = dict(num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=())
+  eng = Engine(cost_cache=False)
+  one = eng.speculative_generate(tiny_target, NGram(), prompts, max_new_tokens=1, **kw)
+  assert one.stats["cost_source"] == "measured"
+  assert one.stats["cost_model"].steps == TIMED_STEPS
+  long = eng.speculative_generate(tiny_target, NGram(), prompts, max_new_tokens=40, **kw)
+  assert long.stats["cost_source"] == "cached"
+  # max_len = prompt + 1 + the k + 1 slots a step may write past: no room for a timed step.
+  tight = dict(kw, max_len=8 + 1 + 3)
+  cut = eng.speculative_generate(tiny_target, NGram(), prompts, max_new_tokens=1, **tight)
+  assert cut.stats["cost_source"] == "measured" and cut.stats["cost_model"].steps < TIMED_STEPS
+  again = eng.speculative_generate(tiny_target, NGram(), prompts, max_new_tokens=1, **tight)
+  assert again.stats["cost_source"] == "measured"
+  with pytest.raises(ValueError, match="CostModel.steps"):
+    CostModel(ks=(0,), seconds=(1.0,), steps=-1)
+  assert CostModel.from_dict(cut.stats["cost_model"].to_dict()) == cut.stats["cost_model"]
