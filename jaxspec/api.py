@@ -177,8 +177,10 @@ def speculative_generate(target: Model | Target, drafter: Drafter, prompts, *,
     draft position, the mean acceptance length tau (tokens emitted per verify pass, counting
     the bonus token), the k chosen at every step and, with "auto", `cost_model`: the
     `CostModel` it weighed (pass it as `cost=` to skip the timing; `to_dict()` for JSON),
-    `cost_seconds` (the time spent timing it, apart from `compile_seconds`) and `cost_source`
-    ("measured", "cached" in this process, "disk" from an earlier one, or "given"). Batch sizes
+    `cost_seconds` (the time spent timing it, apart from `compile_seconds`), `cost_source`
+    ("measured", "cached" in this process, "disk" from an earlier one, or "given") and
+    `acceptance_carried` (the pooled acceptance counts {tried, accepted} the call started from,
+    `AutoK.carry`; None: the prior). Batch sizes
     and max_new_tokens are bucketed in the fused loop, as in `generate`.
   Raises:
     ValueError: a bad argument (named, with the fix), before anything compiles.
