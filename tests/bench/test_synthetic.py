@@ -202,6 +202,7 @@ def test_greedy_verify_path_has_no_unconditional_sort(model, monkeypatch):
   assert _sorts_outside_conditionals(_verify_path_hlo(model)) != []
 
 
+@pytest.mark.slow  # CI's smoke run (make test-slow); the oracle's tests above run by default
 def test_bench_synthetic_smoke(tmp_path):
   """The synthetic-scale benchmark end to end on the tiny shape (CI's smoke run): every
   number it reports is there, speculative output equals plain output, tau is measured."""

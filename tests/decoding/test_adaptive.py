@@ -241,7 +241,10 @@ def reference(tiny_target):
   return generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=())
 
 
-@pytest.mark.parametrize("name", ["ngram", "poor-draft", "self-draft"])
+# The draft models under -m slow: test_deferred_commits_catch_up_exactly runs one under "auto"
+# steps, and the controller tests above check where k settles and that it drops with alpha.
+@pytest.mark.parametrize("name", ["ngram", pytest.param("poor-draft", marks=pytest.mark.slow),
+                                  pytest.param("self-draft", marks=pytest.mark.slow)])
 def test_auto_greedy_equals_generate(tiny_target, poor_draft, reference, name):
   drafter = {"ngram": NGram(), "poor-draft": DraftModel(poor_draft),
              "self-draft": DraftModel(tiny_target)}[name]

@@ -214,6 +214,8 @@ def test_n_equals_hand_tiling(target):
     assert len({tuple(r) for r in toks[3:]}) == 3  # prompt 1's samples differ (T = 0.8)
 
 
+@pytest.mark.slow  # test_host_wrapper_takes_per_row_seeds, test_n_equals_hand_tiling and
+# tests/engine/test_host_any_model.py's n-samples test (per-prompt seeds, order, alone)
 def test_a_prompts_samples_follow_its_seed_not_its_position(target):
   """The same prompt with the same seed draws the same n samples alone or at any position of a
   batch (per-row seeds, or per-prompt keys); alone, seed s is key=s."""

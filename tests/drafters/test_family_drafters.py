@@ -32,7 +32,10 @@ def _model(name: str) -> Model:
   return Model(cfg=cfg, params=params, name=name)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# Gemma 3 (the most switches) by default, the other families under -m slow: their parity and
+# greedy speculation run by default in tests/models/test_families.py.
+@pytest.fixture(scope="module", params=[
+    f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def family(request):
   model = _model(request.param)
   return model, generate(model, PROMPTS, max_new_tokens=N_NEW, stop_ids=())

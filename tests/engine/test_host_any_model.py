@@ -140,6 +140,7 @@ def test_own_model_through_the_host_wrappers_equals_the_functional_api(own, smal
   assert streamed == spec_streamed == alone.row(0)
 
 
+@pytest.mark.slow  # an own model: the test above; the cost model passed back: test_cost_persist
 def test_own_model_auto_and_its_cost_model_passed_back(own):
   ref = jaxspec.generate(own, PROMPTS, max_new_tokens=N_NEW)
   out = jaxspec.speculative_generate(own, NGram(), PROMPTS, max_new_tokens=N_NEW)

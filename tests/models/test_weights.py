@@ -92,27 +92,37 @@ def _forms(name: str) -> dict[str, str]:
   return got
 
 
+# tiny (float32) and gemma_bf16 (bf16, tied, qk norms, sandwich norms, sliding layers) run by
+# default; the other two under -m slow: most of the module's time is compiling init_params's
+# eager ops, so the fixture computes only the configurations whose tests were selected.
+PARAMS = [pytest.param(name, marks=pytest.mark.slow)
+          if name in ("qwen2_tied_bf16", "all_switches") else name for name in CONFIGS]
+
+
 @pytest.fixture(scope="module")
-def forms():
-  """Every configuration's fingerprints, computed with XLA's default CPU settings: the random
-  draws of float32 weights differ in their last bits between optimization levels, and `make
-  test` runs the tiny models at -O0 (a subprocess then computes them with the defaults)."""
+def forms(request):
+  """The selected configurations' fingerprints, computed with XLA's default CPU settings: the
+  random draws of float32 weights differ in their last bits between optimization levels, and
+  `make test` runs the tiny models at -O0 (a subprocess then computes them with the defaults)."""
+  names = [n for n in CONFIGS if any(
+      item.path == request.path and getattr(item, "callspec", None) is not None
+      and item.callspec.params.get("name") == n for item in request.session.items)]
   flags = os.environ.get("XLA_FLAGS", "")
   if "optimization_level" not in flags and "fusion_emitters" not in flags:
-    return {k: v for name in CONFIGS for k, v in _forms(name).items()}
+    return {k: v for name in names for k, v in _forms(name).items()}
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=300, check=True)
+  out = subprocess.run([sys.executable, __file__, *names], env=env, capture_output=True,
+                       text=True, timeout=300, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", PARAMS)
 def test_init_params_and_their_forms_are_unchanged(name, forms):
   got = {k: forms[k] for k in (name, f"{name}/int8", f"{name}/unrolled", f"{name}/unrolled_int8")}
   assert got == {k: FINGERPRINTS[k] for k in got}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", PARAMS)
 def test_stack_params_is_unchanged(name, forms):
   stacked, unrolled = STACKED[name]
   assert forms[f"{name}/stack"] == forms[f"{name}/stack_placed"] == stacked
@@ -212,5 +222,5 @@ def test_layers_are_profiled_as_attention_and_mlp(scan):
     assert any(re.search(rf"/{scope}/(\S+/)?dot_general", n) for n in names), scope
 
 
-if __name__ == "__main__":  # the `forms` fixture's subprocess
-  print(json.dumps({k: v for name in CONFIGS for k, v in _forms(name).items()}))
+if __name__ == "__main__":  # the `forms` fixture's subprocess: the configurations named
+  print(json.dumps({k: v for name in sys.argv[1:] for k, v in _forms(name).items()}))

@@ -112,6 +112,7 @@ def placement():
                    drafter=[devs[4]])
 
 
+@pytest.mark.slow  # a drafter on its own mesh: test_head_drafter_across_meshes_equals_fused
 def test_drafter_on_its_own_submesh_equals_fused(target, placement, reference):
   """Self-speculation across meshes: an int8 copy of the target drafts on its own device."""
   assert not placement.fused

@@ -126,8 +126,9 @@ def test_eagle_lm_head_starts_from_the_target(tiny_target, tmp_path):
                                 **EAGLE3)
 
 
-@pytest.mark.parametrize("kind, options", [("eagle", EAGLE3), ("medusa", dict(num_heads=3)),
-                                             ("mlp", dict(n_predict=3))])
+@pytest.mark.parametrize("kind, options", [  # the heads share the packing: one runs by default
+    ("eagle", EAGLE3), pytest.param("medusa", dict(num_heads=3), marks=pytest.mark.slow),
+    pytest.param("mlp", dict(n_predict=3), marks=pytest.mark.slow)])
 def test_packed_row_trains_as_its_conversations_apart(tiny_target, kind, options):
   """Two conversations packed into one row (segment_ids, positions restarting) give the loss and
   metrics of the same two conversations as separate rows: the head attends within its own
@@ -366,15 +367,18 @@ def test_mesh_training_gives_the_single_device_losses(tiny_target):
                **dict(kw, steps=2))
 
 
+# Under -m slow: mesh training runs by default above, resuming in test_trainer.py.
+@pytest.mark.slow
 def test_mesh_resume_is_bit_identical(tiny_target, tmp_path):
-  """Under `make test`'s -O0 XLA flags the resumed run's parameters round apart from the
+  """Under `make test-slow`'s -O0 XLA flags the resumed run's parameters round apart from the
   straight run's in the last bit (a difference not yet explained; the losses agree), so the
   test then runs itself in a subprocess with XLA's default flags, where users train."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_backend_optimization_level=0" in flags:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
-                          "no:cacheprovider", f"{__file__}::test_mesh_resume_is_bit_identical"],
+                          "no:cacheprovider", "-m", "slow",
+                          f"{__file__}::test_mesh_resume_is_bit_identical"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     return
