@@ -305,9 +305,8 @@ def test_nnx_model_as_target_and_as_draft_model(target):
         nnx_target, key)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
-  same = speculative_decode(nnx_target, DraftModel(nnx_target), prompts, lens, key,
-                            max_new_tokens=12, num_draft_tokens=3)
-  assert int(same.stats.accepted.sum()) == int(same.stats.drafted.sum()) > 0  # itself: all kept
+  same = out  # the model drafting for itself (the loop's last drafter): every draft kept
+  assert int(same.stats.accepted.sum()) == int(same.stats.drafted.sum()) > 0
   # The public summary of the counters: what the host wrappers report.
   summary = same.stats.summary()
   assert summary["acceptance_rate"] == 1.0 and summary["accepted_per_row"] == \
