@@ -158,8 +158,12 @@ def _forward_steps(cfg, params, prompts, lens, n_steps, width, slack, scan):
   return out
 
 
-@pytest.mark.parametrize("block", [None, 8], ids=["whole", "blocked"])
-@pytest.mark.parametrize("scan", [True, False], ids=["stacked", "unrolled"])
+# Each layout and each read of the ring by default (stacked layers read block by block, unrolled
+# layers read whole); the other two pairings under -m slow.
+@pytest.mark.parametrize("scan,block", [
+    pytest.param(True, 8, id="stacked-blocked"), pytest.param(False, None, id="unrolled-whole"),
+    pytest.param(True, None, id="stacked-whole", marks=pytest.mark.slow),
+    pytest.param(False, 8, id="unrolled-blocked", marks=pytest.mark.slow)])
 def test_forward_over_the_ring_equals_the_full_cache(scan, block, monkeypatch):
   """Right-padded prompts longer than the ring, then verify-like writes of 3 tokens rolled
   back by one: the same logits as over the full cache, at the smallest slack the writes need
