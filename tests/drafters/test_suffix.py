@@ -258,32 +258,45 @@ def test_sampled_drafts_stop_on_q_never_on_the_drawn_token():
   np.testing.assert_array_equal(nv[toks[:, 0] == 4], 1)
 
 
-def test_sampled_drafts_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
-  """sample_drafts changes nothing greedy: a ragged batch carrying the corpus across calls
-  under jit, mapped calls, and the host wrapper by name give plain greedy's tokens."""
-  v = tiny_target.cfg.vocab_size
-  d = SuffixDecoding(vocab=v, corpus_size=256, sample_drafts=True)
+def _sampled_drafts_carried(tiny_target, plain):
+  """sample_drafts under jit, carrying the corpus across two calls on a ragged batch: plain
+  greedy's tokens each time; returns the drafter and the corpus."""
+  d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256, sample_drafts=True)
   ids, lens = padded(PROMPTS)
-
   call = _carrying_call(tiny_target, d, ids, lens)
-
   corpus = d.params
   for i in range(2):
     toks, acc, corpus = call(corpus, jax.random.key(i))
     np.testing.assert_array_equal(np.asarray(toks), plain.tokens, err_msg=f"call {i}")
   assert int(acc) > 40
-  rows = [padded([p]) for p in PROMPTS]
-  ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
-  out = jax.jit(jax.vmap(lambda i, l: speculative_decode(
-      tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=(),
-      drafter_params=corpus)))(ids4, lens4)
-  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), plain.tokens)
+  return d, corpus
+
+
+def test_sampled_drafts_greedy_equals_plain_under_jit(tiny_target, plain):
+  """sample_drafts changes nothing greedy: a ragged batch carrying the corpus across calls
+  under jit, and the host wrapper by name, give plain greedy's tokens."""
+  v = tiny_target.cfg.vocab_size
+  _sampled_drafts_carried(tiny_target, plain)
   # By name (a `jaxspec bench --workload rollout` method), through the host wrapper.
   assert resolve_drafter(tiny_target, "suffix-sampled") == SuffixDecoding(vocab=v,
                                                                           sample_drafts=True)
   host = speculative_generate(tiny_target, "suffix-sampled", PROMPTS, max_new_tokens=N_NEW,
                               num_draft_tokens=3, stop_ids=())
   np.testing.assert_array_equal(host.tokens, plain.tokens)
+
+
+# Greedy: the test above; vmap: the sampled tests below and test_functional's
+# test_vmap_over_keys_and_prompts.
+@pytest.mark.slow
+def test_sampled_drafts_greedy_equals_plain_under_vmap(tiny_target, plain):
+  """Mapped calls with the carried corpus give plain greedy's tokens."""
+  d, corpus = _sampled_drafts_carried(tiny_target, plain)
+  rows = [padded([p]) for p in PROMPTS]
+  ids4, lens4 = jnp.stack([r[0] for r in rows]), jnp.stack([r[1] for r in rows])
+  out = jax.jit(jax.vmap(lambda i, l: speculative_decode(
+      tiny_target, d, i, l, 0, max_new_tokens=N_NEW, num_draft_tokens=3, stop_ids=(),
+      drafter_params=corpus)))(ids4, lens4)
+  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), plain.tokens)
 
 
 def test_sampled_drafts_distribution_at_later_positions(small_vocab):
