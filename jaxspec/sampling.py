@@ -548,49 +548,99 @@ def probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
 
 
 def sample(keys: jax.Array, logits: jax.Array, sp: SamplingArrays) -> jax.Array:
-  """One token per row from logits [B, V] with per-row keys [B]; greedy rows take the argmax."""
+  """One token per row from logits [B, V] with per-row keys [B]; greedy rows take the argmax.
+
+  Sampled rows draw from `probs`' distribution (the float32 softmax of `process_logits`) with
+  `draw`, as the speculative loops draw from the target's p, so a key gives the same text."""
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-  def draw(logits):
-    proc = process_logits(logits, sp)
-    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, proc)
-    return jnp.where(sp.temperature == 0, greedy, drawn).astype(jnp.int32)
+  def drawn(logits):
+    tok = draw(keys, jax.nn.softmax(process_logits(logits, sp), axis=-1))
+    return jnp.where(sp.temperature == 0, greedy, tok)
 
-  # An all-greedy batch draws no random numbers over the vocabulary.
-  return lax.cond(jnp.all(sp.temperature == 0), lambda l: greedy, draw, logits)
+  # An all-greedy batch draws no random numbers.
+  return lax.cond(jnp.all(sp.temperature == 0), lambda l: greedy, drawn, logits)
+
+
+# Tokens per block of `draw`: a row costs a sum over its blocks, V / 256 + 256 random numbers
+# and two argmaxes of a few hundred entries, not V random numbers.
+_DRAW_BLOCK = 256
+
+
+def draw(keys: jax.Array, p: jax.Array) -> jax.Array:
+  """Tokens [...] int32 drawn from unnormalised probabilities p [..., V] (zeros allowed) with
+  keys [...]: the one categorical draw of jaxspec (plain decoding, the target's draws in a
+  speculative step, the residual after a rejection, the drafters' drafts).
+
+  A Gumbel-max in two levels: the vocabulary is cut into blocks of 256 tokens; a Gumbel-max
+  over the blocks' log-masses picks a block (P = its mass / the total), then a Gumbel-max over
+  that block's log-probabilities picks the token (P = p_i / the block's mass), with noise
+  independent of the first level's: token i is drawn with probability p_i / sum(p), exactly as
+  far as a Gumbel-max over all V is (float32 noise reaches about 16 at each level, so a block
+  below about 1e-7 of the total, or a token below 1e-7 of its block, is drawn less often than
+  it should be, as `jax.random.categorical`'s default mode does below 1e-7 of the largest
+  token). A draw costs V / 256 + 256 random numbers (one threefry
+  call) and O(V) additions, where `jax.random.categorical` over V draws V random numbers.
+
+  Two draws with one key from nearby distributions (a coupled drafter's q and the target's p)
+  share their noise block by block and token by token, so they coincide about as often as a
+  Gumbel-max over all V makes them (an inverse CDF with one uniform would drift apart along
+  the vocabulary: far less often).
+
+  A token of probability 0 is never drawn, whatever the rounding: an entry of weight 0 (a
+  token, or a block all of whose tokens are 0: a float sum of zeros is 0, and of nonnegative
+  numbers with a positive one is positive) scores -inf, any positive one a finite log plus
+  finite noise, so each argmax lands on a positive entry; the padding of the last block is 0.
+  Only a row with no positive entry at all (never a distribution) draws token 0 (a backend
+  that flushes subnormals reads a subnormal entry as 0).
+  """
+  lead, v = p.shape[:-1], p.shape[-1]
+  p = p.reshape((-1, v)).astype(jnp.float32)  # [N, V]
+  size = min(_DRAW_BLOCK, v)
+  n_blocks = -(-v // size)
+  blocks = jnp.pad(p, ((0, 0), (0, n_blocks * size - v))).reshape(
+      (-1, n_blocks, size))  # [N, nb, size]
+  keys = keys.reshape((-1,) + keys.shape[len(lead):])  # [N] (raw uint32 keys: [N, 2])
+  noise = jax.vmap(lambda k: jax.random.gumbel(k, (n_blocks + size,)))(keys)  # [N, nb + size]
+  block = jnp.argmax(_log_weight(jnp.sum(blocks, axis=-1)) + noise[:, :n_blocks], axis=-1)
+  inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [N, size]
+  tok = block * size + jnp.argmax(_log_weight(inside) + noise[:, n_blocks:], axis=-1)
+  return tok.astype(jnp.int32).reshape(lead)
+
+
+def _log_weight(w: jax.Array) -> jax.Array:
+  """log w, and -inf exactly where w is 0 (never drawn)."""
+  return jnp.where(w > 0, jnp.log(jnp.maximum(w, 1e-38)), -jnp.inf)
 
 
 def sample_from_probs(keys: jax.Array, p: jax.Array, one_hot: jax.Array | None = None,
                       ) -> jax.Array:
-  """One token per row from unnormalised probabilities p [B, V] (zeros allowed) with keys [B].
+  """One token per row from unnormalised probabilities p [B, V] (zeros allowed) with keys [B]
+  (`draw`).
 
   one_hot: [B] bool rows known to hold a one-hot p (greedy decoding): they take the argmax,
   and when every row does no random numbers are drawn.
   """
-  def draw(p):
-    logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
-    return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, logp).astype(jnp.int32)
-
   if one_hot is None:
-    return draw(p)
+    return draw(keys, p)
   top = jnp.argmax(p, axis=-1).astype(jnp.int32)
   return lax.cond(jnp.all(one_hot), lambda p: top,
-                  lambda p: jnp.where(one_hot, top, draw(p)), p)
+                  lambda p: jnp.where(one_hot, top, draw(keys, p)), p)
 
 
 def sample_positions(keys: jax.Array, p: jax.Array, greedy: jax.Array | None = None) -> jax.Array:
-  """[B, T] tokens drawn from p [B, T, V] with keys [B, T] (`generate`'s draw: a Gumbel-max
-  over log p); greedy rows (one-hot p) take the argmax, and an all-greedy batch draws nothing."""
+  """[B, T] tokens drawn from p [B, T, V] with keys [B, T] (`draw`: `generate`'s draw of each
+  position's token with its key); greedy rows (one-hot p) take the argmax, and an all-greedy
+  batch draws nothing."""
   top = jnp.argmax(p, axis=-1).astype(jnp.int32)
 
-  def draw(p):
-    logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
-    y = jax.vmap(jax.vmap(jax.random.categorical))(keys, logp).astype(jnp.int32)
+  def drawn(p):
+    y = draw(keys, p)
     return y if greedy is None else jnp.where(greedy[:, None], top, y)
 
   if greedy is None:
-    return draw(p)
-  return lax.cond(jnp.all(greedy), lambda p: top, draw, p)
+    return drawn(p)
+  return lax.cond(jnp.all(greedy), lambda p: top, drawn, p)
 
 
 def position_keys(row_keys: jax.Array, start: jax.Array, width: int) -> jax.Array:

@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxspec import sampling as sampling_lib
 from jaxspec.checks import check_int, is_int
 from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal, split_draft_keys
 from jaxspec.decoding.tree import MAX_NODES, TreeProposal
@@ -421,7 +422,7 @@ class SuffixDecoding(Drafter):
       weight = jnp.where(ok, 1.0 / jnp.maximum(n_ok, 1)[:, None], 0.0)  # [B, N]
       q = jnp.zeros((b, v), jnp.float32).at[rows[:, None], jnp.where(ok, t, v)].add(
           weight, mode="drop")  # [B, V] the shares
-      pick = jax.vmap(jax.random.categorical)(step_keys[:, d], jnp.where(ok, 0.0, -jnp.inf))
+      pick = sampling_lib.draw(step_keys[:, d], ok.astype(jnp.float32))
       tok = jnp.where(n_ok > 0, t[rows, pick], 0)
       going = going & (n_ok > 0) & (prob * jnp.max(q, axis=1) >= self.min_prob) & (d < limit)
       prob = prob * q[rows, tok]
