@@ -71,15 +71,19 @@ def main():
   # One cache size for every prompt and method (8 slots a step may write past, rounded).
   max_len = round_up(max(len(p) for _, _, p in prompts) + n + 8 + 1, 128)
 
-  carried = {}  # what the previous prompt's last "auto" calls left (`AutoK.carry`)
+  # Per method, what the previous prompt's last "auto" call left (`AutoK.carry`), and what
+  # this prompt's last call left.
+  carried, latest = {}, {}
 
   def run(method, ids):
     if method == "plain":
       return generate(model, [ids], max_new_tokens=n, max_len=max_len)
     DEFAULT.acceptance.clear()
-    DEFAULT.acceptance.update(carried)
-    return speculative_generate(model, drafters[method[5:]], [ids], max_new_tokens=n,
-                                num_draft_tokens="auto", max_len=max_len)
+    DEFAULT.acceptance.update(carried.get(method, {}))
+    out = speculative_generate(model, drafters[method[5:]], [ids], max_new_tokens=n,
+                               num_draft_tokens="auto", max_len=max_len)
+    latest[method] = dict(DEFAULT.acceptance)
+    return out
 
   print(f"{len(prompts)} prompts of {min(len(p) for *_, p in prompts)}-"
         f"{max(len(p) for *_, p in prompts)} tokens, {n} new tokens, max_len {max_len}",
@@ -96,7 +100,7 @@ def main():
         secs[m].append(out.stats["seconds"])
         last[m] = out
     if args.carry == "previous":
-      carried = dict(DEFAULT.acceptance)  # the next prompt's calls start from here
+      carried = dict(latest)  # the next prompt's calls start from here
     row = dict(category=cat, question_id=qid, prompt_tokens=len(ids),
                seconds={m: min(v) for m, v in secs.items()},
                all_seconds=secs, tokens=int(last["plain"].lengths[0]))
