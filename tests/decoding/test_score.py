@@ -141,7 +141,13 @@ def test_score_of_a_protocol_model_and_its_gradient(target):
   np.testing.assert_allclose(_scored_continuation(tg, out, IDS, LENS, sp, N_NEW),
                              np.asarray(out.logprobs), atol=2e-5)
   tokens, lengths = join_tokens(IDS, LENS, out.tokens, out.lengths)
-  loss = jax.jit(lambda p: score(Target(lm, p), tokens, lengths, sampling=sp,
+  filtered = jax.grad(lambda p: score(Target(lm, p), tokens, lengths, sampling=sp,
+                                      prompt_lengths=LENS).sum())(target.params)
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(filtered))
+  # Finite differences with the temperatures alone: top-k / top-p make the score a step
+  # function where a sampled token sits at a filter's edge (a shift of eps can drop it: -inf).
+  sp_t = Sampling(temperature=[0.9, 1.2])
+  loss = jax.jit(lambda p: score(Target(lm, p), tokens, lengths, sampling=sp_t,
                                  prompt_lengths=LENS).sum())
   g = jax.grad(loss)(target.params)
   leaves = jax.tree.leaves(g)
