@@ -102,6 +102,10 @@ class SpecRun:
     # `costs.load_cost`); None without "auto".
     self.cost_source = ("given" if req.cost is not None else None) if req.policy.auto else None
     self.failover: Failover | None = None  # a two-mesh run's fall back to plain steps
+    # The pooled acceptance (tried, accepted) this call started from (`seed_acceptance`).
+    self.acceptance_carried: tuple[float, float] | None = None
+    # Each row's budget while the costs are timed (`timing_state`).
+    self._timing_budget = self.budget
     # The static configuration holds the output width (`capacity`), not the call's count, which
     # the fused programs take per row (`spec_init`); the two-mesh programs, compiled for the
     # exact sizes, read it from here (capacity == max_new_tokens for them).
@@ -211,7 +215,6 @@ class SpecRun:
     at the prefill) would otherwise time no step at all, and the engine would keep that model
     for later calls of the same shapes. Sharded, the state is left as it is (its arrays may
     span hosts), and a timing cut short is not kept (`_measure_costs`)."""
-    self._timing_budget = self.budget
     if sharding_of(self.target) is not None:
       return state
     k1 = self.policy.k_max + 1
@@ -302,7 +305,7 @@ class SpecRun:
       out["tree_nodes"] = self.drafter.tree.num_nodes - 1
     if self.policy.auto:  # the model itself: `cost=` of a later call (`to_dict` for JSON)
       out["cost_model"] = self.cost
-      carried = getattr(self, "acceptance_carried", None)
+      carried = self.acceptance_carried
       out["acceptance_carried"] = None if carried is None else dict(
           tried=carried[0], accepted=carried[1])
     if self.placement is not None:
