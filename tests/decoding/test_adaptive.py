@@ -415,8 +415,10 @@ def test_auto_times_the_costs_at_two_cache_lengths(tiny_target):
   from jaxspec.engine import costs
   prompt = [[(7 * i) % 100 + 3 for i in range(costs.MIN_COST_SPAN + 20)]]
   ref = generate(tiny_target, prompt, max_new_tokens=6, stop_ids=())
+  # carry=False: both calls start from the prior, so only the cost model decides their k's.
+  auto = AutoK(k_max=2, carry=False)
   out = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
-                             num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=())
+                             num_draft_tokens="auto", auto=auto, stop_ids=())
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   cm = out.stats["cost_model"]
   assert cm.length == 2 + 2  # k_max + 2 positions
@@ -424,8 +426,7 @@ def test_auto_times_the_costs_at_two_cache_lengths(tiny_target):
   np.testing.assert_allclose(cm.at((0, 1, 2)), cm.seconds, rtol=1e-6)
   # The measured model passed back as cost= (no timing again) chooses the same k every step.
   again = speculative_generate(tiny_target, NGram(), prompt, max_new_tokens=6,
-                               num_draft_tokens="auto", auto=AutoK(k_max=2), stop_ids=(),
-                               cost=cm)
+                               num_draft_tokens="auto", auto=auto, stop_ids=(), cost=cm)
   assert again.stats["cost_seconds"] == 0.0
   assert again.stats["k_per_step"] == out.stats["k_per_step"]
   np.testing.assert_array_equal(again.tokens, out.tokens)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.decoding import CostModel, Target, decode, speculative_decode
+from jaxspec.decoding import AutoK, CostModel, Target, decode, speculative_decode
 from jaxspec.drafters import DraftModel, NGram, SuffixDecoding
 from jaxspec.engine.io import prepare_prompts
 from jaxspec.sampling import Sampling
@@ -143,13 +143,16 @@ def test_own_model_through_the_host_wrappers_equals_the_functional_api(own, smal
 @pytest.mark.slow  # an own model: the test above; the cost model passed back: test_cost_persist
 def test_own_model_auto_and_its_cost_model_passed_back(own):
   ref = jaxspec.generate(own, PROMPTS, max_new_tokens=N_NEW)
-  out = jaxspec.speculative_generate(own, NGram(), PROMPTS, max_new_tokens=N_NEW)
+  # carry=False: each call starts from the prior (as the functional API's does), so only the
+  # cost model decides the k's.
+  auto = AutoK(carry=False)
+  out = jaxspec.speculative_generate(own, NGram(), PROMPTS, max_new_tokens=N_NEW, auto=auto)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   cm = out.stats["cost_model"]
   assert isinstance(cm, CostModel) and cm.source == "measured" and out.stats["cost_seconds"] > 0
   # A fresh engine, given the model: no timing, the same k at every step.
   again = jaxspec.engine.Engine().speculative_generate(
-      own, NGram(), PROMPTS, max_new_tokens=N_NEW, num_draft_tokens="auto", cost=cm)
+      own, NGram(), PROMPTS, max_new_tokens=N_NEW, num_draft_tokens="auto", cost=cm, auto=auto)
   assert again.stats["cost_seconds"] == 0.0 and again.stats["cost_model"] is cm
   assert again.stats["k_per_step"] == out.stats["k_per_step"]
   # And the functional API, given it, chooses them too.
