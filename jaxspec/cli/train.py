@@ -124,6 +124,10 @@ def add_train_parser(sub) -> None:
                       " version=3 ttt_steps=3 draft_vocab_size=4096 (large vocabularies), mlp"
                       " tie_to_target=true; pard: jaxspec.train.pard.PardObjective's fields"
                       " (mask_id, required; k, anchors, keep, positions, labels)")
+  t.add_argument("--init", metavar="HEAD",
+                 help="medusa, mlp, eagle: start from this saved head (a directory or a bundled"
+                      " head's name, e.g. eagle) instead of a new one, to go on training it on"
+                      " other data; its options are kept (no --option)")
   t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
   t.add_argument("--no-progress", action="store_true",
                  help="plain progress lines (every 30 s and at the end of each stage) instead of"
@@ -254,6 +258,8 @@ def cmd_train(args) -> int:
                        " --self-instructions N (the target writes N instructions and answers"
                        " them) or --data-dir DIR (a dataset written earlier)")
     target = load(args.model, dtype=args.dtype)
+    if args.init and args.kind not in ("medusa", "mlp", "eagle"):
+      raise ValueError(f"--init continues a saved head (medusa, mlp, eagle), not {args.kind}")
     if args.kind == "draft-model":
       if options:
         raise ValueError(f"draft-model takes no --option (got {sorted(options)}): use"
@@ -266,8 +272,13 @@ def cmd_train(args) -> int:
     else:
       from jaxspec.heads import HEADS
       spec = HEADS[args.kind]
-      options = head_options(args.kind, options, target.cfg.vocab_size)
-      layers = tuple(spec.required_layers(target.cfg, options))
+      init = None
+      if args.init:
+        init = _init_head(args, options, target)
+        layers = tuple(init.cfg.layers or ()) if args.kind == "eagle" else ()
+      else:
+        options = head_options(args.kind, options, target.cfg.vocab_size)
+        layers = tuple(spec.required_layers(target.cfg, options))
     ds = _training_data(args, target, layers, progress)
     out = Path(args.out)
     start = _checkpointed_step(out / "training") if args.resume else 0
@@ -279,7 +290,7 @@ def cmd_train(args) -> int:
       _, history = distill(target, ds, out, cfg, num_layers=args.num_layers, resume=args.resume,
                            save_dtype=args.save_dtype, progress=progress)
     else:
-      history, tau = _train_head(args, spec, options, target, ds, cfg, out, progress)
+      history, tau = _train_head(args, spec, options, target, ds, cfg, out, progress, init)
       summary["offline_tau"] = tau
   except (ValueError, CheckpointError, FloatingPointError) as e:  # DataError: a ValueError
     raise SystemExit(f"error: {e}")
@@ -356,9 +367,23 @@ def _checkpointed_step(train_dir) -> int:
   return max(steps, default=0)
 
 
-def _train_head(args, spec, options, target, ds, cfg, out, progress):
-  """Trains (`jaxspec.train.train_head`) and saves a head; returns (history, offline tau on
-  held-out batches)."""
+def _init_head(args, options, target):
+  """The saved head --init names, as a module to go on training: of --kind's kind, for this
+  target, its options its own."""
+  from jaxspec.heads.io import load_head_model
+  if options:
+    raise ValueError(f"--init {args.init} keeps that head's options: drop --option"
+                     f" ({', '.join(sorted(options))})")
+  kind, head, _ = load_head_model(target, args.init)
+  if kind != args.kind:
+    raise ValueError(f"--init {args.init} is a {kind} head, not {args.kind}: train {kind} or"
+                     f" start from a {args.kind} head")
+  return head
+
+
+def _train_head(args, spec, options, target, ds, cfg, out, progress, init=None):
+  """Trains (`jaxspec.train.train_head`; `init`: the head module to start from) and saves a
+  head; returns (history, offline tau on held-out batches)."""
   import jax.numpy as jnp
   import numpy as np
 
@@ -367,9 +392,9 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
   t0 = time.perf_counter()
   # The stored hidden states (the rows are cropped to --window on the host, after the target
   # read them whole); EAGLE-3's draft vocabulary is counted from the training rows.
-  run = train_head(target, args.kind, ds, options=options, config=cfg, hidden="offline",
-                   out_dir=out / "training", resume=args.resume, progress=progress,
-                   seed=args.seed)
+  run = train_head(target, args.kind, ds, options=options, head=init, config=cfg,
+                   hidden="offline", out_dir=out / "training", resume=args.resume,
+                   progress=progress, seed=args.seed)
   model, history = run.model, run.history
   train_s = time.perf_counter() - t0
   k = spec.num_steps(model)
@@ -382,7 +407,7 @@ def _train_head(args, spec, options, target, ds, cfg, out, progress):
   meta = {"data": str(ds.path), "steps": cfg.steps, "batch_size": cfg.batch_size,
           "window": args.window, "final": history[-1] if history else None,
           "offline_tau": tau, "offline_tau_k": k,
-          "options": dict(run.options),
+          "options": dict(run.options), "init": args.init,
           # What it cost: the training run (this process; a resumed run counts its last part)
           # and writing the data (target-written instructions, responses and hidden states).
           "train_seconds": round(train_s, 1),

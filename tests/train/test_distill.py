@@ -172,6 +172,34 @@ def test_cli_train_head_on_stored_data(target_dir, data, tmp_path, capsys):
           str(tmp_path / "m2"), "--option", "heads=2", "--no-progress"])
 
 
+def test_cli_init_goes_on_training_a_saved_head(target_dir, data, tmp_path):
+  """--init starts from a saved head: its weights (a step at a vanishing learning rate leaves
+  them as saved), its options, recorded in the new head's meta; another kind, --option beside
+  it and a non-head kind are refused before training."""
+  from safetensors.numpy import load_file
+  base = ["train", "medusa", "--model", str(target_dir), "--data-dir", str(data.path),
+          "--batch-size", "4", "--no-progress"]
+  first, second = tmp_path / "first", tmp_path / "second"
+  assert main(base + ["--out", str(first), "--steps", "3", "--option", "num_heads=2"]) == 0
+  assert main(base + ["--out", str(second), "--steps", "1", "--lr", "1e-30",
+                      "--init", str(first)]) == 0
+  before, after = load_file(first / "head.safetensors"), load_file(second / "head.safetensors")
+  assert sorted(before) == sorted(after)
+  for name in before:  # a fresh head would differ by its random initialisation
+    np.testing.assert_allclose(np.asarray(after[name], np.float32),
+                               np.asarray(before[name], np.float32), rtol=0, atol=1e-20)
+  config = json.loads((second / "config.json").read_text())
+  assert config["head_config"]["num_heads"] == 2 and config["meta"]["init"] == str(first)
+  with pytest.raises(SystemExit, match="is a medusa head, not mlp"):
+    main(["train", "mlp"] + base[2:] + ["--out", str(tmp_path / "x"), "--init", str(first)])
+  with pytest.raises(SystemExit, match="keeps that head's options: drop --option"):
+    main(base + ["--out", str(tmp_path / "y"), "--init", str(first), "--option", "num_heads=3"])
+  with pytest.raises(SystemExit, match="--init continues a saved head"):
+    main(["train", "draft-model"] + base[2:] + ["--out", str(tmp_path / "z"), "--init",
+                                                str(first)])
+  assert not any((tmp_path / d).exists() for d in "xyz")
+
+
 def test_cli_self_instructions(target_dir, tmp_path, monkeypatch):
   """--self-instructions through the CLI: the target's own requests are answered beside the
   prompt files', counted under their own name, and the minutes spent writing them count in the
