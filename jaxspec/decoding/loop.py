@@ -366,9 +366,14 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
   return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
 
 
-def spec_init(tparams, dparams, prompt, prompt_len, sp, key, buffers=None, *, cfg: StepConfig):
+def spec_init(tparams, dparams, prompt, prompt_len, sp, key, budget=None, buffers=None, *,
+              cfg: StepConfig):
   """Prefill, the first new token and the drafter's state after it; with `buffers` (donated,
-  `take_cache_buffers`) the target's cache is written into them."""
+  `take_cache_buffers`) the target's cache is written into them. `budget` ([B] int32, traced),
+  when given, is each row's count of new tokens in place of cfg.max_new_tokens (the host
+  engine's: cfg, compiled for the output width, is then the same for every budget below it)."""
+  if budget is not None:
+    cfg = dataclasses.replace(cfg, max_new_tokens=budget)
   s, ctx = spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg, buffers=buffers)
   if cfg.defers:  # the first token is a plain step: kept pending too
     hidden = ctx.hidden if cfg.drafter.uses_target_hidden else None
@@ -734,9 +739,14 @@ def plain_run(tparams, dparams, s: SpecState, sp, costs, until, force_idx, cfg: 
   return lax.while_loop(go_on, body, (s, choose_k(dparams, s, sp, costs, force_idx, cfg)))[0]
 
 
-def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, *, cfg: StepConfig):
+def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, budget=None, *,
+              cfg: StepConfig):
   """Steps until every row is done or `until` target passes have run: each iteration is one
-  `spec_step`, then the plain steps that follow while the choice stays k = 0."""
+  `spec_step`, then the plain steps that follow while the choice stays k = 0. `budget` as
+  `spec_init`'s."""
+  if budget is not None:
+    cfg = dataclasses.replace(cfg, max_new_tokens=budget)
+
   def body(s):
     s = spec_step(tparams, dparams, s, sp, costs, force_idx, cfg)
     return plain_run(tparams, dparams, s, sp, costs, until, force_idx, cfg)
@@ -764,6 +774,6 @@ def outputs(s: SpecState, width: int):
   return toks, n_out, lp, top_ids, top_lp
 
 
-spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(6,))
+spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(7,))  # buffers
 spec_loop_jit = jax.jit(spec_loop, static_argnames=("cfg",), donate_argnums=(2,))
 outputs_jit = jax.jit(outputs, static_argnums=(1,))

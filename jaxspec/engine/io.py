@@ -113,13 +113,6 @@ def tokenizer_of(model, tokenizer=None):
   return model.tokenizer if isinstance(model, Model) else None
 
 
-def check_chat(chat) -> bool | None:
-  if chat is not None and not isinstance(chat, bool):
-    raise ValueError(f"chat must be None (the chat template where the tokenizer has one), True or"
-                     f" False, got {chat!r}")
-  return chat
-
-
 def has_chat_template(tok) -> bool:
   """Whether `tok` renders a chat template: jaxspec's (`encode_chat`) or Hugging Face's
   (`apply_chat_template`), with a template set."""
@@ -177,7 +170,9 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
   """
   tgt = as_host_target(model)
   tok = tokenizer_of(model, tokenizer)
-  chat = check_chat(chat)
+  if chat is not None and not isinstance(chat, bool):
+    raise ValueError(f"chat must be None (the chat template where the tokenizer has one), True or"
+                     f" False, got {chat!r}")
   check_int("n", n, 1, 2**31 - 1, why="samples per prompt: each prompt's row is repeated n"
             " times")
   check_int("max_new_tokens", max_new_tokens, 1, MAX_POSITIONS)
@@ -199,7 +194,7 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
   if not isinstance(prompts, Sequence) or len(prompts) == 0:
     raise ValueError("prompts must be a string, a non-empty list of strings or of token-id"
                      " lists, or an integer array of token ids ([P] or [B, P])")
-  keep = _check_prompt_lengths(prompt_lengths, prompts)
+  keep = None if prompt_lengths is None else _check_prompt_lengths(prompt_lengths, prompts)
   rows = []
   for i, p in enumerate(prompts):
     if isinstance(p, str):
@@ -262,10 +257,8 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
   return PreparedPrompts(toks, lengths, int(max_len), int(n), rows=len(rows), capacity=capacity)
 
 
-def _check_prompt_lengths(prompt_lengths, prompts) -> list[int] | None:
-  """prompt_lengths as a list of ints, one per prompt, each >= 1; None when not given."""
-  if prompt_lengths is None:
-    return None
+def _check_prompt_lengths(prompt_lengths, prompts) -> list[int]:
+  """prompt_lengths (given) as a list of ints, one per prompt, each >= 1."""
   if any(isinstance(p, str) for p in prompts):
     raise ValueError("prompt_lengths goes with token-id prompts (a padded [B, P] array or lists"
                      " of ids): a string's length is what it encodes to; drop prompt_lengths")
