@@ -370,7 +370,7 @@ class Engine:
           prompt_lengths=prompt_lengths, n=n))
     sp_user = resolve_sampling(sampling)
     sh = io.sharding_of(model)
-    keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+    keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
                               prompt_lengths=prompt_lengths, n=n, bucket=self.buckets,
@@ -423,7 +423,7 @@ class Engine:
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
     tgt = io.as_host_target(model)
-    keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+    keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     tok = io.tokenizer_of(model, tokenizer)
     stopper = None if stop is None else _stopper(tok, stop)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,

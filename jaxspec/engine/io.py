@@ -195,7 +195,7 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
     raise ValueError("prompts must be a string, a non-empty list of strings or of token-id"
                      " lists, or an integer array of token ids ([P] or [B, P])")
   keep = None if prompt_lengths is None else _check_prompt_lengths(prompt_lengths, prompts)
-  rows = []
+  rows, vocab = [], tgt.lm.vocab_size
   for i, p in enumerate(prompts):
     if isinstance(p, str):
       if tok is None:
@@ -219,10 +219,9 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
         raise ValueError(f"prompt_lengths[{i}] = {keep[i]} is longer than prompt {i}'s"
                          f" {len(p)} tokens: each length counts the row's real tokens")
       p = p[: keep[i]]
-    bad = [t for t in p if not 0 <= t < tgt.vocab_size]
+    bad = [t for t in p if not 0 <= t < vocab]
     if bad:
-      raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary"
-                       f" [0, {tgt.vocab_size})")
+      raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
     rows.append(p)
   longest = max(len(p) for p in rows)
   padded_len = round_up(longest, 64)  # coarse buckets: fewer compilations across prompts
@@ -375,7 +374,7 @@ def check_drafter(target, drafter: Drafter) -> None:
   draft = getattr(drafter, "model", None)
   if isinstance(draft, Model) and isinstance(target, Model):
     check_draft_vocabulary(target, draft)
-  check_drafter_for(as_host_target(target).vocab_size, drafter)
+  check_drafter_for(as_host_target(target).lm.vocab_size, drafter)
   dparams = drafter.params
   if dparams is not None and sharding_of(target) is None:  # a sharded target gets them copied
     tdev = _devices(target.params)
@@ -434,7 +433,7 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
   sp_user = resolve_sampling(sampling)
   check_drafter(target, drafter)
-  keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+  keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
                                logprobs=keep_lp, top_logprobs=top_n)
   # A drafter that samples its drafts is coupled with the target's draws under "auto" (unless
