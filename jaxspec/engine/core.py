@@ -761,7 +761,7 @@ def _output(tokenizer, prep, rows: _Rows, stats: dict, stopper: _StopStrings | N
   new = int(rows.lengths.sum())
   dt = stats["seconds"]
   stats.update(new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
-  texts = io.decode_texts(tokenizer, rows.tokens, rows.lengths)
+  texts = None if tokenizer is None else io.decode_texts(tokenizer, rows.tokens, rows.lengths)
   reasons = None
   if stopper is not None:
     reasons = list(stopper.reasons)

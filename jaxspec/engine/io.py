@@ -306,16 +306,16 @@ def key_rows(key, prep: PreparedPrompts):
   return rollout_keys(key, prep.rows // prep.n, prep.n)
 
 
-def check_cache_fits(model, batch: int, max_len: int, *, prompt_len: int = 1,
+def check_cache_fits(tgt: Target, batch: int, max_len: int, *, prompt_len: int = 1,
                      verify_tokens: int = 1, held: int = 0) -> None:
   """Raises ValueError (before anything compiles) when a run of `batch` rows with a [batch,
   max_len] KV cache cannot be held: past `MAX_POSITIONS` positions, or its estimated working
   set (`decoding.functional.working_set`: the cache, the loop's buffers, and the larger of the
   prefill's activations over `prompt_len` padded tokens and a step's logits over
   `verify_tokens`) larger than the device's free memory plus `held` (the bytes of the engine's
-  kept cache buffers, which the run reuses or frees). `model`: a `Model` or `Target`."""
+  kept cache buffers, which the run reuses or frees). `tgt`: the checked `Target` of the call's
+  model (`as_host_target`)."""
   limits.check_positions(max_len)
-  tgt = as_host_target(model)
   ws = working_set(tgt.lm, tgt.params, batch, prompt_len, max_len,
                    verify_tokens=verify_tokens,
                    state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len))
@@ -467,13 +467,9 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                      key=key_rows(key, prep), cost=cost)
 
 
-def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str] | None:
-  """Each row's new text (special tokens, a stop token among them, skipped where the tokenizer's
-  decode can skip them); None without a tokenizer. `tok`: a tokenizer, or a `Model` (its own)."""
-  if isinstance(tok, Model):
-    tok = tok.tokenizer
-  if tok is None:
-    return None
+def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+  """Each row's new text (special tokens, a stop token among them, skipped where the tokenizer
+  `tok`'s decode can skip them)."""
   kw = dict(skip_special_tokens=True) if _takes(tok.decode, "skip_special_tokens") else {}
   return [tok.decode(tokens[b, : lengths[b]].tolist(), **kw) for b in range(len(lengths))]
 
