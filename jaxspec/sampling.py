@@ -158,7 +158,9 @@ class Sampling:
     if self.logit_bias is not None:
       out["logit_bias"] = _bias_array(self.logit_bias, batch_size, vocab_size)
     m = self.min_new_tokens
-    if max_new_tokens is not None and not _is_traced(m) and _is_concrete(max_new_tokens):
+    # Off in every row (absent from `out`), min_new_tokens bounds nothing.
+    if "min_new_tokens" in out and max_new_tokens is not None and not _is_traced(m) \
+        and _is_concrete(max_new_tokens):
       _check_min_new(max(m) if isinstance(m, tuple) else m, int(max_new_tokens))
     return SamplingArrays(**out)
 

@@ -101,14 +101,10 @@ class Drafter:
   # A `jaxspec.decoding.tree.Tree` / `DynamicTree` when the drafter drafts a tree each step
   # (`propose_tree(params, state, ctx, sp, keys) -> (TreeProposal, state)`), else None.
   tree: Any = None
-
-  @property
-  def params(self) -> Any:
-    return None
-
-  @property
-  def vocab_size(self) -> int | None:
-    return None
+  # The drafter's weights (a pytree), None: it has none; a drafter with weights overrides it
+  # (a property or a field), as `vocab_size`: the vocabulary its drafts come from, None: any.
+  params: Any = None
+  vocab_size: int | None = None
 
   def init(self, params, prompt: jax.Array, prompt_len: jax.Array, max_len: int,
            hidden: Hidden | None = None):

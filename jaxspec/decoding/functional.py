@@ -135,11 +135,11 @@ def as_key(key, batch_size: int | None = None, n: int = 1) -> jax.Array:
   it sits in the batch. Traced keys pass through. Raises ValueError for anything else, and
   for per-row keys or seeds whose count is not `batch_size` (when given; with n samples per
   prompt, `batch_size` or batch_size * n)."""
+  if key is None:
+    return jax.random.key(0)
   seeds = _seed_keys(key)
   if seeds is not None:
     key = seeds
-  if key is None:
-    return jax.random.key(0)
   if is_int(key):
     if not -2**63 <= int(key) < 2**64:
       raise ValueError(f"key must be a PRNG key or an integer seed in [-2**63, 2**64), got {key}")

@@ -5,7 +5,7 @@ single-jit program; the two-mesh loop (`two_mesh.py`) runs the same pieces as se
 One step, `spec_step`, reads top to bottom:
 
   choose k      `choose_k`: the controller's bucket ("auto") or the fixed k
-  draft         the drafter proposes k tokens (`rejection.draft`)
+  draft         the drafter proposes k tokens (`Drafter.propose`)
   verify        one target pass over them and rejection sampling (`verify_branch`), inside a
                 `lax.switch` over the compiled draft counts, returning a `StepOutcome`
   accept        `finish_step`: write the new cache block, roll back by length, append the
@@ -19,6 +19,7 @@ while shapes stay static. Everything static is in one `StepConfig`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from jaxspec.decoding import adaptive, protocol
 from jaxspec.decoding import tree as tree_lib
 from jaxspec.decoding.adaptive import AutoK, CostModel
 from jaxspec.decoding.drafter import DraftContext, Drafter, Proposal
-from jaxspec.decoding.rejection import draft, in_vocabulary, rejection_sample, verify
+from jaxspec.decoding.rejection import in_vocabulary, rejection_sample, verify
 from jaxspec.lm import Hidden
 from jaxspec.pytree import pytree_dataclass as _pytree
 from jaxspec.sampling import position_keys
@@ -256,25 +257,22 @@ class StepOutcome:
   top_lp: jax.Array | None = None  # [B, k_max + 1, N] float32 their log-probabilities, or None
 
 
-def emitted_logprobs(cfg: StepConfig, logits, tokens, sp):
-  """What the loop keeps of the distributions that emitted `tokens` [B, W] (logits [B, W, V]):
-  (their log-probabilities [B, W], or None without `policy.logprobs`; and with
-  `policy.top_logprobs` N the (ids, log-probabilities) [B, W, N] of the N most likely tokens,
-  else None). The one place both are computed (one log-softmax after XLA's CSE)."""
-  if not cfg.policy.logprobs:
-    return None, None
-  lp = sampling_lib.token_logprobs(logits, jnp.maximum(tokens, 0), sp)
-  top = None
-  if cfg.policy.top_logprobs:
-    top = sampling_lib.top_logprobs(logits, sp, cfg.policy.top_logprobs)
-  return lp, top
-
-
-def outcome(cfg: StepConfig, *, n_acc, emitted, hidden: Hidden, block, n_valid, k,
-            logp, top=None) -> StepOutcome:
+def outcome(cfg: StepConfig, *, n_acc, emitted, hidden: Hidden, block, n_valid, k, logits,
+            sp) -> StepOutcome:
   """A `StepOutcome` with its token axes padded to k_max + 1 (emitted with -1, the rest with 0);
-  the one place an outcome is built. top: (ids, log-probabilities) [B, W, N] or None."""
+  the one place an outcome is built.
+
+  It keeps what the loop keeps of the distributions that emitted the tokens `emitted` [B, W]
+  (`logits` [B, W, V], each token's position's): with `policy.logprobs` their log-probabilities
+  [B, W], and with `policy.top_logprobs` N the ids and log-probabilities [B, W, N] of the N most
+  likely tokens (one log-softmax after XLA's CSE); nothing is computed without them.
+  """
   width = cfg.policy.k_max + 1
+  logp = top = None
+  if cfg.policy.logprobs:
+    logp = sampling_lib.token_logprobs(logits, jnp.maximum(emitted, 0), sp)
+    if cfg.policy.top_logprobs:
+      top = sampling_lib.top_logprobs(logits, sp, cfg.policy.top_logprobs)
   pad = lambda x, axis, value=0: jnp.pad(
       x, [(0, width - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)],
       constant_values=value)
@@ -338,7 +336,9 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
                     k_history=z(cfg.max_steps))
   # The cache holds the whole prompt; the step below keeps x_{P-1} as if a plain step had just
   # written it.
-  history = sampling_lib.start_history(sp, prompt, prompt_len, cfg.lm.vocab_size, cfg.stop_ids)
+  # None when the sampling has no penalty, bias or min_new_tokens: nothing below reads it then.
+  history = (sampling_lib.start_history(sp, prompt, prompt_len, cfg.lm.vocab_size, cfg.stop_ids)
+             if sp.adjusts else None)
   s = SpecState(seq=seq, seq_len=prompt_len, prompt_len=prompt_len,
                 done=jnp.zeros((b,), bool),
                 cache=dataclasses.replace(cache, length=prompt_len - 1), draft_state=dstate,
@@ -349,7 +349,8 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
   if n_top:
     s = dataclasses.replace(s, top_ids=jnp.zeros((b, seq_cap, n_top), jnp.int32),
                             top_lp=jnp.zeros((b, seq_cap, n_top), jnp.float32))
-  logits = sampling_lib.adjust(logits, sp, history)
+  if history is not None:
+    logits = sampling_lib.adjust(logits, sp, history)
   # New token 0 of every row, drawn with its position's key as `generate` draws it.
   first = sampling_lib.sample(position_keys(keys, jnp.zeros_like(prompt_len), 1)[:, 0], logits,
                               sp)
@@ -358,17 +359,21 @@ def spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg: StepConfig,
   layers = None
   if hidden.layers is not None:
     layers = jnp.take_along_axis(hidden.layers, idx[None], axis=2)  # [n, B, 1, D]
-  lp, top = emitted_logprobs(cfg, logits[:, None], first[:, None], sp)
   zb = jnp.zeros((b,), jnp.int32)
   out = outcome(cfg, n_acc=zb, emitted=first[:, None], hidden=Hidden(final=final, layers=layers),
-                block=None, n_valid=zb, k=0, logp=lp, top=top)
+                block=None, n_valid=zb, k=0, logits=logits[:, None], sp=sp)
   new, ctx = finish_step(s, out, cfg)
   return dataclasses.replace(new, stats=stats, counts=s.counts), ctx
 
 
-def spec_init(tparams, dparams, prompt, prompt_len, sp, key, buffers=None, *, cfg: StepConfig):
+def spec_init(tparams, dparams, prompt, prompt_len, sp, key, budget=None, buffers=None, *,
+              cfg: StepConfig):
   """Prefill, the first new token and the drafter's state after it; with `buffers` (donated,
-  `take_cache_buffers`) the target's cache is written into them."""
+  `take_cache_buffers`) the target's cache is written into them. `budget` ([B] int32, traced),
+  when given, is each row's count of new tokens in place of cfg.max_new_tokens (the host
+  engine's: cfg, compiled for the output width, is then the same for every budget below it)."""
+  if budget is not None:
+    cfg = dataclasses.replace(cfg, max_new_tokens=budget)
   s, ctx = spec_prefill(tparams, dparams, prompt, prompt_len, sp, key, cfg, buffers=buffers)
   if cfg.defers:  # the first token is a plain step: kept pending too
     hidden = ctx.hidden if cfg.drafter.uses_target_hidden else None
@@ -411,7 +416,7 @@ def choose_k(dparams, s: SpecState, sp, costs, force_idx, cfg: StepConfig) -> Ch
     ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, prompt_len=s.prompt_len, row_keys=s.keys,
                        history=s.history)
     with jax.named_scope("draft"):
-      prop, dstate = draft(drafter, dparams, s.draft_state, ctx, kmax, sp, draft_key)
+      prop, dstate = drafter.propose(dparams, s.draft_state, ctx, kmax, sp, draft_key)
     nv_all = full if prop.n_valid is None else prop.n_valid
     known = nv_all
     if policy.auto and prop.q is None and kmax > 0:
@@ -451,12 +456,12 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
     with jax.named_scope("verify"):
       logits, hidden, block = protocol.forward(cfg.lm, tparams, last[:, None], cache,
                                                hidden_layers=cfg.hidden_layers, write=False)
-      logits = sampling_lib.adjust(logits, sp, history)
+      if history is not None:
+        logits = sampling_lib.adjust(logits, sp, history)
       tok = sampling_lib.sample(keys[:, 0], logits[:, 0], sp)
-    lp, top = emitted_logprobs(cfg, logits[:, :1], tok[:, None], sp)
     z = jnp.zeros((tok.shape[0],), jnp.int32)
     return outcome(cfg, n_acc=z, emitted=tok[:, None], hidden=hidden, block=block, n_valid=z,
-                   k=0, logp=lp, top=top)
+                   k=0, logits=logits[:, :1], sp=sp)
 
   if k == 0 or prop is None:
     return plain(cache)
@@ -472,9 +477,8 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
       n_acc, emitted = rejection_sample(p, prop.q, prop.tokens, keys[:, :k + 1], n_valid, greedy)
     # Every emitted token i was drawn from the target's logits at position i (a correction
     # from the residual, but its position's distribution is still the target's p_i).
-    lp, top = emitted_logprobs(cfg, logits, emitted, sp)
     return outcome(cfg, n_acc=n_acc, emitted=emitted, hidden=hidden, block=block,
-                   n_valid=n_valid, k=k, logp=lp, top=top)
+                   n_valid=n_valid, k=k, logits=logits, sp=sp)
 
   if known_drafts:
     # A fixed k chosen after seeing these proposals (`choose_k`): some live row has a real
@@ -513,7 +517,8 @@ def finish_step(s: SpecState, out: StepOutcome, cfg: StepConfig, shadow_draft=No
   n_emit = jnp.where(live, jnp.minimum(n_emit, left), 0)
   seq = write_tokens(s.seq, s.seq_len, emitted, n_emit)
   logp = s.logp if out.logp is None else write_tokens(s.logp, s.seq_len, out.logp, n_emit)
-  history = sampling_lib.extend_history(s.history, emitted, n_emit)
+  history = (None if s.history is None else
+             sampling_lib.extend_history(s.history, emitted, n_emit))
   top_ids, top_lp = s.top_ids, s.top_lp
   if out.top_ids is not None:
     top_ids = write_tokens(top_ids, s.seq_len, out.top_ids, n_emit)
@@ -526,12 +531,14 @@ def finish_step(s: SpecState, out: StepOutcome, cfg: StepConfig, shadow_draft=No
                      hidden_pos=jnp.maximum(n_emit - 1, 0), n_new=n_emit)
   verified = live & (k_used > 0)
   n_real = jnp.where(verified, jnp.minimum(n_valid, k_used), 0)
-  shadow = hit = None
-  if shadow_draft is not None:
-    shadow = live & (k_used == 0) & (shadow_draft >= 0)
-    hit = emitted[:, 0] == shadow_draft
-  counts = adaptive.update_counts(s.counts, cfg.policy.decay, verified, n_real, n_acc, shadow,
-                                  hit)
+  counts = s.counts  # the acceptance model: read by "auto" only (a fixed k leaves it as it is)
+  if cfg.policy.auto:
+    shadow = hit = None
+    if shadow_draft is not None:
+      shadow = live & (k_used == 0) & (shadow_draft >= 0)
+      hit = emitted[:, 0] == shadow_draft
+    counts = adaptive.update_counts(counts, cfg.policy.decay, verified, n_real, n_acc, shadow,
+                                    hit)
   acc_eff = jnp.where(live, jnp.minimum(n_acc, n_emit), 0)
   st = s.stats
   steps = st.target_passes
@@ -628,13 +635,12 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
                                                   greedy=sp.temperature == 0, valid=in_vocab,
                                                   depth=prop.depth)
       hidden, block = tree_lib.gather_path(path, hidden, block)
-      lp = top = None
+      at_path = None
       if cfg.policy.logprobs:  # emitted token i was drawn from the target's logits at node i
         at_path = jnp.take_along_axis(logits, path[:, :, None], axis=1)
-        lp, top = emitted_logprobs(cfg, at_path, emitted, sp)
       return outcome(cfg, n_acc=n_acc, emitted=emitted, hidden=hidden, block=block,
-                     n_valid=jnp.full((last.shape[0],), depth, jnp.int32), k=depth, logp=lp,
-                     top=top)
+                     n_valid=jnp.full((last.shape[0],), depth, jnp.int32), k=depth,
+                     logits=at_path, sp=sp)
 
   def plain(cache):  # the token every position's key draws: the tree's text when it has none
     return verify_branch(tparams, cache, last, None, 0, sp, keys, live, False, cfg,
@@ -669,24 +675,23 @@ def spec_step(tparams, dparams, s: SpecState, sp, costs, force_idx, cfg: StepCon
   # Branches only read the target cache and return the new block's keys and values padded to
   # k_max + 1; the one write after the switch keeps XLA from passing the whole cache through
   # (and copying it in) every branch.
-  def branch(k):
-    def run(cache):
-      if k == 0:
-        dstate = choice.dstate if drafter.free_proposals else own_state
-        return verify_branch(tparams, cache, last, None, 0, sp, keys, live, forced, cfg,
-                             history=s.history), dstate
-      if drafter.free_proposals:
-        prop, dstate = slice_proposal(choice.prop, k, choice.n_valid), choice.dstate
-      else:
-        current = (catch_up_pending(drafter, dparams, s, s.draft_state, policy.k_max + 1)
-                   if cfg.defers else own_state)
-        with jax.named_scope("draft"):
-          prop, dstate = draft(drafter, dparams, current, ctx, k, sp, draft_key)
-      return verify_branch(tparams, cache, last, prop, k, sp, keys, live, forced, cfg,
-                           known_drafts, history=s.history), dstate
-    return run
+  def branch(k, cache):
+    if k == 0:
+      dstate = choice.dstate if drafter.free_proposals else own_state
+      return verify_branch(tparams, cache, last, None, 0, sp, keys, live, forced, cfg,
+                           history=s.history), dstate
+    if drafter.free_proposals:
+      prop, dstate = slice_proposal(choice.prop, k, choice.n_valid), choice.dstate
+    else:
+      current = (catch_up_pending(drafter, dparams, s, s.draft_state, policy.k_max + 1)
+                 if cfg.defers else own_state)
+      with jax.named_scope("draft"):
+        prop, dstate = drafter.propose(dparams, current, ctx, k, sp, draft_key)
+    return verify_branch(tparams, cache, last, prop, k, sp, keys, live, forced, cfg,
+                         known_drafts, history=s.history), dstate
 
-  out, dstate = lax.switch(choice.idx, [branch(k) for k in policy.buckets], s.cache)
+  out, dstate = lax.switch(choice.idx, [functools.partial(branch, k) for k in policy.buckets],
+                           s.cache)
   with jax.named_scope("accept"):
     new, ctx = finish_step(s, out, cfg, shadow_draft=choice.shadow)
     return commit_step(dparams, cfg, s, new, dstate, ctx, choice.idx == 0)
@@ -700,12 +705,12 @@ def plain_step(tparams, dparams, s: SpecState, choice: Choice, sp, cfg: StepConf
   _, _, keys, last = step_inputs(s)
   logits, hidden, written = protocol.forward(cfg.lm, tparams, last[:, None], s.cache,
                                              hidden_layers=cfg.hidden_layers)
-  logits = sampling_lib.adjust(logits, sp, s.history)
+  if s.history is not None:
+    logits = sampling_lib.adjust(logits, sp, s.history)
   tok = sampling_lib.sample(keys[:, 0], logits[:, 0], sp)
-  lp, top = emitted_logprobs(cfg, logits[:, :1], tok[:, None], sp)
   z = jnp.zeros((tok.shape[0],), jnp.int32)
   out = outcome(cfg, n_acc=z, emitted=tok[:, None], hidden=hidden, block=None, n_valid=z, k=0,
-                logp=lp, top=top)
+                logits=logits[:, :1], sp=sp)
   # The entry is written; finish_step rolls the length back from the old one.
   s1 = dataclasses.replace(s, cache=dataclasses.replace(written, length=s.cache.length))
   new, ctx = finish_step(s1, out, cfg, shadow_draft=choice.shadow)
@@ -734,9 +739,14 @@ def plain_run(tparams, dparams, s: SpecState, sp, costs, until, force_idx, cfg: 
   return lax.while_loop(go_on, body, (s, choose_k(dparams, s, sp, costs, force_idx, cfg)))[0]
 
 
-def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, *, cfg: StepConfig):
+def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, budget=None, *,
+              cfg: StepConfig):
   """Steps until every row is done or `until` target passes have run: each iteration is one
-  `spec_step`, then the plain steps that follow while the choice stays k = 0."""
+  `spec_step`, then the plain steps that follow while the choice stays k = 0. `budget` as
+  `spec_init`'s."""
+  if budget is not None:
+    cfg = dataclasses.replace(cfg, max_new_tokens=budget)
+
   def body(s):
     s = spec_step(tparams, dparams, s, sp, costs, force_idx, cfg)
     return plain_run(tparams, dparams, s, sp, costs, until, force_idx, cfg)
@@ -764,6 +774,6 @@ def outputs(s: SpecState, width: int):
   return toks, n_out, lp, top_ids, top_lp
 
 
-spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(6,))
+spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(7,))  # buffers
 spec_loop_jit = jax.jit(spec_loop, static_argnames=("cfg",), donate_argnums=(2,))
 outputs_jit = jax.jit(outputs, static_argnums=(1,))

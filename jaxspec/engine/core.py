@@ -370,7 +370,7 @@ class Engine:
           prompt_lengths=prompt_lengths, n=n))
     sp_user = resolve_sampling(sampling)
     sh = io.sharding_of(model)
-    keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+    keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
                               prompt_lengths=prompt_lengths, n=n, bucket=self.buckets,
@@ -423,9 +423,9 @@ class Engine:
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
     tgt = io.as_host_target(model)
-    keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+    keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     tok = io.tokenizer_of(model, tokenizer)
-    stopper = _stopper(tok, stop)
+    stopper = None if stop is None else _stopper(tok, stop)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
                               prompt_lengths=prompt_lengths, n=n, bucket=self.buckets)
@@ -463,7 +463,8 @@ class Engine:
     (with stop strings, in chunks of `STOP_CHECK_PASSES` verify steps). `options` are
     `io.prepare_spec`'s."""
     io.as_host_target(target)  # the documented ValueError before the tokenizer is read
-    stopper = _stopper(io.tokenizer_of(target, options.get("tokenizer")), stop)
+    tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
+    stopper = None if stop is None else _stopper(tok, stop)
     # Bucketed in the fused loop; a two-mesh run compiles for the exact sizes.
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
@@ -493,7 +494,8 @@ class Engine:
     yielding every row's new tokens. `options` are `io.prepare_spec`'s."""
     chunk = io.check_chunk(chunk)
     io.as_host_target(target)
-    stopper = _stopper(io.tokenizer_of(target, options.get("tokenizer")), stop)
+    tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
+    stopper = None if stop is None else _stopper(tok, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
                           bucket=self.buckets, **options)
@@ -645,6 +647,7 @@ def check_stop_strings(tokenizer, stop) -> tuple[str, ...]:
 
 
 def _stopper(tokenizer, stop) -> _StopStrings | None:
+  """The matcher of the stop strings `stop` (not None: callers without stop strings skip it)."""
   stops = check_stop_strings(tokenizer, stop)
   return _StopStrings(tokenizer, stops) if stops else None
 
@@ -758,7 +761,7 @@ def _output(tokenizer, prep, rows: _Rows, stats: dict, stopper: _StopStrings | N
   new = int(rows.lengths.sum())
   dt = stats["seconds"]
   stats.update(new_tokens=new, tokens_per_second=new / dt if dt > 0 else float("inf"))
-  texts = io.decode_texts(tokenizer, rows.tokens, rows.lengths)
+  texts = None if tokenizer is None else io.decode_texts(tokenizer, rows.tokens, rows.lengths)
   reasons = None
   if stopper is not None:
     reasons = list(stopper.reasons)

@@ -113,13 +113,6 @@ def tokenizer_of(model, tokenizer=None):
   return model.tokenizer if isinstance(model, Model) else None
 
 
-def check_chat(chat) -> bool | None:
-  if chat is not None and not isinstance(chat, bool):
-    raise ValueError(f"chat must be None (the chat template where the tokenizer has one), True or"
-                     f" False, got {chat!r}")
-  return chat
-
-
 def has_chat_template(tok) -> bool:
   """Whether `tok` renders a chat template: jaxspec's (`encode_chat`) or Hugging Face's
   (`apply_chat_template`), with a template set."""
@@ -177,7 +170,9 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
   """
   tgt = as_host_target(model)
   tok = tokenizer_of(model, tokenizer)
-  chat = check_chat(chat)
+  if chat is not None and not isinstance(chat, bool):
+    raise ValueError(f"chat must be None (the chat template where the tokenizer has one), True or"
+                     f" False, got {chat!r}")
   check_int("n", n, 1, 2**31 - 1, why="samples per prompt: each prompt's row is repeated n"
             " times")
   check_int("max_new_tokens", max_new_tokens, 1, MAX_POSITIONS)
@@ -199,8 +194,8 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
   if not isinstance(prompts, Sequence) or len(prompts) == 0:
     raise ValueError("prompts must be a string, a non-empty list of strings or of token-id"
                      " lists, or an integer array of token ids ([P] or [B, P])")
-  keep = _check_prompt_lengths(prompt_lengths, prompts)
-  rows = []
+  keep = None if prompt_lengths is None else _check_prompt_lengths(prompt_lengths, prompts)
+  rows, vocab = [], tgt.lm.vocab_size
   for i, p in enumerate(prompts):
     if isinstance(p, str):
       if tok is None:
@@ -224,10 +219,9 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
         raise ValueError(f"prompt_lengths[{i}] = {keep[i]} is longer than prompt {i}'s"
                          f" {len(p)} tokens: each length counts the row's real tokens")
       p = p[: keep[i]]
-    bad = [t for t in p if not 0 <= t < tgt.vocab_size]
+    bad = [t for t in p if not 0 <= t < vocab]
     if bad:
-      raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary"
-                       f" [0, {tgt.vocab_size})")
+      raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
     rows.append(p)
   longest = max(len(p) for p in rows)
   padded_len = round_up(longest, 64)  # coarse buckets: fewer compilations across prompts
@@ -262,10 +256,8 @@ def prepare_prompts(model, prompts, max_new_tokens: int, *, extra: int = 0,
   return PreparedPrompts(toks, lengths, int(max_len), int(n), rows=len(rows), capacity=capacity)
 
 
-def _check_prompt_lengths(prompt_lengths, prompts) -> list[int] | None:
-  """prompt_lengths as a list of ints, one per prompt, each >= 1; None when not given."""
-  if prompt_lengths is None:
-    return None
+def _check_prompt_lengths(prompt_lengths, prompts) -> list[int]:
+  """prompt_lengths (given) as a list of ints, one per prompt, each >= 1."""
   if any(isinstance(p, str) for p in prompts):
     raise ValueError("prompt_lengths goes with token-id prompts (a padded [B, P] array or lists"
                      " of ids): a string's length is what it encodes to; drop prompt_lengths")
@@ -314,16 +306,16 @@ def key_rows(key, prep: PreparedPrompts):
   return rollout_keys(key, prep.rows // prep.n, prep.n)
 
 
-def check_cache_fits(model, batch: int, max_len: int, *, prompt_len: int = 1,
+def check_cache_fits(tgt: Target, batch: int, max_len: int, *, prompt_len: int = 1,
                      verify_tokens: int = 1, held: int = 0) -> None:
   """Raises ValueError (before anything compiles) when a run of `batch` rows with a [batch,
   max_len] KV cache cannot be held: past `MAX_POSITIONS` positions, or its estimated working
   set (`decoding.functional.working_set`: the cache, the loop's buffers, and the larger of the
   prefill's activations over `prompt_len` padded tokens and a step's logits over
   `verify_tokens`) larger than the device's free memory plus `held` (the bytes of the engine's
-  kept cache buffers, which the run reuses or frees). `model`: a `Model` or `Target`."""
+  kept cache buffers, which the run reuses or frees). `tgt`: the checked `Target` of the call's
+  model (`as_host_target`)."""
   limits.check_positions(max_len)
-  tgt = as_host_target(model)
   ws = working_set(tgt.lm, tgt.params, batch, prompt_len, max_len,
                    verify_tokens=verify_tokens,
                    state_bytes=4 * 2 * batch * (max_len + verify_tokens + 2 * max_len))
@@ -382,7 +374,7 @@ def check_drafter(target, drafter: Drafter) -> None:
   draft = getattr(drafter, "model", None)
   if isinstance(draft, Model) and isinstance(target, Model):
     check_draft_vocabulary(target, draft)
-  check_drafter_for(as_host_target(target).vocab_size, drafter)
+  check_drafter_for(as_host_target(target).lm.vocab_size, drafter)
   dparams = drafter.params
   if dparams is not None and sharding_of(target) is None:  # a sharded target gets them copied
     tdev = _devices(target.params)
@@ -441,7 +433,7 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
     sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
   sp_user = resolve_sampling(sampling)
   check_drafter(target, drafter)
-  keep_lp, top_n = check_logprobs(logprobs, tgt.vocab_size)
+  keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
   policy = dataclasses.replace(resolve_policy(num_draft_tokens, auto, drafter),
                                logprobs=keep_lp, top_logprobs=top_n)
   # A drafter that samples its drafts is coupled with the target's draws under "auto" (unless
@@ -475,13 +467,9 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                      key=key_rows(key, prep), cost=cost)
 
 
-def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str] | None:
-  """Each row's new text (special tokens, a stop token among them, skipped where the tokenizer's
-  decode can skip them); None without a tokenizer. `tok`: a tokenizer, or a `Model` (its own)."""
-  if isinstance(tok, Model):
-    tok = tok.tokenizer
-  if tok is None:
-    return None
+def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+  """Each row's new text (special tokens, a stop token among them, skipped where the tokenizer
+  `tok`'s decode can skip them)."""
   kw = dict(skip_special_tokens=True) if _takes(tok.decode, "skip_special_tokens") else {}
   return [tok.decode(tokens[b, : lengths[b]].tolist(), **kw) for b in range(len(lengths))]
 

@@ -23,7 +23,7 @@ from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
 from jaxspec.engine.costs import (MIN_COST_SPAN, TIMED_STEPS, cost_key, load_cost, longest,
                                   measure_costs, save_cost, state_at_length)
-from jaxspec.engine.io import (SpecRequest, as_host_target, pad_rows, put_global, sharding_of,
+from jaxspec.engine.io import (SpecRequest, pad_rows, put_global, sharding_of,
                                shardings_of, to_host)
 from jaxspec.models.llama import init_cache
 from jaxspec.models.model import Model
@@ -31,23 +31,6 @@ from jaxspec.sharding import placement as placement_lib
 from jaxspec.sharding.placement import Placement
 from jaxspec.sharding.rules import ModelSharding, place_drafter
 
-
-def spec_init(tparams, dparams, prompt, prompt_len, sp, key, budget, buffers=None, *,
-              cfg: StepConfig):
-  """`loop.spec_init` with each row's budget of new tokens ([B] int32, traced) in place of
-  cfg.max_new_tokens (cfg is then the same for every budget below its capacity)."""
-  return loop.spec_init(tparams, dparams, prompt, prompt_len, sp, key, buffers,
-                        cfg=dataclasses.replace(cfg, max_new_tokens=budget))
-
-
-def spec_loop(tparams, dparams, s, sp, costs, until, force_idx, budget, *, cfg: StepConfig):
-  """`loop.spec_loop` with per-row budgets, as `spec_init`."""
-  return loop.spec_loop(tparams, dparams, s, sp, costs, until, force_idx,
-                        cfg=dataclasses.replace(cfg, max_new_tokens=budget))
-
-
-spec_init_jit = jax.jit(spec_init, static_argnames=("cfg",), donate_argnums=(7,))
-spec_loop_jit = jax.jit(spec_loop, static_argnames=("cfg",), donate_argnums=(2,))
 
 # The per-row counters of `SpecStats` (pad rows' entries are dropped before the summary).
 _ROW_STATS = ("drafted", "accepted", "emitted", "row_steps", "spec_row_steps")
@@ -107,8 +90,8 @@ class SpecRun:
     # Each row's budget while the costs are timed (`timing_state`).
     self._timing_budget = self.budget
     # The static configuration holds the output width (`capacity`), not the call's count, which
-    # the fused programs take per row (`spec_init`); the two-mesh programs, compiled for the
-    # exact sizes, read it from here (capacity == max_new_tokens for them).
+    # the fused programs take per row (`loop.spec_init`'s budget); the two-mesh programs,
+    # compiled for the exact sizes, read it from here (capacity == max_new_tokens for them).
     self.static = dict(cfg=StepConfig(
         lm=req.lm, drafter=req.drafter, policy=req.policy,
         max_new_tokens=req.prep.capacity, stop_ids=req.stop_ids, max_len=req.prep.max_len,
@@ -118,14 +101,14 @@ class SpecRun:
                      req.prep.max_len, req.policy.buckets, repr(req.sampling),
                      sharding_of(req.target))
     self.req = req
+    self.carry = self.carry_key()  # where the pooled acceptance is carried, None: not carried
     self.compile_seconds = self._compile(req)
 
   def _compile(self, req: SpecRequest) -> float:
     """Compiles the fused prefill and loop; returns the seconds spent compiling."""
     target, prep, b = req.target, req.prep, self.batch
     sh = sharding_of(target)
-    self.sp = pad_rows(req.sampling.arrays(self.rows, as_host_target(target).lm.vocab_size,
-                                           req.max_new_tokens), b)
+    self.sp = pad_rows(req.sampling.arrays(self.rows, req.lm.vocab_size, req.max_new_tokens), b)
     self.tparams = target.params
     # Sharded, the drafter's weights are copied onto the target's mesh (once, by the engine).
     self.dparams = (req.drafter.params if sh is None else
@@ -140,29 +123,29 @@ class SpecRun:
     if self.pooled:
       c = jax.eval_shape(functools.partial(init_cache, target.cfg, b, prep.max_len))
       bufs = (c.k, c.v)
-    state0 = jax.eval_shape(functools.partial(spec_init_jit, **self.static),
+    state0 = jax.eval_shape(functools.partial(loop.spec_init_jit, **self.static),
                             *self.init_args, bufs)
     loop_args = (self.tparams, self.dparams, state0, self.sp, self.costs, jnp.int32(0),
                  jnp.int32(-1), self.budget)
     compile = self.engine.compile
     if sh is None:
-      self.init_exe, c1 = compile(spec_init_jit, "spec-init", *self.init_args, bufs,
+      self.init_exe, c1 = compile(loop.spec_init_jit, "spec-init", *self.init_args, bufs,
                                   **self.static)
-      self.loop_exe, c2 = compile(spec_loop_jit, "spec-loop", *loop_args, **self.static)
+      self.loop_exe, c2 = compile(loop.spec_loop_jit, "spec-loop", *loop_args, **self.static)
       return c1 + c2
     sh.check_batch(b)
     st_sh = sh.state(state0, b)
     p_sh = (shardings_of(self.tparams), shardings_of(self.dparams))
     rep = sh.replicated()
     init_in = (*p_sh, sh.batch(2), sh.batch(1), sh.state(self.sp, b), rep, sh.batch(1))
-    self.init_exe, c1 = compile(spec_init, ("spec-init", sh), *self.init_args,
+    self.init_exe, c1 = compile(loop.spec_init, ("spec-init", sh), *self.init_args,
                                 jit_kwargs=dict(in_shardings=init_in, out_shardings=st_sh),
                                 **self.static)
     # Global arrays on the mesh (on several hosts every process passes the same prompts).
     self.init_args = put_global(self.init_args, init_in)
     self.sp, self.budget = self.init_args[4], self.init_args[6]
     loop_in = (*p_sh, st_sh, sh.state(self.sp, b), rep, rep, rep, sh.batch(1))
-    self.loop_exe, c2 = compile(spec_loop, ("spec-loop", sh), *loop_args,
+    self.loop_exe, c2 = compile(loop.spec_loop, ("spec-loop", sh), *loop_args,
                                 jit_kwargs=dict(in_shardings=loop_in, out_shardings=st_sh,
                                                 donate_argnums=(2,)), **self.static)
     return c1 + c2
@@ -179,7 +162,7 @@ class SpecRun:
       state = self.init_exe(*self.init_args)
     if self.policy.auto and self.cost is None:
       self._measure_costs(state, self._loop_for_costs, self.sp)
-    return self.seed_acceptance(state)
+    return state if self.carry is None else self.seed_acceptance(state)
 
   def carry_key(self):
     """Where the pooled acceptance of this call is carried to the next (`AutoK.carry`), or
@@ -193,9 +176,8 @@ class SpecRun:
 
   def seed_acceptance(self, state: SpecState) -> SpecState:
     """The state with each row's pooled acceptance counts where the engine's last call of this
-    target, drafter and sampling ended (`AutoK.carry`)."""
-    key = self.carry_key()
-    self.acceptance_carried = None if key is None else self.engine.acceptance.get(key)
+    target, drafter and sampling ended (`AutoK.carry`; `self.carry` is not None)."""
+    self.acceptance_carried = self.engine.acceptance.get(self.carry)
     if self.acceptance_carried is None:
       return state
     tried, accepted = self.acceptance_carried
@@ -229,10 +211,9 @@ class SpecRun:
     target, drafter and sampling (`AutoK.carry`)."""
     if self.pooled:
       self.engine.keep_cache_buffers(self.target.cfg, state.cache.k, state.cache.v)
-    key = self.carry_key()
-    if key is not None:
+    if self.carry is not None:
       c = to_host(state.counts)
-      self.engine.acceptance[key] = (float(np.mean(c.row_tried[:self.rows])),
+      self.engine.acceptance[self.carry] = (float(np.mean(c.row_tried[:self.rows])),
                                      float(np.mean(c.row_accepted[:self.rows])))
 
   def _measure_costs(self, state, run_loop, sp) -> None:
