@@ -91,9 +91,12 @@ def _split_runs(run, key, splits):
   return whole, parts
 
 
-# slow: "ngram" samples `generate`'s text for the key (test_speculative), so "plain" covers it.
+# slow: "ngram" samples `generate`'s text for the key (test_speculative), so "plain" covers it;
+# "draft-model" (a drafter with its own q): test_per_row_keys_in_the_functional_core splits the
+# same draft's batch by per-row keys, and test_speculative's
+# test_sampled_row_does_not_depend_on_the_batch runs it through this host wrapper.
 @pytest.mark.parametrize("which", ["plain", pytest.param("ngram", marks=pytest.mark.slow),
-                                   "draft-model"])
+                                   pytest.param("draft-model", marks=pytest.mark.slow)])
 def test_per_row_keys_make_rows_independent_of_the_batch(tiny_target, poor_draft, which):
   sp = Sampling(temperature=1.0)
   if which == "plain":
