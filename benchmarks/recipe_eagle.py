@@ -1,0 +1,98 @@
+"""The recipe of the bundled EAGLE-3 head's second round: more and more varied data, the first
+round's head trained further on it.
+
+    .venv/bin/python benchmarks/recipe_eagle.py --out /tmp/heads8 \
+        [--file-prompts 700] [--self-instructions 1000] [--steps 400] [--lr 4e-4]
+
+Stages (each skipped when its output is there, so an interrupted run is rerun as is):
+1. the target (the bundled SmolLM2-135M) writes `--self-instructions` user requests itself
+   (Magpie: sampled after its chat template's bare user-turn prefix), kept in instructions.json;
+2. it answers them and `--file-prompts` prompts drawn evenly from the three training files of
+   ../shared/data (never the Spec-Bench evaluation prompts), greedy and at T 0.7, 128 tokens at
+   most, stored with its hidden states (`jaxspec.train.data.write_dataset`) in OUT/data;
+3. the bundled EAGLE-3 head (round one: 582 rows, 59k tokens, 600 steps) is trained on it for
+   `--steps` steps of 8 rows cropped to 128-token windows (`jaxspec.train.train_head(...,
+   head=...)`; the CLI's `jaxspec train eagle --init eagle` does the same), saved in OUT/eagle.
+
+What it cost and gave is in the head's config.json (meta) and docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import ROOT
+from jaxspec import load
+from jaxspec.heads.io import load_head_model, save_head
+from jaxspec.train import train_head
+from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, Dataset, make_progress,
+                                read_prompts, target_instructions, write_dataset)
+
+FILES = ("gsm8k_train.jsonl", "humaneval.jsonl", "self_instruct_seed_tasks.jsonl")
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
+  ap.add_argument("--file-prompts", type=int, default=700)
+  ap.add_argument("--self-instructions", type=int, default=1000)
+  ap.add_argument("--steps", type=int, default=400)
+  ap.add_argument("--lr", type=float, default=4e-4)
+  ap.add_argument("--seed", type=int, default=8)
+  args = ap.parse_args()
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  target = load()
+  _, head, _ = load_head_model(target, "eagle")
+  layers = tuple(head.cfg.layers)
+  data_dir = out / "data"
+  if not (data_dir / "meta.json").is_file():
+    prompts, counts = read_prompts([Path(args.data_dir) / f for f in FILES],
+                                   max_prompts=args.file_prompts, seed=args.seed)
+    seconds = {}
+    inst_file = out / "instructions.json"
+    if inst_file.is_file():
+      own = json.loads(inst_file.read_text())
+    else:
+      t = time.time()
+      with make_progress("lines") as bar:
+        own = target_instructions(target, args.self_instructions, seed=args.seed, batch_size=32,
+                                  progress=bar)
+      seconds["instructions"] = time.time() - t
+      inst_file.write_text(json.dumps(own))
+    counts[SELF_INSTRUCTIONS] = len(own)
+    cfg = DataConfig(max_new_tokens=128, temperatures=(0.0, 0.7), batch_size=48,
+                     hidden_layers=layers, seed=args.seed)
+    write_dataset(target, prompts + own, data_dir, cfg, prompt_files=counts, seconds=seconds,
+                  progress="lines")
+  ds = Dataset(data_dir, layers=layers, window=128)
+  t0 = time.time()
+  run = train_head(target, "eagle", ds, head=head, hidden="offline", out_dir=out / "eagle-train",
+                   resume=(out / "eagle-train").is_dir(), steps=args.steps, lr=args.lr,
+                   warmup_steps=20, save_every=50, eval_every=50, eval_batches=16,
+                   progress="lines")
+  rows = ds.train_indices
+  meta = {"data": str(data_dir), "steps": args.steps, "lr": args.lr, "batch_size": 8,
+          "window": 128, "init": "the bundled eagle head of round one (600 steps, 59k tokens)",
+          "final": run.history[-1] if run.history else None,
+          "train_seconds": round(time.time() - t0, 1), "train_rows": int(len(rows)),
+          "train_tokens": int(np.asarray(ds.loss_mask[rows]).sum()),
+          "data_seconds": round(sum(ds.meta.get("seconds", {}).values()), 1),
+          "data_prompt_files": ds.meta.get("prompt_files"),
+          "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),
+          "options": dict(run.options),
+          "recipe": "benchmarks/recipe_eagle.py " + " ".join(
+              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+              if k not in ("out", "data_dir"))}
+  save_head(out / "eagle", "eagle", run.model, target.cfg, meta=meta, target_params=target.params)
+  print(json.dumps(meta, indent=1, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  main()
