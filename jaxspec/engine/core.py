@@ -425,7 +425,7 @@ class Engine:
     tgt = io.as_host_target(model)
     keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     tok = io.tokenizer_of(model, tokenizer)
-    stopper = None if stop is None else _stopper(tok, stop)
+    stopper = _stopper(tok, stop)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
                               held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
                               prompt_lengths=prompt_lengths, n=n, bucket=self.buckets)
@@ -464,7 +464,7 @@ class Engine:
     `io.prepare_spec`'s."""
     io.as_host_target(target)  # the documented ValueError before the tokenizer is read
     tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
-    stopper = None if stop is None else _stopper(tok, stop)
+    stopper = _stopper(tok, stop)
     # Bucketed in the fused loop; a two-mesh run compiles for the exact sizes.
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
@@ -495,7 +495,7 @@ class Engine:
     chunk = io.check_chunk(chunk)
     io.as_host_target(target)
     tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
-    stopper = None if stop is None else _stopper(tok, stop)
+    stopper = _stopper(tok, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
                           num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
                           bucket=self.buckets, **options)
@@ -647,7 +647,9 @@ def check_stop_strings(tokenizer, stop) -> tuple[str, ...]:
 
 
 def _stopper(tokenizer, stop) -> _StopStrings | None:
-  """The matcher of the stop strings `stop` (not None: callers without stop strings skip it)."""
+  """The matcher of the stop strings `stop`; None without any (their checks are not entered)."""
+  if stop is None:
+    return None
   stops = check_stop_strings(tokenizer, stop)
   return _StopStrings(tokenizer, stops) if stops else None
 
