@@ -39,8 +39,11 @@ def machine() -> dict:
                             capture_output=True).stdout.strip()
   except OSError:
     commit = ""
+  # A copy of the tree without .git (the GPU machine's) names its commit in GIT_COMMIT.
+  commit = commit or os.environ.get("GIT_COMMIT", "")
   import flax
   return dict(cpu=cpu, cores=os.cpu_count(), devices=[str(d) for d in jax.devices()],
+              device_kind=jax.devices()[0].device_kind,
               backend=jax.default_backend(), python=platform.python_version(),
               jax=jax.__version__, flax=flax.__version__, numpy=np.__version__,
               git_commit=commit, date=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# benchmarks/bench_synthetic.py on a lent GPU (the workplace's `device` tool), in one call of
-# under 8 minutes. Random-weight targets need no checkpoint; the only thing carried is a flax
-# wheel matching the project's (here: `pip download --no-deps --only-binary=:all:
-# --python-version 3.12 -d .gpuw flax==0.12.12`, .gpuw/ ignored by git), then:
-#   device run, carry [.gpuw]: bash benchmarks/gpu_synthetic.sh
-# Each step has its own time limit, so what finished comes back. Results go to $OUT.
+# benchmarks/bench_synthetic.py (and the attention table) on a lent GPU (the workplace's
+# `device` tool), in one call of under 10 minutes. Random-weight targets need no checkpoint; the
+# only thing carried is a flax wheel matching the project's (here: `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 -d .gpuw flax==0.12.12`, .gpuw/ ignored by git),
+# then:
+#   device run, carry [.gpuw]: GIT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_synthetic.sh
+# (the copy of the tree on the GPU machine has no .git: GIT_COMMIT names the commit in the JSONs).
+# Each step has its own time limit inside one deadline, so what finished comes back. Everything
+# lands in $OUT/gpu_synthetic.tar.gz (JSONs, traces, compiled programs) and $OUT/log.txt.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -15,42 +18,62 @@ if ls .gpuw/*.whl >/dev/null 2>&1; then
     --target "$SITE" .gpuw/*.whl || exit 1
 fi
 export PYTHONPATH="$SITE:$PWD"
+R=/tmp/syn  # results, traces and programs, packed into one file at the end
+mkdir -p $R
+exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
 # One deadline for the whole call (BUDGET seconds from here): each step gets the smaller of
 # its own limit and what is left, so the last steps shrink rather than the call overrunning.
-BUDGET=${BUDGET:-330}
+BUDGET=${BUDGET:-540}
 START=$(date +%s)
-B="python3 benchmarks/bench_synthetic.py --repeats 3 --widths ${WIDTHS:-1,5}"
-run() {  # run LIMIT NAME ARGS...: one benchmark process under a time limit
-  local limit=$1 name=$2 left
+PEAK=${PEAK:-13}
+B="python3 benchmarks/bench_synthetic.py --repeats 3 --widths ${WIDTHS:-1,5} --peak $PEAK"
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+run() {  # run LIMIT NAME COMMAND...: one benchmark process under a time limit
+  local limit=$1 name=$2 l
   shift 2
-  left=$((BUDGET - ($(date +%s) - START)))
-  [ "$left" -lt "$limit" ] && limit=$left
-  [ "$limit" -lt 20 ] && { echo "== $name skipped: out of time"; return; }
+  l=$(left)
+  [ "$l" -lt "$limit" ] && limit=$l
+  [ "$limit" -lt 25 ] && { echo "== $name skipped: out of time"; return; }
   echo "== $name ($(date +%T), limit ${limit}s)"
-  timeout "$limit" $B --out "$OUT/$name.json" "$@" 2>&1 | grep -v -e "^WARNING" -e "^I0000" \
-    -e "^E0000" -e "^W0000"
+  timeout "$limit" "$@" 2>&1 | grep -v -e "^WARNING" -e "^I0000" -e "^E0000" -e "^W0000"
 }
-# a: the 8B shape at batch 1 in the default layout (unrolled, output-major), traced;
-# b: the 1B shape, float32 and bfloat16, batch 1 and 16; c: the 8B shape with the logical
-# (input-major) layout, to compare; d: the 8B shape at batch 16 and the 135M shape.
-STEPS=${STEPS:-abcd}
+# a: the 8B shape in bfloat16 (peaked: see jaxspec.models.synthetic.peaked_params) at batch 1
+#    and 16 in the committed default layout, the batch-1 loops traced and dumped;
+# b: the 1B shape in bfloat16 at batch 1 and 16, and the 135M shape at batch 1, likewise;
+# c: candidate: bfloat16 weights output-major (bfloat16 product outputs), 8B and 1B at batch 1;
+# d: candidate: the loops' while loops and conditionals as CUDA-graph nodes (command buffers),
+#    135M and 1B at batch 1;
+# e: decode ms per step against max_len (XLA's blocked read and the Triton kernel) and the
+#    ragged batch (benchmarks/bench_attention.py).
+STEPS=${STEPS:-abcde}
+CMDBUF='{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}'
 case $STEPS in *a*)
-  run ${TA:-120} syn_8b --configs llama-3.1-8b:bfloat16:1 --profile /tmp/prof --hlo /tmp/hlo
+  run ${TA:-170} syn_8b $B --configs llama-3.1-8b:bfloat16:1,llama-3.1-8b:bfloat16:16 \
+    --out $R/syn_8b.json --profile $R/prof_8b --hlo $R/hlo_8b
 esac
 case $STEPS in *b*)
-  run ${TB:-110} syn_1b --configs llama-3.2-1b:float32:1,llama-3.2-1b:bfloat16:1,llama-3.2-1b:bfloat16:16
+  run ${TB:-150} syn_small $B --out $R/syn_small.json --profile $R/prof_1b --hlo $R/hlo_1b \
+    --configs llama-3.2-1b:bfloat16:1,llama-3.2-1b:bfloat16:16,smollm2-135m:bfloat16:1
 esac
 case $STEPS in *c*)
-  run ${TC:-80} syn_8b_logical --configs llama-3.1-8b:bfloat16:1 --output-major off
+  run ${TC:-110} syn_om $B --output-major on --out $R/syn_om.json \
+    --configs llama-3.1-8b:bfloat16:1,llama-3.2-1b:bfloat16:1
 esac
 case $STEPS in *d*)
-  run ${TD:-100} syn_more --configs ${MORE:-llama-3.1-8b:bfloat16:16,smollm2-135m:float32:1}
+  run ${TD:-80} syn_cmdbuf $B --options "$CMDBUF" --out $R/syn_cmdbuf.json \
+    --configs smollm2-135m:bfloat16:1,llama-3.2-1b:bfloat16:1
 esac
-# The traces and programs, flattened to what the tool brings back (two folders down at most).
-for what in plain spec; do
-  f=$(find /tmp/prof/$what -name "perfetto_trace.json.gz" 2>/dev/null | head -1)
-  [ -n "$f" ] && cp "$f" "$OUT/trace_$what.json.gz"
+case $STEPS in *e*)
+  run ${TE:-90} attention python3 benchmarks/bench_attention.py --kernel xla,auto \
+    --tables max_len,cached,ragged --batches 1,8 --repeats 3 --out $R/attention.json
+esac
+# The traces (perfetto JSON) and compiled programs, packed with the JSONs.
+for d in $R/prof_*; do
+  for what in plain spec; do
+    f=$(find $d/$what -name "perfetto_trace.json.gz" 2>/dev/null | head -1)
+    [ -n "$f" ] && cp "$f" "$R/trace_$(basename $d | cut -c6-)_$what.json.gz"
+  done
+  rm -rf "$d"
 done
-cp /tmp/hlo/*.gz "$OUT/" 2>/dev/null
-ls -l "$OUT"
+tar -C $R -czf "$OUT/gpu_synthetic.tar.gz" . && ls -l "$OUT" && tar -tzvf "$OUT/gpu_synthetic.tar.gz"

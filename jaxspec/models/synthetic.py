@@ -8,7 +8,9 @@ default device.
 Random weights give logits whose top two are often close; in bfloat16 a verify pass over k+1
 tokens and a one-token step round differently and then disagree on such near-ties now and
 then, so a bfloat16 model's speculative greedy output may depart from its plain greedy output
-(float32 agrees token for token).
+(float32 agrees token for token). `random_model(..., peak=...)` builds a *peaked* model of the
+same shapes instead, whose next token wins by a wide margin, so bfloat16 timings of speculative
+decoding keep the acceptance they were given (`peaked_params`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.models.config import LlamaConfig, RopeScaling
-from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, OutputMajorPolicy, init_params,
-                                  with_scan_layers)
+from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, OutputMajorPolicy, Params,
+                                  init_params, with_scan_layers)
 from jaxspec.models.model import Model
 
 SHAPES: dict[str, LlamaConfig] = {
@@ -60,9 +63,44 @@ def shape_config(name: str, dtype: str = "float32") -> LlamaConfig:
   return dataclasses.replace(SHAPES[name], dtype=dtype)
 
 
+# How much the peaked model scales each layer's two output projections: small enough that the
+# residual stream stays the token's embedding plus a few percent (see `peaked_params`).
+_PEAK_LAYER_SCALE = 1e-3
+
+
+def peaked_params(params: Params, cfg: LlamaConfig, peak: float, scale: float = 0.02) -> Params:
+  """Random weights (`init_params` with std `scale`, logical layout) changed so that the next
+  token is the current one and wins by `peak` logits.
+
+  A decode step reads and computes exactly what a random model's does (the same shapes and
+  dtypes; values do not change timing), but near-ties are gone: each layer's output
+  projections (`wo`, `w_down`) are scaled by 1e-3, so the residual stream stays the input
+  token's embedding e (plus a few percent), and the logits are e_v . g * norm(e): the token's
+  own logit is g * scale * hidden_size, any other's about g * scale * sqrt(hidden_size) * N(0, 1).
+  The final norm's weight g sets the former to `peak`. An untied LM head is made the embedding
+  transposed (its own array, read as before). So greedy decoding repeats the last prompt token,
+  bfloat16 verify passes and decode steps agree on it, and the `Oracle` drafter's tau is the
+  one its alpha implies. `peak` sets the distribution's entropy: with a 128k vocabulary, 12
+  gives the top token about 0.5 of the mass at temperature 1, 16 about 0.98.
+  """
+  if isinstance(params.layers, tuple):
+    raise ValueError("peaked_params takes init_params' stacked layers: apply it before"
+                     " with_scan_layers")
+  if not peak > 0:
+    raise ValueError(f"peak must be a positive number of logits, got {peak!r}")
+  lp = params.layers
+  lp = dataclasses.replace(lp, wo=(lp.wo * _PEAK_LAYER_SCALE).astype(lp.wo.dtype),
+                           w_down=(lp.w_down * _PEAK_LAYER_SCALE).astype(lp.w_down.dtype))
+  gain = peak / (scale * cfg.hidden_size)
+  final_norm = jnp.full_like(params.final_norm, gain)
+  lm_head = None if params.lm_head is None else params.embed.T.astype(params.lm_head.dtype)
+  return dataclasses.replace(params, layers=lp, final_norm=final_norm, lm_head=lm_head)
+
+
 def random_model(name_or_cfg: str | LlamaConfig, dtype: str = "float32", *, seed: int = 0,
                  scan_layers: bool | None = None,
-                 output_major: OutputMajorPolicy = DEFAULT_OUTPUT_MAJOR) -> Model:
+                 output_major: OutputMajorPolicy = DEFAULT_OUTPUT_MAJOR,
+                 peak: float | None = None) -> Model:
   """A random-weight `Model` (no tokenizer) of a named shape or a given configuration.
 
   Args:
@@ -72,12 +110,17 @@ def random_model(name_or_cfg: str | LlamaConfig, dtype: str = "float32", *, seed
     scan_layers: the layer layout; None takes the backend's default (`default_scan_layers`).
     output_major: where the unrolled layout holds its matmul weights output-major
       (`jaxspec.models.llama.with_scan_layers`).
+    peak: None for plain random weights; a number of logits for a peaked model of the same
+      shapes (`peaked_params`), whose greedy output survives bfloat16 rounding.
   """
   from jaxspec.models.llama import default_scan_layers
   cfg = (shape_config(name_or_cfg, dtype) if isinstance(name_or_cfg, str)
          else dataclasses.replace(name_or_cfg, dtype=dtype))
   params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed))
+  if peak is not None:
+    params = jax.jit(peaked_params, static_argnums=(1, 2))(params, cfg, float(peak))
   scan = default_scan_layers() if scan_layers is None else scan_layers
   params = with_scan_layers(params, scan, output_major=output_major)
   name = name_or_cfg if isinstance(name_or_cfg, str) else "random"
-  return Model(cfg=cfg, params=params, tokenizer=None, name=f"{name}-random-{dtype}")
+  kind = "random" if peak is None else f"peaked{peak:g}"
+  return Model(cfg=cfg, params=params, tokenizer=None, name=f"{name}-{kind}-{dtype}")

@@ -222,3 +222,39 @@ def test_bench_synthetic_smoke(tmp_path):
     assert 1.0 <= r["tau"] <= 5.0 and r["tau_expected"] == pytest.approx(3.3616)
     assert r["machinery_efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
   assert out["bandwidth_gbs"]["limit"] >= out["bandwidth_gbs"]["read"] > 0
+
+
+def test_peaked_model_repeats_its_token_by_the_margin_asked():
+  """A peaked model (random_model(peak=...)) keeps every shape and dtype of the random one, and
+  its next token is the current one, winning by about `peak` logits: so bfloat16 verify passes
+  and decode steps agree, and a bfloat16 oracle run keeps its acceptance. Fails if the layers'
+  output projections or the final norm are left unscaled (the top token is then a near-tie of
+  random logits, not the input)."""
+  from jaxspec.models.llama import forward, init_cache, init_params
+  from jaxspec.models.synthetic import peaked_params
+  plain, peaked = random_model("tiny", "bfloat16"), random_model("tiny", "bfloat16", peak=8.0)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), plain.params) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), peaked.params)
+  cfg = peaked.cfg
+  tokens = jnp.asarray(_prompts(cfg.vocab_size, 3, 12, seed=4), jnp.int32)
+  logits = forward(peaked.params, tokens, init_cache(cfg, 3, 16), cfg)[0].astype(jnp.float32)
+  top2 = jnp.sort(logits, axis=-1)[..., -2:]
+  np.testing.assert_array_equal(jnp.argmax(logits, -1), tokens)
+  assert 6.0 < float(top2[..., 1].min()) and float(top2[..., 1].max()) < 10.0
+  assert float((top2[..., 1] - top2[..., 0]).min()) > 3.0
+  # bfloat16 speculative greedy output equals plain, at the oracle's alpha-implied tau.
+  k, alpha, n = 4, 0.8, 96
+  prompts = _prompts(cfg.vocab_size, 4, 9, seed=5)
+  ref = generate(peaked, prompts, max_new_tokens=n, stop_ids=())
+  drafter = Oracle(reference=ref.tokens, alpha=alpha, vocab=cfg.vocab_size)
+  out = speculative_generate(peaked, drafter, prompts, max_new_tokens=n, num_draft_tokens=k,
+                             stop_ids=(), key=2)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert abs(out.stats["tau"] - (1 - alpha ** (k + 1)) / (1 - alpha)) < 0.5
+  # Only init_params' stacked layout is taken, and only a positive margin.
+  cfg32 = shape_config("tiny")
+  params = init_params(cfg32, jax.random.key(0))
+  with pytest.raises(ValueError, match="positive"):
+    peaked_params(params, cfg32, 0.0)
+  with pytest.raises(ValueError, match="before with_scan_layers"):
+    peaked_params(random_model("tiny", scan_layers=False).params, cfg32, 8.0)
