@@ -39,8 +39,9 @@ def machine() -> dict:
                             capture_output=True).stdout.strip()
   except OSError:
     commit = ""
-  # A copy of the tree without .git (the GPU machine's) names its commit in GIT_COMMIT.
-  commit = commit or os.environ.get("GIT_COMMIT", "")
+  # A copy of the tree sent elsewhere (the GPU machine's) names its commit in GIT_COMMIT: its
+  # .git, where it has one, can be older than the tree.
+  commit = os.environ.get("GIT_COMMIT") or commit
   import flax
   return dict(cpu=cpu, cores=os.cpu_count(), devices=[str(d) for d in jax.devices()],
               device_kind=jax.devices()[0].device_kind,
