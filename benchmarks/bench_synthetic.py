@@ -171,7 +171,12 @@ def _layout(model) -> str:
   if is_scanned(model.params):
     return "stacked"
   lp = model.params.layers[0]
-  return "unrolled-om" if isinstance(lp.wq, llama_lib.OutputMajor) else "unrolled"
+  om = [n for n in llama_lib.OutputMajorPolicy().names
+        if isinstance(getattr(lp, n), llama_lib.OutputMajor)]
+  if not om:
+    return "unrolled"
+  return "unrolled-om" if len(om) == len(llama_lib.OutputMajorPolicy().names) else (
+      f"unrolled-om({','.join(om)})")
 
 
 def expected_tau(alpha: float, k: int) -> float:
@@ -283,9 +288,11 @@ def main(argv=None):
                        " --shapes, --dtypes and --batch")
   ap.add_argument("--layout", default="default", choices=["default", "stacked", "unrolled",
                                                           "both"])
-  ap.add_argument("--output-major", default="default", choices=["default", "on", "off"],
+  ap.add_argument("--output-major", default="default",
                   help="hold unrolled matmul weights output-major (jaxspec.models.llama."
-                       "OutputMajorPolicy): the backend's default, or on/off to compare")
+                       "OutputMajorPolicy): 'default' (the backend's), 'on' or 'off' to"
+                       " compare, or weight names ('wo' or 'wo,w_down'): only those, on any"
+                       " platform and dtype")
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--k", type=int, default=4)
@@ -331,9 +338,13 @@ def main(argv=None):
   backend = jax.default_backend()
   # The XLA options of this run's programs (per program: jaxspec's defaults stay untouched).
   engine = Engine(compiler_options={backend: json.loads(args.options)} if args.options else None)
-  output_major = {"default": llama_lib.DEFAULT_OUTPUT_MAJOR,  # "on": every float dtype
-                  "on": llama_lib.OutputMajorPolicy(platforms=(("cpu", None), ("gpu", None))),
-                  "off": llama_lib.NO_OUTPUT_MAJOR}[args.output_major]
+  every = (("cpu", None), ("gpu", None))  # every float dtype
+  output_major = {"default": llama_lib.DEFAULT_OUTPUT_MAJOR,
+                  "on": llama_lib.OutputMajorPolicy(platforms=every),
+                  "off": llama_lib.NO_OUTPUT_MAJOR}.get(args.output_major)
+  if output_major is None:  # a list of weight names (the policy checks them)
+    output_major = llama_lib.OutputMajorPolicy(
+        platforms=every, weights=frozenset(args.output_major.split(",")))
   om_platforms = sorted(platform for platform, _ in output_major.platforms)
   gib = args.bandwidth_gib or (2.0 if backend != "cpu" else 0.5)
   bws = device_bandwidth(gib)
@@ -345,6 +356,7 @@ def main(argv=None):
              bandwidth_gbs={k: v / 1e9 for k, v in bws.items()},
              output_major_platforms=om_platforms, args={
       k: v for k, v in vars(args).items() if not k.startswith("_")},
+      output_major_weights=sorted(output_major.names) if output_major.platforms else [],
       compiler_options=engine.options(), results=[])
   print(f"{backend} ({kind}; nominal"
         f" {'unknown' if nominal is None else f'{nominal / 1e9:.0f} GB/s'}): bandwidth copy"

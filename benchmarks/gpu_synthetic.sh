@@ -39,30 +39,35 @@ run() {  # run LIMIT NAME COMMAND...: one benchmark process under a time limit
   timeout "$limit" "$@" 2>&1 | grep -v -e "^WARNING" -e "^I0000" -e "^E0000" -e "^W0000"
 }
 # a: the 8B shape in bfloat16 (peaked: see jaxspec.models.synthetic.peaked_params) at batch 1
-#    and 16 in the committed default layout, the batch-1 loops traced and dumped;
-# b: the 1B shape in bfloat16 at batch 1 and 16, and the 135M shape at batch 1, likewise;
-# c: candidate: bfloat16 weights output-major (bfloat16 product outputs), 8B and 1B at batch 1;
-# d: candidate: the loops' while loops and conditionals as CUDA-graph nodes (command buffers),
-#    135M and 1B at batch 1;
-# e: decode ms per step against max_len (XLA's blocked read and the Triton kernel) and the
-#    ragged batch (benchmarks/bench_attention.py).
+#    in the committed default layout, its loops traced and dumped (the baseline);
+# b: the 1B and 135M shapes likewise;
+# c: candidates on the 1B and 135M shapes at batch 1, each in its own process: only `wo`
+#    output-major (the one-token step's output product ran as three passes on 2026-11-28), and
+#    XLA's rewriting of matrix-vector products into reductions turned off;
+# d: batch 16 (8B, 1B);
+# e: decode ms per step against max_len and the cached length (XLA's blocked read and the
+#    Triton kernel) and the ragged batch (benchmarks/bench_attention.py).
+# (2026-11-28 on an H200: the 8B shape at batches 1 and 16 took about 100 s each, compile
+# included; output-major bfloat16 everywhere and command buffers measured slower.)
 STEPS=${STEPS:-abcde}
-CMDBUF='{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}'
+NOSR='{"xla_gpu_enable_dot_strength_reduction": false}'
 case $STEPS in *a*)
-  run ${TA:-170} syn_8b $B --configs llama-3.1-8b:bfloat16:1,llama-3.1-8b:bfloat16:16 \
+  run ${TA:-120} syn_8b $B --configs llama-3.1-8b:bfloat16:1 \
     --out $R/syn_8b.json --profile $R/prof_8b --hlo $R/hlo_8b
 esac
 case $STEPS in *b*)
-  run ${TB:-150} syn_small $B --out $R/syn_small.json --profile $R/prof_1b --hlo $R/hlo_1b \
-    --configs llama-3.2-1b:bfloat16:1,llama-3.2-1b:bfloat16:16,smollm2-135m:bfloat16:1
+  run ${TB:-110} syn_small $B --out $R/syn_small.json --profile $R/prof_1b --hlo $R/hlo_1b \
+    --configs llama-3.2-1b:bfloat16:1,smollm2-135m:bfloat16:1
 esac
 case $STEPS in *c*)
-  run ${TC:-110} syn_om $B --output-major on --out $R/syn_om.json \
-    --configs llama-3.1-8b:bfloat16:1,llama-3.2-1b:bfloat16:1
+  run ${TC:-100} syn_om_wo $B --output-major wo --out $R/syn_om_wo.json \
+    --configs llama-3.2-1b:bfloat16:1,smollm2-135m:bfloat16:1
+  run ${TC:-100} syn_nosr $B --options "$NOSR" --out $R/syn_nosr.json \
+    --configs llama-3.2-1b:bfloat16:1,smollm2-135m:bfloat16:1
 esac
 case $STEPS in *d*)
-  run ${TD:-80} syn_cmdbuf $B --options "$CMDBUF" --out $R/syn_cmdbuf.json \
-    --configs smollm2-135m:bfloat16:1,llama-3.2-1b:bfloat16:1
+  run ${TD:-150} syn_b16 $B --out $R/syn_b16.json \
+    --configs llama-3.1-8b:bfloat16:16,llama-3.2-1b:bfloat16:16
 esac
 case $STEPS in *e*)
   run ${TE:-90} attention python3 benchmarks/bench_attention.py --kernel xla,auto \
@@ -75,5 +80,10 @@ for d in $R/prof_*; do
     [ -n "$f" ] && cp "$f" "$R/trace_$(basename $d | cut -c6-)_$what.json.gz"
   done
   rm -rf "$d"
+done
+for s in 8b 1b; do  # each kernel's read rate (benchmarks/kernel_rates.py)
+  [ -f $R/trace_${s}_plain.json.gz ] && python3 benchmarks/kernel_rates.py \
+    $R/trace_${s}_plain.json.gz $R/hlo_$s/decode_loop.hlo.txt.gz --top 12 \
+    --json $R/kernel_rates_${s}_plain.json
 done
 tar -C $R -czf "$OUT/gpu_synthetic.tar.gz" . && ls -l "$OUT" && tar -tzvf "$OUT/gpu_synthetic.tar.gz"

@@ -177,14 +177,15 @@ def as_logical(w):
   return w.logical() if isinstance(w, OutputMajor) else w
 
 
-def _to_output_major(lp: LayerParams) -> LayerParams:
-  """One unrolled layer's float matmul weights as `OutputMajor` (int8 `QArray`s stay)."""
+def _to_output_major(lp: LayerParams, names: tuple[str, ...] = _OUTPUT_MAJOR) -> LayerParams:
+  """One unrolled layer's float matmul weights `names` as `OutputMajor` (int8 `QArray`s
+  stay)."""
   def conv(name):
     w = getattr(lp, name)
     if isinstance(w, (OutputMajor, QArray)):
       return w
     return OutputMajor.from_logical(w, WEIGHT[name].n_out)
-  return dataclasses.replace(lp, **{name: conv(name) for name in _OUTPUT_MAJOR})
+  return dataclasses.replace(lp, **{name: conv(name) for name in names})
 
 
 def _to_input_major(lp: LayerParams) -> LayerParams:
@@ -302,9 +303,26 @@ class OutputMajorPolicy:
     platforms: (platform, dtypes) pairs: on a device of `platform` ("cpu", "gpu") the matmul
       weights whose dtype is in `dtypes` (names such as "float32"; None: every float dtype)
       are held output-major. A platform not listed keeps the logical layout.
+    weights: the names of the layer weights held so (a subset of `wq`, `wk`, `wv`, `wo`,
+      `w_gate`, `w_up`, `w_down`); None: all of them. One product can lower better in one
+      layout and the rest in the other (`benchmarks/bench_synthetic.py --output-major wo`).
   """
 
   platforms: tuple[tuple[str, frozenset[str] | None], ...] = ()
+  weights: frozenset[str] | None = None
+
+  def __post_init__(self):
+    if self.weights is not None:
+      unknown = sorted(set(self.weights) - set(_OUTPUT_MAJOR))
+      if unknown:
+        raise ValueError(f"OutputMajorPolicy.weights names {unknown}, not layer matmul weights:"
+                         f" choose from {', '.join(_OUTPUT_MAJOR)}")
+      object.__setattr__(self, "weights", frozenset(self.weights))
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The layer weights this policy holds output-major, in the table's order."""
+    return tuple(n for n in _OUTPUT_MAJOR if self.weights is None or n in self.weights)
 
   def applies(self, tree) -> bool:
     """Whether every weight of `tree` is a concrete array on one device where this policy holds
@@ -354,8 +372,12 @@ def with_scan_layers(params: Params, scan: bool, *,
   if scan:
     return dataclasses.replace(params, layers=stacked_layers(params))
   n = jax.tree.leaves(params.layers)[0].shape[0]
-  take = _take_layer_output_major if output_major.applies(params.layers) else _take_layer
-  return dataclasses.replace(params, layers=tuple(take(params.layers, i) for i in range(n)))
+  if output_major.applies(params.layers):
+    names = output_major.names
+    layers = tuple(_take_layer_output_major(params.layers, i, names) for i in range(n))
+  else:
+    layers = tuple(_take_layer(params.layers, i) for i in range(n))
+  return dataclasses.replace(params, layers=layers)
 
 
 def input_major(params: Params) -> Params:
@@ -370,8 +392,8 @@ def input_major(params: Params) -> Params:
 # One compiled slice for every layer and conversion: its outputs are fresh buffers, so no view
 # keeps the stacked arrays alive.
 _take_layer = jax.jit(lambda tree, i: jax.tree.map(lambda a: a[i], tree))
-_take_layer_output_major = jax.jit(lambda tree, i: _to_output_major(
-    jax.tree.map(lambda a: a[i], tree)))
+_take_layer_output_major = jax.jit(lambda tree, i, names: _to_output_major(
+    jax.tree.map(lambda a: a[i], tree), names), static_argnums=2)
 _stack_layers = jax.jit(lambda layers: jax.tree.map(
     lambda *a: jnp.stack(a), *(_to_input_major(lp) for lp in layers)))
 

@@ -204,6 +204,20 @@ def test_output_major_is_an_argument():
   assert not om(OutputMajorPolicy(platforms=(("cpu", frozenset({"bfloat16"})),)))
   assert om(OutputMajorPolicy(platforms=(("cpu", frozenset({"float32"})),)))
   assert not hasattr(llama, "OUTPUT_MAJOR_PLATFORMS")  # no module switch left to overwrite
+  # Some weights only: those are output-major, the rest logical; the products agree.
+  only_wo = OutputMajorPolicy(platforms=(("cpu", None),), weights={"wo"})
+  un = llama.with_scan_layers(p, False, output_major=only_wo)
+  assert only_wo.names == ("wo",) and isinstance(un.layers[0].wo, OutputMajor)
+  assert not any(isinstance(getattr(lp, n), OutputMajor) for lp in un.layers
+                 for n in ("wq", "wk", "wv", "w_gate", "w_up", "w_down"))
+  cfg = tiny_config()
+  toks = jax.random.randint(jax.random.key(3), (2, 5), 0, cfg.vocab_size)
+  ref = llama.forward(p, toks, llama.init_cache(cfg, 2, 8), cfg)[0]
+  got = llama.forward(un, toks, llama.init_cache(cfg, 2, 8), cfg)[0]
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(llama.stacked_layers(un).wo, p.layers.wo)
+  with pytest.raises(ValueError, match=r"names \['wx'\], not layer matmul weights"):
+    OutputMajorPolicy(weights={"wx"})
 
 
 @pytest.mark.parametrize("scan", [True, False])
