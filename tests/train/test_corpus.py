@@ -56,6 +56,9 @@ def _spans(mask):
   return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
 
 
+_forward_jit = jax.jit(forward, static_argnums=3)
+
+
 def _greedy_after_each_token(model, seqs):
   """The target's argmax after each position of every sequence (a teacher-forced forward), from
   one forward over them all right-padded to the longest: causal, so a row's logits do not see
@@ -64,8 +67,8 @@ def _greedy_after_each_token(model, seqs):
   batch = np.zeros((len(seqs), width), np.int32)
   for i, seq in enumerate(seqs):
     batch[i, :len(seq)] = seq
-  logits, _, _ = jax.jit(forward, static_argnums=3)(
-      model.params, jnp.asarray(batch), init_cache(model.cfg, len(seqs), width), model.cfg)
+  logits, _, _ = _forward_jit(model.params, jnp.asarray(batch),
+                              init_cache(model.cfg, len(seqs), width), model.cfg)
   return [g[:len(seq)] for g, seq in zip(np.asarray(jnp.argmax(logits, -1)), seqs)]
 
 
