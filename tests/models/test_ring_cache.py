@@ -272,16 +272,18 @@ def _drafter(name, model):
   return heads.HEADS["eagle"].drafter(eagle, model), 2
 
 
-# slow: "suffix" and "mlp" keep no cache of their own (the ring is the target's, which "ngram"'s
-# chains and "medusa-tree"'s tree roll back past the window; EAGLE's and the draft model's own
-# caches run by default); "self-draft-int8" is one more draft model with a ring of its own, the
-# target's layers in int8 ("draft-model" keeps that ring's rollback, and
-# tests/models/test_quant.py the int8 copy's greedy equality).
-@pytest.mark.parametrize("name", ["ngram", pytest.param("suffix", marks=pytest.mark.slow),
-                                  "draft-model",
-                                  pytest.param("self-draft-int8", marks=pytest.mark.slow),
-                                  "medusa-tree", pytest.param("mlp", marks=pytest.mark.slow),
-                                  "eagle"])
+# By default the drafters with a cache of their own, whose rings roll back too: the draft model
+# and EAGLE. slow: "ngram" and "medusa-tree", whose rollbacks are the target's ring only, which
+# test_speculative_equals_plain_at_the_smallest_slack runs for the same two drafters (prompts of
+# 40 tokens, longer than that ring, and every rolled-back write wrapping it); "suffix" and "mlp"
+# (no cache of their own either); "self-draft-int8", one more draft model with a ring of its own
+# ("draft-model" keeps that ring's rollback, tests/models/test_quant.py the int8 copy's greedy
+# equality).
+@pytest.mark.parametrize("name", [
+    pytest.param("ngram", marks=pytest.mark.slow), pytest.param("suffix", marks=pytest.mark.slow),
+    "draft-model", pytest.param("self-draft-int8", marks=pytest.mark.slow),
+    pytest.param("medusa-tree", marks=pytest.mark.slow),
+    pytest.param("mlp", marks=pytest.mark.slow), "eagle"])
 def test_speculative_equals_plain_past_the_ring(name, gemma3, long_plain):
   ids, lens, plain = long_plain
   drafter, k = _drafter(name, gemma3)
