@@ -134,15 +134,23 @@ def test_scan_of_rollouts_and_no_recompile(target):
   assert (np.asarray(short)[:, 4:] == 7).all()  # the pad id past the length
 
 
+_forward_jit = jax.jit(jaxspec.models.forward, static_argnums=3)
+
+
 def _reference_logprobs(target, prompts, tokens, lengths, sp: SamplingArrays):
-  """log_softmax of the target's processed logits at each emitted token, from one forward over
+  """log_softmax of the target's processed logits at each emitted token, from a forward over
   prompt + output."""
   out = np.zeros(tokens.shape, np.float32)
-  for b, p in enumerate(prompts):
-    seq = list(p) + tokens[b, :lengths[b]].tolist()
-    logits, _, _ = jaxspec.models.forward(target.params, jnp.asarray([seq]),
-                                          jaxspec.models.init_cache(target.cfg, 1, len(seq)),
-                                          target.cfg)
+  # The rows in one right-padded forward (causal: a row's logits do not see its padding), one
+  # program, where a forward per row ran op by op at every length.
+  seqs = [list(p) + tokens[b, :lengths[b]].tolist() for b, p in enumerate(prompts)]
+  width = max(map(len, seqs))
+  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
+  all_logits, _, _ = _forward_jit(target.params, batch,
+                                  jaxspec.models.init_cache(target.cfg, len(seqs), width),
+                                  target.cfg)
+  for b, (p, seq) in enumerate(zip(prompts, seqs)):
+    logits = all_logits[b:b + 1]
     row = jax.tree.map(lambda x: x[b:b + 1], sp)
     lp = jax.nn.log_softmax(process_logits(logits[0, len(p) - 1:len(seq) - 1][None], row), -1)
     out[b, :lengths[b]] = np.take_along_axis(np.asarray(lp[0]),

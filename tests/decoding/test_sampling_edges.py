@@ -134,8 +134,8 @@ def test_per_row_keys_in_the_functional_core(tiny_target, poor_draft):
     np.testing.assert_array_equal(run(ids, lens, keys).tokens, whole.tokens)
     top = run(ids[:2], lens[:2], keys[:2])
     np.testing.assert_array_equal(top.tokens, whole.tokens[:2])
-    # raw uint32 key data [B, 2] is the same keys
-    bottom = run(ids[2:], lens[2:], jax.random.key_data(keys[2:]))
-    np.testing.assert_array_equal(bottom.tokens, whole.tokens[2:])
+    # raw uint32 key data [B, 2] is the same keys (two rows again: top's program)
+    bottom = run(ids[3:], lens[3:], jax.random.key_data(keys[3:]))
+    np.testing.assert_array_equal(bottom.tokens, whole.tokens[3:])
   with pytest.raises(ValueError, match="key holds 2 per-row keys for a batch of 5 rows"):
     decode(tiny_target, ids, lens, keys[:2], max_new_tokens=8, sampling=sp)

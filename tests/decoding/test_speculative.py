@@ -38,8 +38,12 @@ def _drafter(name, tiny_target, poor_draft):
           "self-draft": DraftModel(tiny_target)}[name]
 
 
-@pytest.mark.parametrize("name", ["ngram", "poor-draft"])
-@pytest.mark.parametrize("k", [1, 3, 8])
+# Every k with the poor draft (rejections at every width); the n-gram drafter at k = 3, its
+# k = 1 and 8 under -m slow (a chain of any width is the same rule, which the poor draft runs).
+@pytest.mark.parametrize("name,k", [
+    ("poor-draft", 1), ("poor-draft", 3), ("poor-draft", 8), ("ngram", 3),
+    pytest.param("ngram", 1, marks=pytest.mark.slow),
+    pytest.param("ngram", 8, marks=pytest.mark.slow)])
 def test_greedy_equals_generate_batch4(tiny_target, poor_draft, reference, name, k):
   out = speculative_generate(tiny_target, _drafter(name, tiny_target, poor_draft), PROMPTS,
                              max_new_tokens=N_NEW, num_draft_tokens=k, stop_ids=())
@@ -52,7 +56,10 @@ def test_greedy_equals_generate_batch4(tiny_target, poor_draft, reference, name,
     assert st_["acceptance_rate"] < 0.5
 
 
-@pytest.mark.parametrize("name", ["ngram", "poor-draft", "self-draft", "bf16-self-draft"])
+# slow: "poor-draft" at batch 1 (its rejections run in the batch-4 test at every k; batch 1
+# keeps the n-gram drafter and the two self-drafts).
+@pytest.mark.parametrize("name", ["ngram", pytest.param("poor-draft", marks=pytest.mark.slow),
+                                  "self-draft", "bf16-self-draft"])
 def test_greedy_equals_generate_batch1(tiny_target, poor_draft, reference, name):
   for i in (0, 3):
     out = speculative_generate(tiny_target, _drafter(name, tiny_target, poor_draft), [PROMPTS[i]],
@@ -137,7 +144,9 @@ def test_rejection_sample_one_hot_q_n_valid_and_bonus():
     assert (emitted[~acc, 1] == -1).all()
 
 
-@pytest.mark.parametrize("same", [False, True])
+# slow: `same` (the target drafting for itself, every draft accepted): `[False]` runs the
+# accept path too (its acceptance is between 0.05 and 0.9, asserted), and the residual as well.
+@pytest.mark.parametrize("same", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_monte_carlo_joint_of_first_three_tokens(small_vocab, same):
   """Chi-square of 20000 rows' (t1, t2, t3) against the target's exact joint; the test's false
   failure probability is about 1e-4 (critical value at the 1e-4 tail). t1 is sampled from the

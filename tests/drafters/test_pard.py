@@ -35,6 +35,17 @@ def plain(tiny_target):
 # -- what one pass proposes -----------------------------------------------------------------------
 
 
+def _masked_logits(d, rows, n_masks):
+  """Logits [B, T, V] of a plain forward of the draft model over each row followed by n_masks
+  masks, the rows right-padded into one batch (causal: a row's logits do not see its padding),
+  one jitted program where a forward per row ran op by op at every length."""
+  seqs = [r + [MASK] * n_masks for r in rows]
+  width = max(map(len, seqs))
+  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
+  return jax.jit(forward, static_argnums=3)(d.params, batch, init_cache(d.cfg, len(rows), 16),
+                                            d.cfg)[0]
+
+
 def test_one_pass_reads_the_context_then_the_masks(tiny_target):
   """Drafts and q are the draft model's distributions after [context], [context, M],
   [context, M, M] of a plain forward; only the real tokens stay in its cache."""
@@ -47,11 +58,9 @@ def test_one_pass_reads_the_context_then_the_masks(tiny_target):
   ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
   sp = Sampling(temperature=1.0).arrays(len(rows))
   prop, state = d.propose(params, state, ctx, k, sp, jax.random.split(jax.random.key(0), 3))
-  cfg = tiny_target.cfg
+  lg = _masked_logits(d, rows, k - 1)
   for i, r in enumerate(rows):
-    seq = jnp.asarray([r + [MASK] * (k - 1)], jnp.int32)
-    lg, _, _ = forward(params, seq, init_cache(cfg, 1, 16), cfg)
-    want = np.asarray(jax.nn.softmax(lg[0, len(r) - 1:], axis=-1))  # [k, V]
+    want = np.asarray(jax.nn.softmax(lg[i, len(r) - 1:len(r) + k - 1], axis=-1))  # [k, V]
     np.testing.assert_allclose(np.asarray(prop.q[i]), want, atol=2e-5, err_msg=f"row {i}")
   assert prop.n_valid is None
   # The cache keeps [0, seq_len) after the pass: the two real tokens (one for the single-token
@@ -70,11 +79,11 @@ def test_p_min_stops_at_the_first_unconfident_position(tiny_target):
   ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
   sp = Sampling(temperature=0.0).arrays(2)
   keys = jax.random.split(jax.random.key(0), 2)
-  lg = []  # each position's top probability under the draft model's own softmax
-  for r in ([5, 6, 7, 8, 9], [10, 11]):
-    out, _, _ = forward(d.params, jnp.asarray([r + [MASK] * 3]), init_cache(d.cfg, 1, 16), d.cfg)
-    lg.append(np.asarray(jax.nn.softmax(out[0, len(r) - 1:], -1)).max(-1))
-  top = np.stack(lg)  # [2, 4]
+  rows = [[5, 6, 7, 8, 9], [10, 11]]
+  out = _masked_logits(d, rows, 3)
+  # each position's top probability under the draft model's own softmax
+  top = np.stack([np.asarray(jax.nn.softmax(out[i, len(r) - 1:len(r) + 3], -1)).max(-1)
+                  for i, r in enumerate(rows)])  # [2, 4]
   p_min = float(np.sort(top.reshape(-1))[3])  # some positions fall below it, some do not
   stop = dataclasses.replace(d, p_min=p_min)
   prop, _ = stop.propose(d.params, d.init(d.params, ids, lens, 16), ctx, 4, sp, keys)

@@ -28,15 +28,20 @@ def _bf16_tiny(**over):
   return cfg, init_params(cfg, jax.random.key(3), scale=0.2)
 
 
-def _logits(cfg, params, ids, steps):
+# The tiny model's forward jitted, one program per block width (op by op it dispatched every
+# primitive alone); SmolLM2's stays op by op (its 30 unrolled layers compile for longer).
+_forward_jit = jax.jit(forward, static_argnums=3, static_argnames="fresh")
+
+
+def _logits(cfg, params, ids, steps, fwd=forward):
   """Logits [n, V] of the last sum(steps) tokens of `ids`, run as blocks of `steps` tokens on
-  top of a prefill of the rest."""
+  top of a prefill of the rest, each by `fwd`."""
   n = len(ids) - sum(steps)
   cache = init_cache(cfg, 1, len(ids))
-  _, _, cache = forward(params, jnp.array([ids[:n]]), cache, cfg, fresh=True)
+  _, _, cache = fwd(params, jnp.array([ids[:n]]), cache, cfg, fresh=True)
   out = []
   for s in steps:
-    lg, _, cache = forward(params, jnp.array([ids[n:n + s]]), cache, cfg)
+    lg, _, cache = fwd(params, jnp.array([ids[n:n + s]]), cache, cfg)
     out.append(np.asarray(lg[0]))
     n += s
   return np.concatenate(out)
@@ -61,8 +66,8 @@ def test_float32_compute_is_the_float32_model_of_the_rounded_weights():
   params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
   ids = [5, 9, 17, 3, 88, 41, 7, 63, 12, 30, 101, 2]
   for steps in ([1] * T, [T], [2, 3]):
-    np.testing.assert_array_equal(_logits(mixed, params, ids, steps),
-                                  _logits(f32, params32, ids, steps))
+    np.testing.assert_array_equal(_logits(mixed, params, ids, steps, _forward_jit),
+                                  _logits(f32, params32, ids, steps, _forward_jit))
   assert init_cache(mixed, 1, 8).k.dtype == jnp.float32
   _, hidden, cache = forward(params, jnp.array([ids]), init_cache(mixed, 1, 16), mixed,
                              hidden_layers=(0,), fresh=True)

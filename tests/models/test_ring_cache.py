@@ -13,6 +13,7 @@ buffers. The Hugging Face parity past the window is in `tests/models/test_famili
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -190,8 +191,9 @@ def test_ring_slack_too_small_is_wrong():
   prompts = jnp.asarray(np.random.default_rng(2).integers(3, 128, (3, 40)), jnp.int32)
   lens = jnp.asarray([40, 23, 9], jnp.int32)
 
-  def run(slack):
-    p = llama.with_scan_layers(params, True)
+  # One program per slack (op by op, every forward's primitives were dispatched one at a time).
+  @functools.partial(jax.jit, static_argnums=1)
+  def run(p, slack):
     cache = init_cache(cfg, 3, 200, ring_slack=slack)
     _, _, cache = forward(p, prompts, cache, cfg, fresh=True, seq_lengths=lens)
     cache = dataclasses.replace(cache, length=lens)
@@ -200,11 +202,13 @@ def test_ring_slack_too_small_is_wrong():
       toks = jnp.full((3, 8), 5, jnp.int32)
       logits, _, cache = forward(p, toks, cache, cfg)
       cache = dataclasses.replace(cache, length=cache.length - 7)
-      out.append(np.asarray(logits))
-    return np.stack(out)
+      out.append(logits)
+    return jnp.stack(out)
 
-  assert np.abs(run(1) - run(None)).max() > 1e-3
-  np.testing.assert_allclose(run(8), run(None), atol=2e-5, rtol=0)
+  p = llama.with_scan_layers(params, True)
+  full = np.asarray(run(p, None))
+  assert np.abs(np.asarray(run(p, 1)) - full).max() > 1e-3
+  np.testing.assert_allclose(run(p, 8), full, atol=2e-5, rtol=0)
 
 
 # -- the decoding loop: greedy speculative == plain, prompts longer than the ring -------------
@@ -268,12 +272,18 @@ def _drafter(name, model):
   return heads.HEADS["eagle"].drafter(eagle, model), 2
 
 
-# slow: "suffix" and "mlp" keep no cache of their own (the ring is the target's, which "ngram"'s
-# chains and "medusa-tree"'s tree roll back past the window; EAGLE's and the draft models' own
-# caches run by default).
-@pytest.mark.parametrize("name", ["ngram", pytest.param("suffix", marks=pytest.mark.slow),
-                                  "draft-model", "self-draft-int8", "medusa-tree",
-                                  pytest.param("mlp", marks=pytest.mark.slow), "eagle"])
+# By default the drafters with a cache of their own, whose rings roll back too: the draft model
+# and EAGLE. slow: "ngram" and "medusa-tree", whose rollbacks are the target's ring only, which
+# test_speculative_equals_plain_at_the_smallest_slack runs for the same two drafters (prompts of
+# 40 tokens, longer than that ring, and every rolled-back write wrapping it); "suffix" and "mlp"
+# (no cache of their own either); "self-draft-int8", one more draft model with a ring of its own
+# ("draft-model" keeps that ring's rollback, tests/models/test_quant.py the int8 copy's greedy
+# equality).
+@pytest.mark.parametrize("name", [
+    pytest.param("ngram", marks=pytest.mark.slow), pytest.param("suffix", marks=pytest.mark.slow),
+    "draft-model", pytest.param("self-draft-int8", marks=pytest.mark.slow),
+    pytest.param("medusa-tree", marks=pytest.mark.slow),
+    pytest.param("mlp", marks=pytest.mark.slow), "eagle"])
 def test_speculative_equals_plain_past_the_ring(name, gemma3, long_plain):
   ids, lens, plain = long_plain
   drafter, k = _drafter(name, gemma3)

@@ -56,6 +56,22 @@ def _spans(mask):
   return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
 
 
+_forward_jit = jax.jit(forward, static_argnums=3)
+
+
+def _greedy_after_each_token(model, seqs):
+  """The target's argmax after each position of every sequence (a teacher-forced forward), from
+  one forward over them all right-padded to the longest: causal, so a row's logits do not see
+  its padding (one op-by-op forward per length dispatched and compiled every primitive again)."""
+  width = max(map(len, seqs))
+  batch = np.zeros((len(seqs), width), np.int32)
+  for i, seq in enumerate(seqs):
+    batch[i, :len(seq)] = seq
+  logits, _, _ = _forward_jit(model.params, jnp.asarray(batch),
+                              init_cache(model.cfg, len(seqs), width), model.cfg)
+  return [g[:len(seq)] for g, seq in zip(np.asarray(jnp.argmax(logits, -1)), seqs)]
+
+
 def test_chat_turns_are_the_template_boundaries(chat_target):
   tok = chat_target.tokenizer
   turns = chat_turns(tok)
@@ -91,34 +107,33 @@ def test_multi_turn_answers_are_the_targets_own(chat_target, tmp_path):
   s = write_corpus(chat_target, PROMPTS, tmp_path / "c", cfg, token_budget=250, progress=False)
   corpus = Corpus(s.path)
   turns = chat_turns(chat_target.tokenizer)
-  pcfg = chat_target.cfg
-  seen_turns = []
+  convs = []
   for s_ in range(corpus.num_shards):
     z = corpus.load_shard(s_)
     o = z["offsets"]
     for c in range(len(o) - 1):
-      toks, mask = z["tokens"][o[c]:o[c + 1]], z["loss_mask"][o[c]:o[c + 1]]
-      spans = _spans(mask)
-      assert len(spans) == z["turns"][c] >= 1
-      seen_turns.append(len(spans))
-      n = len(toks)
-      logits, _, _ = forward(chat_target.params, jnp.asarray(toks[None]),
-                             init_cache(pcfg, 1, n), pcfg)
-      greedy = np.asarray(jnp.argmax(logits[0], -1))
-      for a, b in spans:
-        np.testing.assert_array_equal(toks[a:b], greedy[a - 1:b - 1])
-      for (a, b), (a2, _) in zip(spans, spans[1:]):
-        # An answer ends its turn, then the template's start of a user turn, a user turn the
-        # target wrote (ending with the end of a user turn), and the start of the next answer.
-        assert toks[b - 1] == END
-        between = toks[b:a2].tolist()
-        lead = list(turns.assistant_to_user[1:])
-        tail = list(turns.user_to_assistant[1:])
-        assert between[:len(lead)] == lead and between[-len(tail):] == tail
-        user = between[len(lead):-len(tail)]
-        assert user[-1] == END and 1 <= len(user) - 1 <= cfg.max_user_tokens
-      if z["source"][c] == len(corpus.sources) - 1:  # Magpie: the first user turn is the target's
-        assert toks[:len(turns.user_prefix)].tolist() == list(turns.user_prefix)
+      convs.append((z["tokens"][o[c]:o[c + 1]], z["loss_mask"][o[c]:o[c + 1]], z["turns"][c],
+                    z["source"][c]))
+  greedy_all = _greedy_after_each_token(chat_target, [toks for toks, *_ in convs])
+  seen_turns = []
+  for (toks, mask, n_turns, source), greedy in zip(convs, greedy_all):
+    spans = _spans(mask)
+    assert len(spans) == n_turns >= 1
+    seen_turns.append(len(spans))
+    for a, b in spans:
+      np.testing.assert_array_equal(toks[a:b], greedy[a - 1:b - 1])
+    for (a, b), (a2, _) in zip(spans, spans[1:]):
+      # An answer ends its turn, then the template's start of a user turn, a user turn the
+      # target wrote (ending with the end of a user turn), and the start of the next answer.
+      assert toks[b - 1] == END
+      between = toks[b:a2].tolist()
+      lead = list(turns.assistant_to_user[1:])
+      tail = list(turns.user_to_assistant[1:])
+      assert between[:len(lead)] == lead and between[-len(tail):] == tail
+      user = between[len(lead):-len(tail)]
+      assert user[-1] == END and 1 <= len(user) - 1 <= cfg.max_user_tokens
+    if source == len(corpus.sources) - 1:  # Magpie: the first user turn is the target's
+      assert toks[:len(turns.user_prefix)].tolist() == list(turns.user_prefix)
   assert max(seen_turns) == 3 and min(seen_turns) == 1
   assert corpus.sources[-1].startswith("<instructions written by the target")
 
@@ -290,14 +305,19 @@ def test_packed_rows_keep_conversations_apart(chat_target):
   _, hid, _ = forward(chat_target.params, jnp.asarray(b["tokens"]), init_cache(cfg, 2, 32), cfg,
                       positions=jnp.asarray(b["positions"]),
                       block_mask=jnp.asarray(am), fresh=True, logits=False)
+  # Each conversation alone: one forward over the five, right-padded (causal: a row's hidden
+  # states do not see its padding), not one op-by-op forward per length.
+  alone = np.zeros((len(convs), 20), np.int32)
+  for c, (t, _) in enumerate(convs):
+    alone[c, :len(t)] = t
+  alone = jax.jit(lambda t: forward(chat_target.params, t, init_cache(cfg, len(convs), 20), cfg,
+                                    fresh=True, logits=False)[1].final)(jnp.asarray(alone))
   for i, r in enumerate(rows):
     at = 0
     for c in r:
       n = len(convs[c][0])
-      _, alone, _ = forward(chat_target.params, jnp.asarray(convs[c][0][None]),
-                            init_cache(cfg, 1, n), cfg, fresh=True, logits=False)
       np.testing.assert_allclose(np.asarray(hid.final[i, at:at + n]),
-                                 np.asarray(alone.final[0]), rtol=1e-4, atol=1e-4)
+                                 np.asarray(alone[c, :n]), rtol=1e-4, atol=1e-4)
       at += n
 
 
@@ -577,11 +597,10 @@ def test_multi_turn_prompts_give_their_user_turns(chat_target, tmp_path):
   tok = chat_target.tokenizer
   given = [tok.encode(t, add_bos=False) for t in ("and why?", "ok")]
   seen = 0
-  for *_, toks, mask in _conversations(s.path):
+  convs = _conversations(s.path)
+  greedy_all = _greedy_after_each_token(chat_target, [toks for *_, toks, _ in convs])
+  for (*_, toks, mask), greedy in zip(convs, greedy_all):
     spans = _spans(mask)
-    logits, _, _ = forward(chat_target.params, jnp.asarray([toks]),
-                           init_cache(chat_target.cfg, 1, len(toks)), chat_target.cfg)
-    greedy = np.asarray(jnp.argmax(logits[0], -1))
     for a, b in spans:
       assert toks[a:b] == greedy[a - 1:b - 1].tolist()
     for j, ((_, b), (a2, _)) in enumerate(zip(spans, spans[1:])):

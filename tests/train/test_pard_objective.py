@@ -95,17 +95,25 @@ def test_every_slot_sees_what_decoding_sees(tiny_target):
   lg, _, _ = forward(params, lay.tokens, init_cache(cfg, 2, n), cfg, positions=lay.positions,
                      block_mask=lay.mask)
   tok = np.asarray(tokens)
+  # Every slot's plain forward in one right-padded batch (causal: a row's last real position
+  # does not see its padding), not one op-by-op forward per length.
+  slots = [(b, e) for b in range(2) for e in range(lay.read.shape[1])]
+  seqs = []
+  for b, e in slots:
+    d = int(lay.depth[e])
+    seqs.append(list(tok[b, :int(lay.label[b, e]) - d + 1]) + [3] * (d - 1))
+  width = max(map(len, seqs))
+  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
+  plain, _, _ = jax.jit(forward, static_argnums=3)(params, batch,
+                                                   init_cache(cfg, len(seqs), width), cfg)
   nll = []
-  for b in range(2):
-    for e in range(lay.read.shape[1]):
-      d, at = int(lay.depth[e]), int(lay.read[b, e])
-      a = int(lay.label[b, e]) - d
-      seq = jnp.asarray([list(tok[b, :a + 1]) + [3] * (d - 1)], jnp.int32)
-      want, _, _ = forward(params, seq, init_cache(cfg, 1, 16), cfg)
-      np.testing.assert_allclose(np.asarray(lg[b, at]), np.asarray(want[0, -1]), atol=2e-5,
-                                 err_msg=f"row {b} entry {e}")
-      if bool(lay.valid[b, e]):
-        nll.append(-float(jax.nn.log_softmax(want[0, -1])[tok[b, a + d]]))
+  for (b, e), seq, row in zip(slots, seqs, plain):
+    at = int(lay.read[b, e])
+    want = row[len(seq) - 1]
+    np.testing.assert_allclose(np.asarray(lg[b, at]), np.asarray(want), atol=2e-5,
+                               err_msg=f"row {b} entry {e}")
+    if bool(lay.valid[b, e]):
+      nll.append(-float(jax.nn.log_softmax(want)[tok[b, int(lay.label[b, e])]]))
   loss, metrics = pard_loss(DraftLM(cfg, params), {"tokens": tokens, "loss_mask": loss_mask},
                             None, objective=obj)
   np.testing.assert_allclose(float(loss), np.mean(nll), rtol=1e-5)

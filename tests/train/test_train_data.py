@@ -69,15 +69,19 @@ def test_round_trip_ids_masks_and_meta(tiny_target, data_dir):
 def test_hidden_states_equal_a_direct_forward(tiny_target, data_dir):
   ds = Dataset(data_dir)
   cfg = tiny_target.cfg
-  for row in (0, 3, 9):
+  rows = np.array([0, 3, 9])
+  # The three rows in one forward over the stored (right-padded) rows, one program (causal: a
+  # row's hidden states do not see its padding); a forward per row ran op by op at each length.
+  toks = jnp.asarray(ds.tokens[rows])
+  _, hidden, _ = jax.jit(lambda t: forward(tiny_target.params, t,
+                                           init_cache(cfg, len(rows), t.shape[1]), cfg,
+                                           hidden_layers=(1, 0)))(toks)
+  for i, row in enumerate(rows):
     n = int(ds.lengths[row])
-    toks = jnp.asarray(ds.tokens[row:row + 1, :n])
-    _, hidden, _ = forward(tiny_target.params, toks, init_cache(cfg, 1, n), cfg,
-                           hidden_layers=(1, 0))
-    np.testing.assert_allclose(ds.hidden_final[row, :n], np.asarray(hidden.final[0]),
+    np.testing.assert_allclose(ds.hidden_final[row, :n], np.asarray(hidden.final[i, :n]),
                                rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(ds.hidden_layers_arr[row, :n],
-                               np.transpose(np.asarray(hidden.layers[:, 0]), (1, 0, 2)),
+                               np.transpose(np.asarray(hidden.layers[:, i, :n]), (1, 0, 2)),
                                rtol=2e-3, atol=5e-3)
     assert not ds.hidden_final[row, n:].any() and not ds.hidden_layers_arr[row, n:].any()
   batch = ds.gather(np.array([3, 0]), layers=(0,))
@@ -258,16 +262,18 @@ def test_given_responses_are_stored_teacher_forced(tiny_target, tmp_path):
   assert len(ds) == 3 and ds.meta["responses"] == "given"
   assert ds.meta["generation"]["temperatures"] is None and ds.meta["seconds"]["generate"] == 0
   assert ds.meta["response_tokens"] == 3 + 10 + 1
+  c = tiny_target.cfg
+  # One forward over the three stored (right-padded) rows: causal, so each row's hidden states
+  # are its own (a forward per row ran op by op at each length).
+  _, hidden, _ = jax.jit(lambda t: forward(tiny_target.params, t, init_cache(c, 3, t.shape[1]),
+                                           c))(jnp.asarray(ds.tokens[:3]))
   for row in range(3):
     i = int(ds.prompt_index[row])
     pl, n = int(ds.prompt_lengths[row]), int(ds.lengths[row])
     assert ds.tokens[row, :pl].tolist() == prompts[i]
     assert ds.tokens[row, pl:n].tolist() == given[i][:10]
     assert ds.loss_mask[row, pl:n].all() and not ds.loss_mask[row, :pl].any()
-    c = tiny_target.cfg
-    _, hidden, _ = forward(tiny_target.params, jnp.asarray(ds.tokens[row:row + 1, :n]),
-                           init_cache(c, 1, n), c)
-    np.testing.assert_allclose(ds.hidden_final[row, :n], np.asarray(hidden.final[0]),
+    np.testing.assert_allclose(ds.hidden_final[row, :n], np.asarray(hidden.final[row, :n]),
                                rtol=2e-3, atol=2e-3)
   with pytest.raises(DataError, match="2 given responses for 3 prompts"):
     write_dataset(tiny_target, prompts, tmp_path / "x", cfg, responses=given[:2], progress=False)
