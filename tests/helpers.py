@@ -224,6 +224,19 @@ def padded(prompts, width=16):
   return jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
+_forward_jit = jax.jit(forward, static_argnums=3)
+
+
+def padded_logits(params, cfg, seqs, cache_len=None) -> jax.Array:
+  """Logits [B, W, V] of one forward over `seqs` (lists of ids of any lengths) right-padded with
+  0 to the longest, W (`padded`), into a cache of `cache_len` positions (default W). The forward
+  is causal, so a row's logits at its real positions do not see its padding: one jitted program
+  where a forward per row would run op by op at every length."""
+  width = max(map(len, seqs))
+  ids, _ = padded(seqs, width)
+  return _forward_jit(params, ids, init_cache(cfg, len(seqs), cache_len or width), cfg)[0]
+
+
 def suffix_sampling_case(target):
   """The suffix drafters' later-position sampling case: two rows of the prompt 1 2 3 4 (row 1
   drafts from row 0), a corpus of 12 earlier samples drawn exactly, the sampling settings, their

@@ -20,6 +20,8 @@ from jaxspec.models.model import Model
 from jaxspec.engine.io import prepare_prompts
 from jaxspec.sampling import Sampling, SamplingArrays, process_logits
 
+from helpers import padded_logits
+
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]
 N_NEW = 10
 K = 3
@@ -134,21 +136,13 @@ def test_scan_of_rollouts_and_no_recompile(target):
   assert (np.asarray(short)[:, 4:] == 7).all()  # the pad id past the length
 
 
-_forward_jit = jax.jit(jaxspec.models.forward, static_argnums=3)
-
-
 def _reference_logprobs(target, prompts, tokens, lengths, sp: SamplingArrays):
   """log_softmax of the target's processed logits at each emitted token, from a forward over
   prompt + output."""
   out = np.zeros(tokens.shape, np.float32)
-  # The rows in one right-padded forward (causal: a row's logits do not see its padding), one
-  # program, where a forward per row ran op by op at every length.
+  # The rows in one right-padded forward (`padded_logits`).
   seqs = [list(p) + tokens[b, :lengths[b]].tolist() for b, p in enumerate(prompts)]
-  width = max(map(len, seqs))
-  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
-  all_logits, _, _ = _forward_jit(target.params, batch,
-                                  jaxspec.models.init_cache(target.cfg, len(seqs), width),
-                                  target.cfg)
+  all_logits = padded_logits(target.params, target.cfg, seqs)
   for b, (p, seq) in enumerate(zip(prompts, seqs)):
     logits = all_logits[b:b + 1]
     row = jax.tree.map(lambda x: x[b:b + 1], sp)

@@ -16,11 +16,11 @@ from jaxspec.decoding import functional
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import speculative_decode
 from jaxspec.drafters import DraftModel, ParallelDraft, load_pard, resolve_drafter
-from jaxspec.models import forward, init_cache, init_params, tiny_config
+from jaxspec.models import init_params, tiny_config
 from jaxspec.models.errors import CheckpointError
 from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
-from helpers import CPU_LIKE, assert_tokens_4_5_follow, exact_tables, padded
+from helpers import CPU_LIKE, assert_tokens_4_5_follow, exact_tables, padded, padded_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 16
@@ -37,13 +37,8 @@ def plain(tiny_target):
 
 def _masked_logits(d, rows, n_masks):
   """Logits [B, T, V] of a plain forward of the draft model over each row followed by n_masks
-  masks, the rows right-padded into one batch (causal: a row's logits do not see its padding),
-  one jitted program where a forward per row ran op by op at every length."""
-  seqs = [r + [MASK] * n_masks for r in rows]
-  width = max(map(len, seqs))
-  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
-  return jax.jit(forward, static_argnums=3)(d.params, batch, init_cache(d.cfg, len(rows), 16),
-                                            d.cfg)[0]
+  masks, the rows right-padded into one batch (`padded_logits`)."""
+  return padded_logits(d.params, d.cfg, [r + [MASK] * n_masks for r in rows], cache_len=16)
 
 
 def test_one_pass_reads_the_context_then_the_masks(tiny_target):

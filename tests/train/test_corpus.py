@@ -20,7 +20,7 @@ from jaxspec.train.corpus import (FORMAT, VERSION, Corpus, CorpusConfig,
                                   same_segment_ahead, write_corpus, write_shard)
 from jaxspec.train.data import DataError
 
-from helpers import TINY_TEMPLATE, tiny_vocab
+from helpers import TINY_TEMPLATE, padded, padded_logits, tiny_vocab
 
 END = 2  # <|im_end|> of the tiny vocabulary: it ends user and assistant turns
 
@@ -56,19 +56,10 @@ def _spans(mask):
   return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
 
 
-_forward_jit = jax.jit(forward, static_argnums=3)
-
-
 def _greedy_after_each_token(model, seqs):
   """The target's argmax after each position of every sequence (a teacher-forced forward), from
-  one forward over them all right-padded to the longest: causal, so a row's logits do not see
-  its padding (one op-by-op forward per length dispatched and compiled every primitive again)."""
-  width = max(map(len, seqs))
-  batch = np.zeros((len(seqs), width), np.int32)
-  for i, seq in enumerate(seqs):
-    batch[i, :len(seq)] = seq
-  logits, _, _ = _forward_jit(model.params, jnp.asarray(batch),
-                              init_cache(model.cfg, len(seqs), width), model.cfg)
+  one forward over them all (`padded_logits`)."""
+  logits = padded_logits(model.params, model.cfg, [list(q) for q in seqs])
   return [g[:len(seq)] for g, seq in zip(np.asarray(jnp.argmax(logits, -1)), seqs)]
 
 
@@ -307,11 +298,9 @@ def test_packed_rows_keep_conversations_apart(chat_target):
                       block_mask=jnp.asarray(am), fresh=True, logits=False)
   # Each conversation alone: one forward over the five, right-padded (causal: a row's hidden
   # states do not see its padding), not one op-by-op forward per length.
-  alone = np.zeros((len(convs), 20), np.int32)
-  for c, (t, _) in enumerate(convs):
-    alone[c, :len(t)] = t
+  alone, _ = padded([list(t) for t, _ in convs], 20)
   alone = jax.jit(lambda t: forward(chat_target.params, t, init_cache(cfg, len(convs), 20), cfg,
-                                    fresh=True, logits=False)[1].final)(jnp.asarray(alone))
+                                    fresh=True, logits=False)[1].final)(alone)
   for i, r in enumerate(rows):
     at = 0
     for c in r:

@@ -15,6 +15,8 @@ from jaxspec.train import TrainConfig, distill
 from jaxspec.train.distill import DraftLM, draft_from_target
 from jaxspec.train.pard import PardObjective, pard_layout, pard_loss
 
+from helpers import padded_logits
+
 M = 99  # the mask token of the hand examples
 
 
@@ -102,10 +104,7 @@ def test_every_slot_sees_what_decoding_sees(tiny_target):
   for b, e in slots:
     d = int(lay.depth[e])
     seqs.append(list(tok[b, :int(lay.label[b, e]) - d + 1]) + [3] * (d - 1))
-  width = max(map(len, seqs))
-  batch = jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)
-  plain, _, _ = jax.jit(forward, static_argnums=3)(params, batch,
-                                                   init_cache(cfg, len(seqs), width), cfg)
+  plain = padded_logits(params, cfg, seqs)
   nll = []
   for (b, e), seq, row in zip(slots, seqs, plain):
     at = int(lay.read[b, e])
