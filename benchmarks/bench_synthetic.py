@@ -171,12 +171,11 @@ def _layout(model) -> str:
   if is_scanned(model.params):
     return "stacked"
   lp = model.params.layers[0]
-  om = [n for n in llama_lib.OutputMajorPolicy().names
-        if isinstance(getattr(lp, n), llama_lib.OutputMajor)]
+  names = llama_lib.OutputMajorPolicy().names  # every layer matmul weight
+  om = [n for n in names if isinstance(getattr(lp, n), llama_lib.OutputMajor)]
   if not om:
     return "unrolled"
-  return "unrolled-om" if len(om) == len(llama_lib.OutputMajorPolicy().names) else (
-      f"unrolled-om({','.join(om)})")
+  return "unrolled-om" if len(om) == len(names) else f"unrolled-om({','.join(om)})"
 
 
 def expected_tau(alpha: float, k: int) -> float:
@@ -360,7 +359,8 @@ def main(argv=None):
       compiler_options=engine.options(), results=[])
   print(f"{backend} ({kind}; nominal"
         f" {'unknown' if nominal is None else f'{nominal / 1e9:.0f} GB/s'}): bandwidth copy"
-        f" {bws['copy'] / 1e9:.0f} GB/s, read {bws['read'] / 1e9:.0f} GB/s; output-major on {om_platforms}; compiler options"
+        f" {bws['copy'] / 1e9:.0f} GB/s, read {bws['read'] / 1e9:.0f} GB/s; output-major on"
+        f" {om_platforms}; compiler options"
         f" {engine.options() or 'XLA defaults'}", flush=True)
   log = functools.partial(print, flush=True)
   layouts = {"default": [None], "stacked": [True], "unrolled": [False],

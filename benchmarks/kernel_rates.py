@@ -23,7 +23,6 @@ import collections
 import gzip
 import json
 import re
-import sys
 
 _ITEM = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
          "pred": 1, "s64": 8, "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -121,7 +120,7 @@ def main(argv=None):
         f" span {res['span_us_per_step']:.0f} us = kernels {res['busy_us_per_step']:.0f}"
         f" + gaps {res['gaps_us_per_step']:.0f}; kernels moving >= 1 MB:"
         f" {res['weight_kernels_us_per_step']:.0f} us for {res['weight_mb_per_step']:.0f} MB"
-        f" ({res['weight_kernels_gbs']:.0f} GB/s); smaller kernels"
+        f" ({res['weight_kernels_gbs'] or 0:.0f} GB/s); smaller kernels"
         f" {res['small_kernels_us_per_step']:.0f} us")
   print(f"{'kernel':<34} {'calls/step':>10} {'us':>8} {'MB':>9} {'GB/s':>7} {'share':>6}")
   for r in res["rows"][:args.top]:
@@ -136,4 +135,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main() and 0)
+  main()

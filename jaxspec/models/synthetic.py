@@ -68,19 +68,19 @@ def shape_config(name: str, dtype: str = "float32") -> LlamaConfig:
 _PEAK_LAYER_SCALE = 1e-3
 
 
-def peaked_params(params: Params, cfg: LlamaConfig, peak: float, scale: float = 0.02) -> Params:
-  """Random weights (`init_params` with std `scale`, logical layout) changed so that the next
-  token is the current one and wins by `peak` logits.
+def peaked_params(params: Params, cfg: LlamaConfig, peak: float) -> Params:
+  """Random weights (`init_params`, logical layout) changed so that the next token is the
+  current one and wins by `peak` logits.
 
   A decode step reads and computes exactly what a random model's does (the same shapes and
   dtypes; values do not change timing), but near-ties are gone: each layer's output
   projections (`wo`, `w_down`) are scaled by 1e-3, so the residual stream stays the input
-  token's embedding e (plus a few percent), and the logits are e_v . g * norm(e): the token's
-  own logit is g * scale * hidden_size, any other's about g * scale * sqrt(hidden_size) * N(0, 1).
-  The final norm's weight g sets the former to `peak`. An untied LM head is made the embedding
-  transposed (its own array, read as before). So greedy decoding repeats the last prompt token,
-  bfloat16 verify passes and decode steps agree on it, and the `Oracle` drafter's tau is the
-  one its alpha implies. `peak` sets the distribution's entropy: with a 128k vocabulary, 12
+  token's embedding e (plus a few percent), and the logits are e_v . g * norm(e): with s the
+  embedding's root mean square, the token's own logit is g * s * hidden_size, any other's about
+  g * s * sqrt(hidden_size) * N(0, 1). The final norm's weight g sets the former to `peak`. An
+  untied LM head is made the embedding transposed (its own array, read as before). So greedy
+  decoding repeats the last prompt token, bfloat16 verify passes and decode steps agree on it,
+  and the `Oracle` drafter's tau is the one its alpha implies. `peak` sets the distribution's entropy: with a 128k vocabulary, 12
   gives the top token about 0.5 of the mass at temperature 1, 16 about 0.98.
   """
   if isinstance(params.layers, tuple):
@@ -91,8 +91,8 @@ def peaked_params(params: Params, cfg: LlamaConfig, peak: float, scale: float = 
   lp = params.layers
   lp = dataclasses.replace(lp, wo=(lp.wo * _PEAK_LAYER_SCALE).astype(lp.wo.dtype),
                            w_down=(lp.w_down * _PEAK_LAYER_SCALE).astype(lp.w_down.dtype))
-  gain = peak / (scale * cfg.hidden_size)
-  final_norm = jnp.full_like(params.final_norm, gain)
+  rms = jnp.sqrt(jnp.mean(jnp.square(params.embed.astype(jnp.float32))))
+  final_norm = jnp.full_like(params.final_norm, peak / (rms * cfg.hidden_size))
   lm_head = None if params.lm_head is None else params.embed.T.astype(params.lm_head.dtype)
   return dataclasses.replace(params, layers=lp, final_norm=final_norm, lm_head=lm_head)
 
