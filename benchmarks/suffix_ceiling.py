@@ -99,10 +99,19 @@ def _oracle(hay: np.ndarray, tail: np.ndarray, future: np.ndarray, m: int, longe
   return int(np.cumprod(cont == future[None, :], axis=1).sum(axis=1).max())
 
 
+def proposer(drafter: SuffixDecoding, k: int):
+  """The drafter's jitted `propose` of k tokens at batch 1: (corpus, seq [1, S], seq_len [1],
+  prompt_len [1]) -> Proposal."""
+  return jax.jit(lambda c, seq, n, p: drafter.propose(
+      c, drafter.init(c, None, None, None), DraftContext(seq=seq, seq_len=n, prompt_len=p), k,
+      None, None)[0])
+
+
 def replay(drafter: SuffixDecoding, prompt: list[int], samples: list[list[int]], corpus, k: int,
            width: int, propose):
   """(passes and emitted tokens per rule, the corpus after the samples) for one prompt's samples
-  replayed one after the other at batch 1."""
+  replayed one after the other at batch 1; `propose` is `proposer(drafter, k)`, seq `width`
+  tokens wide."""
   rules = {r: [0, 0] for r in ("suffix", "oracle-longest", "oracle-any")}
   p = len(prompt)
   for y in samples:
@@ -168,9 +177,7 @@ def main():
     cell = dict(generation_seconds=gen_s, new_tokens=sum(len(y) for g in samples for y in g),
                 ks={})
     for k in ks:
-      propose = jax.jit(lambda c, seq, n, p, k=k: drafter.propose(
-          c, drafter.init(c, None, None, None), DraftContext(seq=seq, seq_len=n, prompt_len=p),
-          k, None, None)[0])
+      propose = proposer(drafter, k)
       corpus = drafter.params
       tot = {}
       by_set = {}

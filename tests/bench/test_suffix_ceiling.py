@@ -47,9 +47,7 @@ def test_replay_takes_the_loops_target_passes(tmp_path):
   samples = suffix_ceiling.rollouts(target, prompts, 0.8, 3, 24, s.seed)
   drafter = SuffixDecoding(vocab=target.cfg.vocab_size, corpus_size=96)
   width = 7 + 24 + 4
-  propose = suffix_ceiling.jax.jit(lambda c, seq, n, p: drafter.propose(
-      c, drafter.init(c, None, None, None),
-      suffix_ceiling.DraftContext(seq=seq, seq_len=n, prompt_len=p), 3, None, None)[0])
+  propose = suffix_ceiling.proposer(drafter, 3)
   corpus, passes, emitted, oracle = drafter.params, 0, 0, 0
   for prompt, group in zip(prompts, samples):
     rules, corpus = suffix_ceiling.replay(drafter, prompt, group, corpus, 3, width, propose)
