@@ -42,20 +42,20 @@ import numpy as np
 
 from bench_speculative import verify_cost
 from common import ROOT, machine, write_json
-from jaxspec.bench.rollout import RolloutSettings, rollout_prompts
+from jaxspec.bench.rollout import RolloutSettings, group_keys, rollout_prompts
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.functional import decode
 from jaxspec.drafters import SuffixDecoding
 from jaxspec.drafters.suffix import SEP
 from jaxspec.engine.io import stop_ids_for
 from jaxspec.models.loading import load
-from jaxspec.sampling import Sampling, row_keys
+from jaxspec.sampling import Sampling
 from jaxspec.train.data import encode_prompts
 
 
 def rollouts(model, prompts, temperature: float, n: int, max_new: int, seed: int):
   """[prompt][sample] the new tokens of plain sampled decoding, with the rollout benchmark's
-  keys (row i of prompt p: `row_keys(fold_in(key(seed), p), n)[i]`) and stop ids."""
+  keys (`group_keys`) and stop ids."""
   stops = tuple(stop_ids_for(model, None))
   width = -(-max(len(p) for p in prompts) // 64) * 64
   out = []
@@ -63,7 +63,7 @@ def rollouts(model, prompts, temperature: float, n: int, max_new: int, seed: int
     arr = np.zeros((n, width), np.int32)
     arr[:, :len(ids)] = ids
     o = decode(model, jnp.asarray(arr), jnp.full((n,), len(ids), jnp.int32),
-               row_keys(jax.random.fold_in(jax.random.key(seed), i), n),
+               group_keys(seed, i, n),
                max_new_tokens=max_new, sampling=Sampling(temperature=temperature),
                stop_ids=stops, logprobs=False)
     toks, lens = np.asarray(o.tokens), np.asarray(o.lengths)

@@ -105,6 +105,15 @@ def rollout_prompts(s: RolloutSettings) -> list[tuple[str, str]]:
   return out
 
 
+def group_keys(seed: int, prompt_index: int, n: int):
+  """[n] the row keys of prompt `prompt_index`'s n samples: row i draws with the i-th whatever
+  the batch size (`benchmarks/suffix_ceiling.py` regenerates the same samples with them)."""
+  import jax
+
+  from jaxspec.sampling import row_keys
+  return row_keys(jax.random.fold_in(jax.random.key(seed), prompt_index), n)
+
+
 def _drafter(name: str, target, s: RolloutSettings):
   from jaxspec.drafters import NGram, SuffixDecoding
   if name == "ngram":
@@ -155,7 +164,7 @@ def run_rollout(s: RolloutSettings, argv: Sequence[str] | None = None, *, target
   from jaxspec.decoding.functional import decode, speculative_decode
   from jaxspec.engine.io import stop_ids_for
   from jaxspec.models.loading import load
-  from jaxspec.sampling import Sampling, row_keys
+  from jaxspec.sampling import Sampling
   from jaxspec.train.data import encode_prompts, make_progress
 
   check_rollout(s, data=prompt_ids is None)
@@ -177,8 +186,7 @@ def run_rollout(s: RolloutSettings, argv: Sequence[str] | None = None, *, target
   stops = tuple(stop_ids_for(target, None))
   width = -(-max(len(p) for p in encoded) // 64) * 64  # one padded width: one program each
   n = s.samples
-  keys_of = [row_keys(jax.random.fold_in(jax.random.key(s.seed), i), n)
-             for i in range(len(encoded))]
+  keys_of = [group_keys(s.seed, i, n) for i in range(len(encoded))]
   drafters = {m: _drafter(m, target, s) for m in s.methods}
 
   def padded(ids, b):
