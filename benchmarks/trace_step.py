@@ -9,10 +9,10 @@ whose code lives in the `jaxspec` package and is entered during the call (`sys.s
 "call" events) is counted once, lambdas and comprehensions left out (they are expressions, not
 places a reader goes); the script prints the distinct functions and the files they live in.
 
-Of what it counts, models/attention_kernels.py's functions are the GPU (Triton) and TPU
-(Mosaic) attention kernels that `lax.platform_dependent` traces on every platform (a trace
-cannot tell where it will be lowered; exporting for a TPU from a CPU needs them), so a CPU call
-enters them too.
+The GPU (Triton) and TPU (Mosaic) attention kernels of models/attention_kernels.py, which
+`lax.platform_dependent` traces on every platform, are not among them: the host wrappers trace
+a model whose weights are on CPU devices with XLA's read (`Model.program_cfg`; 15 functions
+fewer). A program of the functional core lowered by a user's own `jax.jit` still traces them.
 
 It prints a second count under a narrower rule: module-level functions only (no methods, no
 nested functions), the files holding at least one. That rule reproduces the count issue 48 was

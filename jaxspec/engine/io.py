@@ -24,7 +24,7 @@ from jaxspec.decoding.functional import (check_drafter_for, check_logprobs, chec
                                          eos_ids_of, rollout_keys, working_set)
 from jaxspec.decoding.limits import MAX_POSITIONS
 from jaxspec.decoding.loop import Policy, resolve_policy
-from jaxspec.decoding.protocol import Target, as_target
+from jaxspec.decoding.protocol import Target, as_lm, as_target
 from jaxspec.drafters import resolve_drafter
 from jaxspec.drafters.resolve import SUFFIX_NAMES
 from jaxspec.models.model import Model
@@ -84,7 +84,9 @@ def pad_rows(tree, rows: int):
 def as_host_target(model) -> Target:
   """`Target(lm, params)` of what a host wrapper was given: a jaxspec `Model` (its Llama and
   weights) or a `Target` binding any `CausalLM` to its weights. Raises ValueError otherwise."""
-  if isinstance(model, (Model, Target)):
+  if isinstance(model, Model):
+    return Target(as_lm(model.program_cfg()), model.params)
+  if isinstance(model, Target):
     return as_target(model)
   hint = (": bind it to its weights, Target(lm, params)" if hasattr(model, "forward")
           and hasattr(model, "init_cache") else "")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (DEFAULT_OUTPUT_MAJOR, OutputMajorPolicy, Params, is_scanned,
                                   with_scan_layers)
@@ -29,6 +31,20 @@ class Model:
   def scan_layers(self) -> bool:
     """True when the layers are stacked and run by `lax.scan`; False when unrolled."""
     return is_scanned(self.params)
+
+  def program_cfg(self) -> LlamaConfig:
+    """The configuration its programs are traced with: `cfg`, except that "auto" attention
+    (`LlamaConfig.attention_kernel`) becomes "xla" when the weights live on CPU devices, where
+    `lax.platform_dependent` would lower the XLA read anyway: the Triton and Mosaic kernels are
+    then not traced at all (they cost about half of lowering a tiny model's forward pass). A
+    program of your own that may be lowered for other platforms keeps "auto"."""
+    if self.cfg.attention_kernel != "auto":
+      return self.cfg
+    leaf = next(iter(jax.tree.leaves(self.params)), None)
+    devices = leaf.devices() if isinstance(leaf, jax.Array) else jax.devices()
+    if any(d.platform != "cpu" for d in devices):
+      return self.cfg
+    return dataclasses.replace(self.cfg, attention_kernel="xla")
 
   def with_scan_layers(self, scan: bool, *,
                        output_major: OutputMajorPolicy = DEFAULT_OUTPUT_MAJOR) -> Model:

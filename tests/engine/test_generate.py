@@ -186,3 +186,26 @@ def test_an_engine_holds_its_own_programs_buffers_and_compiler_options(tiny_targ
     bad.generate(tiny_target, PROMPTS, **kw)
   engine.reset()
   assert not engine.programs and not engine.buffers and DEFAULT.programs
+
+
+def test_a_cpu_call_traces_no_gpu_or_tpu_kernel(monkeypatch):
+  """On CPU devices the engine traces "auto" attention as XLA's read (`Model.program_cfg`): the
+  Pallas kernels, which `lax.platform_dependent` would trace and never lower there, are not
+  entered. (A 1-layer model of its own, so no program of another test is reused untraced.)"""
+  from jaxspec.api import speculative_generate
+  from jaxspec.drafters import NGram
+  from jaxspec.models import attention_kernels, init_params, tiny_config
+  from jaxspec.models.model import Model
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("a GPU/TPU attention kernel was traced for a CPU call")
+
+  monkeypatch.setattr(attention_kernels, "cached_attention", refuse)
+  cfg = tiny_config(num_layers=1)
+  assert cfg.attention_kernel == "auto"
+  model = Model(cfg, init_params(cfg, jax.random.key(3), scale=0.2), name="one-layer")
+  assert model.program_cfg().attention_kernel == "xla"
+  plain = generate(model, PROMPTS[:2], max_new_tokens=8, stop_ids=())
+  spec = speculative_generate(model, NGram(), PROMPTS[:2], max_new_tokens=8, stop_ids=(),
+                              num_draft_tokens=4)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
