@@ -40,8 +40,8 @@ class Model:
     program of your own that may be lowered for other platforms keeps "auto"."""
     if self.cfg.attention_kernel != "auto":
       return self.cfg
-    leaf = next(iter(jax.tree.leaves(self.params)), None)
-    devices = leaf.devices() if isinstance(leaf, jax.Array) else jax.devices()
+    arrays = [x for x in jax.tree.leaves(self.params) if isinstance(x, jax.Array)]
+    devices = {d for x in arrays for d in x.devices()} if arrays else jax.devices()
     if any(d.platform != "cpu" for d in devices):
       return self.cfg
     return dataclasses.replace(self.cfg, attention_kernel="xla")
