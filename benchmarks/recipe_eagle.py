@@ -55,43 +55,54 @@ def main() -> None:
   if not (data_dir / "meta.json").is_file():
     prompts, counts = read_prompts([Path(args.data_dir) / f for f in FILES],
                                    max_prompts=args.file_prompts, seed=args.seed)
-    seconds = {}
-    inst_file = out / "instructions.json"
-    if inst_file.is_file():
-      own = json.loads(inst_file.read_text())
-    else:
-      t = time.time()
-      with make_progress("lines") as bar:
-        own = target_instructions(target, args.self_instructions, seed=args.seed, batch_size=32,
-                                  progress=bar)
-      seconds["instructions"] = time.time() - t
-      inst_file.write_text(json.dumps(own))
+    own, secs = own_instructions(target, out, args.self_instructions, args.seed)
+    seconds = {} if secs is None else {"instructions": secs}
     counts[SELF_INSTRUCTIONS] = len(own)
     cfg = DataConfig(max_new_tokens=128, temperatures=(0.0, 0.7), batch_size=48,
                      hidden_layers=layers, seed=args.seed)
     write_dataset(target, prompts + own, data_dir, cfg, prompt_files=counts, seconds=seconds,
                   progress="lines")
   ds = Dataset(data_dir, layers=layers, window=128)
+  train_and_save(target, head, ds, out, steps=args.steps, lr=args.lr, eval_every=50, meta={
+      "data": str(data_dir), "init": "the bundled eagle head of round one (600 steps, 59k tokens)",
+      "data_seconds": round(sum(ds.meta.get("seconds", {}).values()), 1),
+      "data_prompt_files": ds.meta.get("prompt_files"),
+      "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),
+      "recipe": "benchmarks/recipe_eagle.py " + " ".join(
+          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+          if k not in ("out", "data_dir"))})
+
+
+def own_instructions(target, out: Path, n: int, seed: int) -> tuple[list[str], float | None]:
+  """The target's `n` Magpie instructions, kept in OUT/instructions.json (read back when there),
+  and the seconds writing them took (None when read back)."""
+  f = out / "instructions.json"
+  if f.is_file():
+    return json.loads(f.read_text()), None
+  t = time.time()
+  with make_progress("lines") as bar:
+    own = target_instructions(target, n, seed=seed, batch_size=32, progress=bar)
+  f.write_text(json.dumps(own))
+  return own, time.time() - t
+
+
+def train_and_save(target, head, ds: Dataset, out: Path, *, steps: int, lr: float,
+                   eval_every: int, meta: dict) -> dict:
+  """Trains `head` on `ds` (8 rows cropped to 128-token windows per step, resumable in
+  OUT/eagle-train) and saves it in OUT/eagle with `meta` and the run's record; returns that."""
   t0 = time.time()
   run = train_head(target, "eagle", ds, head=head, hidden="offline", out_dir=out / "eagle-train",
-                   resume=(out / "eagle-train").is_dir(), steps=args.steps, lr=args.lr,
-                   warmup_steps=20, save_every=50, eval_every=50, eval_batches=16,
-                   progress="lines")
+                   resume=(out / "eagle-train").is_dir(), steps=steps, lr=lr, warmup_steps=20,
+                   save_every=50, eval_every=eval_every, eval_batches=16, progress="lines")
   rows = ds.train_indices
-  meta = {"data": str(data_dir), "steps": args.steps, "lr": args.lr, "batch_size": 8,
-          "window": 128, "init": "the bundled eagle head of round one (600 steps, 59k tokens)",
+  meta = {"steps": steps, "lr": lr, "batch_size": 8, "window": 128, **meta,
           "final": run.history[-1] if run.history else None,
           "train_seconds": round(time.time() - t0, 1), "train_rows": int(len(rows)),
           "train_tokens": int(np.asarray(ds.loss_mask[rows]).sum()),
-          "data_seconds": round(sum(ds.meta.get("seconds", {}).values()), 1),
-          "data_prompt_files": ds.meta.get("prompt_files"),
-          "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),
-          "options": dict(run.options),
-          "recipe": "benchmarks/recipe_eagle.py " + " ".join(
-              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-              if k not in ("out", "data_dir"))}
+          "options": dict(run.options)}
   save_head(out / "eagle", "eagle", run.model, target.cfg, meta=meta, target_params=target.params)
   print(json.dumps(meta, indent=1, default=str), flush=True)
+  return meta
 
 
 if __name__ == "__main__":
