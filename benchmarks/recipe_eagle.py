@@ -10,9 +10,10 @@ Stages (each skipped when its output is there, so an interrupted run is rerun as
 2. it answers them and `--file-prompts` prompts drawn evenly from the three training files of
    ../shared/data (never the Spec-Bench evaluation prompts), greedy and at T 0.7, 128 tokens at
    most, stored with its hidden states (`jaxspec.train.data.write_dataset`) in OUT/data;
-3. the bundled EAGLE-3 head (round one: 582 rows, 59k tokens, 600 steps) is trained on it for
-   `--steps` steps of 8 rows cropped to 128-token windows (`jaxspec.train.train_head(...,
-   head=...)`; the CLI's `jaxspec train eagle --init eagle` does the same), saved in OUT/eagle.
+3. the bundled EAGLE-3 head (round one when round two ran: 582 rows, 59k tokens, 600 steps) is
+   trained on it for `--steps` steps of 8 rows cropped to 128-token windows
+   (`jaxspec.train.train_head(..., head=...)`; the CLI's `jaxspec train eagle --init eagle` does
+   the same), saved in OUT/eagle.
 
 What it cost and gave is in the head's config.json (meta) and docs/performance.md.
 """
@@ -49,7 +50,7 @@ def main() -> None:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   target = load()
-  _, head, _ = load_head_model(target, "eagle")
+  _, head, config = load_head_model(target, "eagle")
   layers = tuple(head.cfg.layers)
   data_dir = out / "data"
   if not (data_dir / "meta.json").is_file():
@@ -64,7 +65,9 @@ def main() -> None:
                   progress="lines")
   ds = Dataset(data_dir, layers=layers, window=128)
   train_and_save(target, head, ds, out, steps=args.steps, lr=args.lr, eval_every=50, meta={
-      "data": str(data_dir), "init": "the bundled eagle head of round one (600 steps, 59k tokens)",
+      "data": str(data_dir),
+      # Round one when round two ran; whichever head is bundled when this runs.
+      "init": f"eagle ({config.get('meta', {}).get('recipe', 'no recipe recorded')})",
       "data_seconds": round(sum(ds.meta.get("seconds", {}).values()), 1),
       "data_prompt_files": ds.meta.get("prompt_files"),
       "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),

@@ -4,18 +4,18 @@ interrupted or time-boxed run keeps what it wrote, then the head trained further
     .venv/bin/python benchmarks/recipe_eagle_round3.py --out OUT --worker 0 &   # see below
     .venv/bin/python benchmarks/recipe_eagle_round3.py --out OUT --worker 1 &
     .venv/bin/python benchmarks/recipe_eagle_round3.py --out OUT --pack
-    .venv/bin/python benchmarks/recipe_eagle_round3.py --out OUT --train 600 [--lr 3e-4]
+    .venv/bin/python benchmarks/recipe_eagle_round3.py --out OUT --train 300 [--lr 3e-4]
 
 Rows (every response is the target's own, chat-templated, at most --max-new-tokens tokens):
 1. the 1,000 Magpie instructions of round two (their token ids in data/heads/, round two's
    prompt_index >= 674) answered again at T 0.7 with another seed, now up to 256 tokens;
 2. --self-instructions new Magpie instructions (seed 9) answered greedy and at T 0.7;
 3. --gsm8k GSM8K training questions round two did not use, answered greedy and at T 0.7.
-Each chunk of prompts (144, or 96 for list 2) is a tokens-only dataset in OUT/chunks/NAME
-(`write_dataset(..., store_hidden=False)`), skipped when already there, so a command is rerun as
-is; no chunk is started after --deadline-minutes. On a 2-core CPU one process keeps about one
-core busy, so two run side by side: `--worker 0` writes the new instructions and answers them,
-`--worker 1` answers lists 1 and 3.
+Each chunk of prompts (144, or 96 for list 2) at one temperature is a tokens-only dataset in
+OUT/chunks/NAME (`write_dataset(..., store_hidden=False)`), skipped when already there, so a
+command is rerun as is; no chunk is started after --deadline-minutes. On a 2-core CPU one
+process keeps about one core busy, so two run side by side: `--worker 0` writes the new
+instructions and answers them, `--worker 1` answers lists 1 and 3.
 
 `--pack` writes every finished chunk's rows into OUT/rows.npz (the committed format of
 data/heads/, see its README). `--train STEPS` recomputes the hidden states of round two's rows
@@ -175,7 +175,8 @@ def main() -> None:
     if secs is not None:
       (out / "instructions_seconds.txt").write_text(f"{secs:.1f}\n")
     # Greedy and T 0.7 answers in chunks of their own (96 prompts: two batches): at most a few
-    # minutes of work are lost when the run is stopped.
+    # minutes of work are lost when the run is stopped. Every chunk has one temperature (the
+    # temperature `pack` records for its rows).
     jobs += [(f"new{i:02d}-t{t:g}", new[s:s + 96], (t,), "new Magpie instructions")
              for i, s in enumerate(range(0, len(new), 96)) for t in (0.0, 0.7)]
   else:
@@ -185,8 +186,8 @@ def main() -> None:
     # Round two drew its first 361 GSM8K questions from this order (file 0, seed 8).
     gsm, _ = read_prompts([DATA / "gsm8k_train.jsonl"], seed=8)
     gsm = gsm[361:361 + args.gsm8k]
-    jobs += [(f"gsm{i:02d}", gsm[s:s + CHUNK], (0.0, 0.7), "gsm8k_train.jsonl")
-             for i, s in enumerate(range(0, len(gsm), CHUNK))]
+    jobs += [(f"gsm{i:02d}-t{t:g}", gsm[s:s + CHUNK], (t,), "gsm8k_train.jsonl")
+             for i, s in enumerate(range(0, len(gsm), CHUNK)) for t in (0.0, 0.7)]
   for n, (name, prompts, temps, source) in enumerate(jobs):
     d = out / "chunks" / name
     if (d / "meta.json").is_file():
