@@ -47,15 +47,18 @@ FIRST_MAGPIE = 674  # round two's prompt_index of its first target-written instr
 CHUNK = 144  # prompts per chunk (three batches of 48)
 
 
-def round2_magpie_prompts() -> list[list[int]]:
+def round2_prompts() -> dict[tuple[int, ...], int]:
+  """{prompt ids: prompt_index} of round two's rows, in row order (its first row of each)."""
   z = np.load(ROUND2)
-  seen, out = set(), []
+  index = {}
   for i in range(len(z["lengths"])):
-    p = int(z["prompt_index"][i])
-    if p >= FIRST_MAGPIE and p not in seen:
-      seen.add(p)
-      out.append(z["tokens"][i, :z["prompt_lengths"][i]].astype(np.int64).tolist())
-  return out
+    index.setdefault(tuple(z["tokens"][i, :z["prompt_lengths"][i]].tolist()),
+                     int(z["prompt_index"][i]))
+  return index
+
+
+def round2_magpie_prompts() -> list[list[int]]:
+  return [list(k) for k, p in round2_prompts().items() if p >= FIRST_MAGPIE]
 
 
 def _rows(path: Path) -> list[tuple[list[int], list[int]]]:
@@ -69,12 +72,8 @@ def pack(out: Path) -> None:
   """OUT/rows.npz and OUT/meta.json: every finished chunk's rows (the format of data/heads/:
   uint16 tokens, lengths, prompt_lengths, prompt_index, and each row's temperature). A prompt
   round two answered keeps its round-two prompt_index; new prompts are numbered after them."""
-  z = np.load(ROUND2)
-  index = {}
-  for i in range(len(z["lengths"])):
-    index.setdefault(tuple(z["tokens"][i, :z["prompt_lengths"][i]].tolist()),
-                     int(z["prompt_index"][i]))
-  nxt = int(z["prompt_index"].max()) + 1
+  index = round2_prompts()
+  nxt = max(index.values()) + 1
   rows, temps, metas = [], [], {}
   for d in sorted((out / "chunks").iterdir()):
     if not (d / "meta.json").is_file():
