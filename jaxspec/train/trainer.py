@@ -81,6 +81,10 @@ class TrainConfig:
     eval_every: held-out evaluation every this many steps (and at the end); 0 = only at the end.
     eval_batches: at most this many held-out batches per evaluation.
     log_every: write a history line every this many steps (evaluated steps always).
+    time_limit: seconds this call may train (None: no limit). A step that ends past it is the
+      call's last: evaluated, logged (its record has "stopped": "time_limit") and saved, so
+      `resume=True` continues the schedule from there; the learning rate follows `steps`, not
+      the limit.
   """
 
   steps: int = 1000
@@ -98,9 +102,11 @@ class TrainConfig:
   eval_every: int = 100
   eval_batches: int = 8
   log_every: int = 1
+  time_limit: float | None = None
 
   # Fields that change neither the updates nor the data order: free to differ on resume.
-  _BOOKKEEPING = ("save_every", "keep_last_n", "eval_every", "eval_batches", "log_every")
+  _BOOKKEEPING = ("save_every", "keep_last_n", "eval_every", "eval_batches", "log_every",
+                  "time_limit")
 
   def __post_init__(self):
     ints = dict(steps=1, batch_size=1, warmup_steps=0, save_every=1, keep_last_n=1,
@@ -114,6 +120,10 @@ class TrainConfig:
                        " lower --warmup or raise --steps")
     if not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0 or self.clip_norm < 0:
       raise ValueError("min_lr_ratio must be in [0, 1]; weight_decay and clip_norm >= 0")
+    t = self.time_limit
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                          or not 0 < t < math.inf):
+      raise ValueError(f"TrainConfig.time_limit is seconds > 0 (or None: no limit), got {t!r}")
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -424,11 +434,17 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
         params, rest, opt_state, metrics = train_step(params, rest, opt_state, put(batch),
                                                       frozen)
         done = step + 1
-        evaluated = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+        # Past the time limit this step is the last (timed after dispatch: the device may be
+        # a few steps behind, so the call runs over by at most that much).
+        timed_out = cfg.time_limit is not None and time.perf_counter() - t0 >= cfg.time_limit
+        last = done == cfg.steps or timed_out
+        evaluated = (cfg.eval_every and done % cfg.eval_every == 0) or last
         logged = evaluated or done % cfg.log_every == 0
         if logged:  # the host waits for the device only here
           lr = {} if schedule is None else {"lr": float(schedule(step))}
           record = dict(step=done, **lr, **_host(metrics))
+          if timed_out and done < cfg.steps:
+            record["stopped"] = "time_limit"
           if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss became {record['loss']} at step {done}: lower --lr"
                                      " or check the data")
@@ -449,13 +465,15 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
           if "eval_loss" in record:
             info += f"  eval {record['eval_loss']:.4f}"
           bar.update(task, completed=done, info=info)
-        if mngr is not None and (done % cfg.save_every == 0 or done == cfg.steps):
+        if mngr is not None and (done % cfg.save_every == 0 or last):
           mngr.save(done, force=True, args=ocp.args.Composite(
               state=ocp.args.StandardSave(dict(params=params, rest=rest, opt_state=opt_state)),
               meta=ocp.args.JsonSave({"step": done, "config": cfg.to_json()})))
           mngr.wait_until_finished()
           for fn in hooks["on_save"]:
             fn(done, ckpt_dir / str(done))
+        if last:
+          break
   finally:
     if mngr is not None:
       mngr.close()

@@ -4,7 +4,9 @@ the streaming packed reader, resume, progress and the evaluation-set guard."""
 import dataclasses
 import io
 import json
+import time
 import tracemalloc
+import types
 
 import jax
 import jax.numpy as jnp
@@ -425,6 +427,31 @@ def test_token_count_suffixes():
                                                                     3 * 10**9]
 
 
+def test_max_minutes_option(tmp_path, capsys):
+  """--max-minutes (train-data and train) takes positive finite minutes; other values are a
+  one-line usage error before anything loads."""
+  import argparse
+
+  from jaxspec.cli.app import main
+  from jaxspec.cli_options import minutes
+  assert [minutes(s) for s in ("30", "0.5", "1e-3")] == [30.0, 0.5, 0.001]
+  for bad in ("0", "-1", "nan", "inf", "soon"):
+    with pytest.raises(argparse.ArgumentTypeError, match="expected minutes > 0"):
+      minutes(bad)
+  for cmd in (["train-data", "--out", str(tmp_path / "c"), "--tokens", "1k"],
+              ["train", "eagle", "--out", str(tmp_path / "h")]):
+    with pytest.raises(SystemExit):
+      main(cmd + ["--max-minutes", "0"])
+    assert "expected minutes > 0" in capsys.readouterr().err
+  assert not (tmp_path / "c").exists() and not (tmp_path / "h").exists()
+  from jaxspec.cli.app import _parser
+  from jaxspec.cli.train import _train_config
+  args = _parser().parse_args(["train", "eagle", "--out", "h", "--max-minutes", "2.5"])
+  assert _train_config(args).time_limit == 150.0
+  args = _parser().parse_args(["train", "eagle", "--out", "h"])
+  assert _train_config(args).time_limit is None
+
+
 # -- the offline path -----------------------------------------------------------------------------
 
 
@@ -615,3 +642,34 @@ def test_committed_corpus_serves_the_bundled_model(smollm2):
   corpus.index["target"]["fingerprint"] = "0123456789abcdef"
   with pytest.raises(DataError, match="fingerprint 0123456789abcdef"):
     corpus.check_target(smollm2)
+
+
+def test_time_limit_starts_no_batch_past_it(chat_target, tmp_path, monkeypatch):
+  """write_corpus(time_limit=) starts no batch once the limit has passed, keeps what it wrote,
+  and a rerun continues to the corpus of an uninterrupted run; bad limits are refused."""
+  import jaxspec.train.corpus as corpus_mod
+  budget = 400
+  whole = write_corpus(chat_target, PROMPTS, tmp_path / "whole", CFG, token_budget=budget,
+                       progress=False)
+  clock = {"t": 0.0}
+
+  def fake_clock():  # every reading is 10 s later: a limit of 25 s lets batches 0 and 1 start
+    clock["t"] += 10.0
+    return clock["t"]
+
+  fake_time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time)
+                                       if not k.startswith("_")})
+  fake_time.monotonic = fake_clock  # the corpus module's clock only
+  monkeypatch.setattr(corpus_mod, "time", fake_time)
+  part = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=budget,
+                      time_limit=25.0, progress=False)
+  monkeypatch.undo()
+  assert part.next_batch == 2 < whole.next_batch and part.loss_tokens < budget
+  again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=budget,
+                       progress=False)
+  assert _conversations(tmp_path / "part") == _conversations(tmp_path / "whole")
+  assert again.next_batch == whole.next_batch
+  for bad in (0, -5, float("nan"), float("inf"), True, "60"):
+    with pytest.raises(DataError, match="time_limit is seconds > 0"):
+      write_corpus(chat_target, PROMPTS, tmp_path / "x", CFG, token_budget=budget,
+                   time_limit=bad, progress=False)

@@ -1,6 +1,7 @@
 """The generic NNX trainer: loss goes down, checkpoints are atomic, and a killed run resumes to
 exactly the parameters of an uninterrupted one."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -198,3 +199,29 @@ def test_resume_after_completion_changes_nothing(tiny_target, data_dir, tmp_path
                        resume=True, progress=False)
   assert hist2 == hist
   jax.tree.map(np.testing.assert_array_equal, _params(done), _params(again))
+
+
+def test_time_limit_stops_saves_and_resumes_to_the_same_params(tiny_target, data_dir,
+                                                                 tmp_path):
+  """A run past its time_limit ends at that step: evaluated, logged with "stopped", saved;
+  resumed (another limit is bookkeeping), it reaches the parameters of an uninterrupted run."""
+  ds = Dataset(data_dir)
+  d, v = tiny_target.cfg.hidden_size, tiny_target.cfg.vocab_size
+  whole, _ = train(make_head(d, v), toy_loss, ds, RUN_CFG, tmp_path / "whole",
+                   frozen=tiny_target.params, progress=False)
+  cut = dataclasses.replace(RUN_CFG, time_limit=1e-6)
+  _, hist = train(make_head(d, v), toy_loss, ds, cut, tmp_path / "cut",
+                  frozen=tiny_target.params, progress=False)
+  assert [h["step"] for h in hist] == [1]
+  assert hist[-1]["stopped"] == "time_limit" and "eval_loss" in hist[-1]
+  assert sorted(int(p.name) for p in (tmp_path / "cut" / "checkpoints").iterdir()
+                if p.name.isdigit()) == [1]
+  resumed, hist2 = train(make_head(d, v), toy_loss, ds,
+                         dataclasses.replace(RUN_CFG, time_limit=3600.0), tmp_path / "cut",
+                         frozen=tiny_target.params, resume=True, progress=False)
+  assert [h["step"] for h in hist2] == list(range(1, RUN_CFG.steps + 1))
+  assert "stopped" not in hist2[-1]
+  jax.tree.map(np.testing.assert_array_equal, _params(whole), _params(resumed))
+  for bad in (0, -1.0, float("nan"), float("inf"), True, "10"):
+    with pytest.raises(ValueError, match="time_limit is seconds > 0"):
+      dataclasses.replace(RUN_CFG, time_limit=bad)
