@@ -10,10 +10,11 @@ runs as is, at the small sizes of its test.)
 
 1. `jaxspec.train.write_corpus` (what `jaxspec train-data` runs): the bundled SmolLM2-135M
    answers the prompts of ../shared/data's three training files (never the Spec-Bench
-   evaluation prompts) and, for --magpie-fraction of the batches, user turns it writes itself
-   (Magpie), --turns answers per conversation (it writes the follow-up user turns), greedy and
-   at T 0.7, --gen-batch-size conversations per `generate` call, until --generate-minutes have
-   passed (`time_limit`: the batch running then finishes) or --tokens answer tokens are written.
+   evaluation prompts; --max-prompts of them, drawn evenly) and, for --magpie-fraction of the
+   batches, user turns it writes itself (Magpie), --turns answers per conversation (it writes
+   the follow-up user turns), greedy and at T 0.7, --gen-batch-size conversations per
+   `generate` call, until --generate-minutes have passed (`time_limit`: the batch running then
+   finishes) or --tokens answer tokens are written.
 2. `jaxspec.train.train_head(..., hidden="online")` trains the `--init` head (default the bundled
    one) on the corpus as packed rows of --seq-len tokens (`PackedCorpus`): the frozen target's
    forward runs inside the jitted step, so no hidden state is stored. The cosine schedule is set
@@ -76,6 +77,9 @@ def main(argv=None, target=None) -> dict:
   ap.add_argument("--max-new-tokens", type=int, default=512)
   ap.add_argument("--turns", type=int, default=2)
   ap.add_argument("--magpie-fraction", type=float, default=0.5)
+  ap.add_argument("--max-prompts", type=int, default=1536,
+                  help="file prompts, drawn evenly from the three files (GSM8K alone has 7,473:"
+                       " uncapped, math would crowd out the rest)")
   ap.add_argument("--max-len", type=int, default=2048)
   ap.add_argument("--train-minutes", type=float, default=2.5)
   ap.add_argument("--steps", type=int, default=1500)
@@ -98,7 +102,8 @@ def main(argv=None, target=None) -> dict:
 
   # 1. The corpus.
   files = [Path(args.data_dir) / f for f in FILES]
-  prompts, _, sources = read_prompts(files, seed=args.seed, with_files=True, all_turns=True)
+  prompts, _, sources = read_prompts(files, max_prompts=args.max_prompts, seed=args.seed,
+                                     with_files=True, all_turns=True)
   cfg = CorpusConfig(turns=args.turns, max_new_tokens=args.max_new_tokens,
                      temperatures=(0.0, 0.7), magpie_fraction=args.magpie_fraction,
                      batch_size=args.gen_batch_size, max_prompt_len=512, max_len=args.max_len,
