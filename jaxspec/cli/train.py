@@ -362,7 +362,10 @@ def _train_pard(args, cfg, options, progress, t0) -> int:
   (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
   depths = ", ".join(f"{last[f'top1_d{d}']:.2f}" for d in range(1, objective.k + 1)
                      if f"top1_d{d}" in last)
-  print(f"[jaxspec] trained pard for {cfg.steps} steps in {summary['seconds']:.0f} s: loss"
+  what = f"{cfg.steps} steps"
+  if last.get("stopped") == "time_limit":
+    what = f"{last['step']} of {cfg.steps} steps (stopped by --max-minutes; --resume goes on)"
+  print(f"[jaxspec] trained pard for {what} in {summary['seconds']:.0f} s: loss"
         f" {history[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}, top-1 by depth"
         f" {depths}; saved to {out}", flush=True)
   return 0
