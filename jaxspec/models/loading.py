@@ -47,8 +47,9 @@ def load(name_or_path: str | os.PathLike | None = None, dtype: str | None = None
       bfloat16 checkpoint, float32 otherwise: the bundled model, quantized and float16 files).
     scan_layers: True: the layers stacked and run by `lax.scan` (compiles fast); False: one
       set of weights per layer, unrolled (about 1.4x faster steps on XLA's CPU backend, several
-      times slower compiles). Default: unrolled on the CPU backend, stacked elsewhere
-      (`Model.with_scan_layers` converts later; outputs are bit-identical).
+      times slower compiles). Default: `jaxspec.models.llama.DEFAULT_SCAN_LAYERS`, unrolled on
+      CPUs and GPUs, stacked on TPUs and other backends (the JAXSPEC_SCAN_LAYERS variable
+      overrides it; `Model.with_scan_layers` converts later; outputs are bit-identical).
     place: lay every weight out on a mesh as it is read (`jaxspec.sharding.rules.Placer`,
       which `jaxspec.load(..., mesh=)` passes).
     compute_dtype: None: activations, products and the KV cache in `dtype`; "float32": those

@@ -378,24 +378,34 @@ def write_conversations(target: Model, plan: BatchPlan, prompt_ids: Sequence[Seq
 
 @dataclasses.dataclass
 class RateMeter:
-  """Tokens per second and the time left to a token budget, over this process's run."""
+  """Tokens per second and the time left to a token budget, over this process's run, or to a
+  time limit's `deadline` (a `time.monotonic` reading) when that comes first."""
 
   total: int
   done: int = 0
   start_done: int = 0
   t0: float = dataclasses.field(default_factory=time.monotonic)
+  deadline: float | None = None
 
   def rate(self, now: float | None = None) -> float:
     dt = (time.monotonic() if now is None else now) - self.t0
     return (self.done - self.start_done) / dt if dt > 0 else 0.0
 
   def eta_seconds(self, now: float | None = None) -> float | None:
+    now = time.monotonic() if now is None else now
     r = self.rate(now)
-    return max(self.total - self.done, 0) / r if r > 0 else None
+    eta = max(self.total - self.done, 0) / r if r > 0 else None
+    if self.deadline is not None:
+      limit = max(self.deadline - now, 0.0)
+      eta = limit if eta is None else min(eta, limit)
+    return eta
 
   def line(self, now: float | None = None, extra: str = "") -> str:
+    now = time.monotonic() if now is None else now
     eta = self.eta_seconds(now)
     left = "?" if eta is None else _hms(eta)
+    if self.deadline is not None and eta is not None and eta >= self.deadline - now:
+      left += " (time limit)"
     pct = 100.0 * self.done / self.total if self.total else 100.0
     return (f"[jaxspec] corpus: {self.done:,} / {self.total:,} tokens ({pct:.1f}%),"
             f" {self.rate(now):.1f} tok/s, eta {left}{extra}")
@@ -626,6 +636,7 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
 
   save.t = t0
   deadline = None if time_limit is None else time.monotonic() + time_limit
+  meter.deadline = deadline
   if not index_file.is_file():
     save(0)
   i = index["next_batch"]

@@ -399,6 +399,13 @@ def test_progress_line_has_rate_and_eta():
   assert m.line(now=40.0) == ("[jaxspec] corpus: 400 / 1,000 tokens (40.0%), 10.0 tok/s,"
                               " eta 1m00s")
   assert RateMeter(total=10, t0=5.0).eta_seconds(now=5.0) is None
+  # A time limit that comes before the budget is the ETA, and the line says so.
+  m.deadline = 70.0
+  assert m.eta_seconds(now=40.0) == 30.0
+  assert m.line(now=40.0).endswith(" eta 0m30s (time limit)")
+  m.deadline = 1000.0
+  assert m.line(now=40.0).endswith(" eta 1m00s")
+  assert RateMeter(total=10, t0=5.0, deadline=65.0).eta_seconds(now=5.0) == 60.0
   out = io.StringIO()  # not a terminal: plain lines, at most one per interval
   p = _Progress(RateMeter(total=10), True, every=3600.0, stream=out)
   p.update()
