@@ -67,13 +67,24 @@ def main() -> None:
   train_and_save(target, head, ds, out, steps=args.steps, lr=args.lr, eval_every=50, meta={
       "data": str(data_dir),
       # Round one when round two ran; whichever head is bundled when this runs.
-      "init": f"eagle ({config.get('meta', {}).get('recipe', 'no recipe recorded')})",
+      "init": head_origin("eagle", config),
       "data_seconds": round(sum(ds.meta.get("seconds", {}).values()), 1),
       "data_prompt_files": ds.meta.get("prompt_files"),
       "data_temperatures": ds.meta.get("generation", {}).get("temperatures"),
-      "recipe": "benchmarks/recipe_eagle.py " + " ".join(
-          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-          if k not in ("out", "data_dir"))})
+      "recipe": recipe_line("benchmarks/recipe_eagle.py", args, ("out", "data_dir"))})
+
+
+def head_origin(name: str, config: dict) -> str:
+  """A trained head's starting point for its record: `name` and the recipe line of the head it
+  names (from its config.json's meta)."""
+  return f"{name} ({config.get('meta', {}).get('recipe', 'no recipe recorded')})"
+
+
+def recipe_line(script: str, args, skip=()) -> str:
+  """The command line that reruns `script` with `args` (an argparse namespace), leaving out
+  the options in `skip` (paths of this machine)."""
+  return script + " " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                 if k not in skip)
 
 
 def own_instructions(target, out: Path, n: int, seed: int) -> tuple[list[str], float | None]:

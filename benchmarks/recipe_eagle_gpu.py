@@ -45,6 +45,7 @@ from jaxspec.heads.io import load_head_model, save_head
 from jaxspec.train import train_head
 from jaxspec.train.corpus import CorpusConfig, PackedCorpus, write_corpus
 from jaxspec.train.data import read_prompts
+from recipe_eagle import head_origin, recipe_line
 
 FILES = ("gsm8k_train.jsonl", "humaneval.jsonl", "self_instruct_seed_tasks.jsonl")
 PART = 15 << 20  # bytes per returned piece of corpus.tar (the device tool takes 16 MiB a file)
@@ -135,12 +136,10 @@ def main(argv=None, target=None) -> dict:
         f" {last.get('eval_acc_0', float('nan')):.4f}", flush=True)
 
   # 3. What comes back.
-  recipe = "benchmarks/recipe_eagle_gpu.py " + " ".join(
-      f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-      if k not in ("work", "out", "data_dir"))
+  recipe = recipe_line("benchmarks/recipe_eagle_gpu.py", args, ("work", "out", "data_dir"))
   record = {
       "recipe": recipe, "machine": machine(),
-      "init": f"{args.init} ({config.get('meta', {}).get('recipe', 'no recipe recorded')})",
+      "init": head_origin(args.init, config),
       "corpus": {"conversations": summary.conversations, "answer_tokens": summary.loss_tokens,
                  "tokens": summary.tokens, "shards": summary.shards,
                  "next_batch": summary.next_batch, "seconds": round(gen_seconds, 1),

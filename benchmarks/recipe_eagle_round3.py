@@ -38,7 +38,7 @@ from common import ROOT
 from jaxspec import load
 from jaxspec.heads.io import load_head_model
 from jaxspec.train.data import DataConfig, Dataset, read_prompts, write_dataset
-from recipe_eagle import own_instructions, train_and_save
+from recipe_eagle import head_origin, own_instructions, train_and_save
 
 DATA = ROOT.parent / "shared" / "data"
 ROUND2 = ROOT / "data" / "heads" / "smollm2-135m-eagle-round2" / "rows.npz"
@@ -137,7 +137,7 @@ def train(out: Path, args) -> None:
   ds = Dataset(data_dir, layers=layers, window=128)
   meta = {"data": "data/heads/smollm2-135m-eagle-round2 and -round3 (their token ids; the hidden"
                   " states were recomputed from them)",
-          "init": f"{args.init} ({config.get('meta', {}).get('recipe', 'no recipe recorded')})",
+          "init": head_origin(args.init, config),
           "recipe": f"benchmarks/recipe_eagle_round3.py --train {args.train} --lr {args.lr}"}
   train_and_save(target, head, ds, out, steps=args.train, lr=args.lr, eval_every=200, meta=meta)
 

@@ -138,6 +138,14 @@ def add_train_parser(sub) -> None:
                       " bars; without a terminal they are lines anyway")
 
 
+def _stopped(last: dict, cfg) -> str:
+  """What the summary line adds when --max-minutes ended the run (its last record says so)."""
+  if last.get("stopped") != "time_limit":
+    return ""
+  return (f", stopped at step {last['step']} of {cfg.steps} by --max-minutes (--resume goes on"
+          " from there)")
+
+
 def _train_config(args):
   from jaxspec.train.trainer import TrainConfig
   d = TRAIN_DEFAULTS[args.kind]
@@ -309,9 +317,7 @@ def cmd_train(args) -> int:
     end = last.get("step", cfg.steps)
     what = (f"{end - start} steps (resumed at step {start} of {cfg.steps})" if start
             else f"{end} steps")
-    if last.get("stopped") == "time_limit":
-      what += (f", stopped at step {end} of {cfg.steps} by --max-minutes (--resume goes on from"
-               " there)")
+    what += _stopped(last, cfg)
     line = (f"[jaxspec] trained {args.kind} for {what} in {summary['seconds']:.0f} s:"
             f" loss {ours[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
   else:
@@ -362,9 +368,7 @@ def _train_pard(args, cfg, options, progress, t0) -> int:
   (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
   depths = ", ".join(f"{last[f'top1_d{d}']:.2f}" for d in range(1, objective.k + 1)
                      if f"top1_d{d}" in last)
-  what = f"{cfg.steps} steps"
-  if last.get("stopped") == "time_limit":
-    what = f"{last['step']} of {cfg.steps} steps (stopped by --max-minutes; --resume goes on)"
+  what = f"{last.get('step', cfg.steps)} steps" + _stopped(last, cfg)
   print(f"[jaxspec] trained pard for {what} in {summary['seconds']:.0f} s: loss"
         f" {history[0]['loss']:.4f} -> {last.get('loss', float('nan')):.4f}, top-1 by depth"
         f" {depths}; saved to {out}", flush=True)

@@ -71,8 +71,8 @@ from jaxspec.heads.common import packed_attention_mask, same_segment_ahead  # no
 from jaxspec.models.model import Model
 from jaxspec.train import data as _data
 from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, DataError, Prompt,
-                                encode_prompts, fingerprint_matches, make_progress,
-                                store_hidden_states, target_fingerprint)
+                                check_time_limit, encode_prompts, fingerprint_matches,
+                                make_progress, store_hidden_states, target_fingerprint)
 
 FORMAT = "jaxspec-corpus"
 VERSION = 1
@@ -544,10 +544,7 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
       before the target runs.
   """
   check_int("token_budget", token_budget, 1, numpy=False, error=DataError)
-  if time_limit is not None and (isinstance(time_limit, bool) or
-                                 not isinstance(time_limit, (int, float, np.integer, np.floating))
-                                 or not 0 < time_limit < math.inf):
-    raise DataError(f"time_limit is seconds > 0 (or None: no limit), got {time_limit!r}")
+  check_time_limit("time_limit", time_limit, error=DataError)
   out = Path(out_dir)
   # A multi-turn prompt (a list of user messages): the first opens the conversation, the
   # others follow the target's answers.

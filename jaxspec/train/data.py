@@ -460,6 +460,18 @@ def fingerprint_matches(stamp: str, target: Model) -> bool:
   return stamp == target_fingerprint(target) or stamp == _fingerprint_v1(target)
 
 
+def check_time_limit(name: str, value: Any, *, numpy: bool = True,
+                     error: type[Exception] = ValueError) -> None:
+  """Raises `error` unless `value` is None (no limit) or a finite number of seconds > 0 (a
+  Python int or float, and with `numpy` a numpy scalar; never a bool): a time-boxed run's
+  limit (`write_corpus(time_limit=)`, `TrainConfig.time_limit`)."""
+  kinds = (int, float, np.integer, np.floating) if numpy else (int, float)
+  if value is None or (isinstance(value, kinds) and not isinstance(value, bool)
+                       and 0 < value < float("inf")):
+    return
+  raise error(f"{name} is seconds > 0 (or None: no limit), got {value!r}")
+
+
 def make_progress(enabled: bool | str = True, every: float = 30.0):
   """Progress on stderr: a rich bar on a terminal; without one (a log file, CI) or with
   `enabled="lines"`, a plain line at most every `every` seconds and at the end of each task;

@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 from jaxspec.checks import check_int
-from jaxspec.train.data import make_progress
+from jaxspec.train.data import check_time_limit, make_progress
 
 # loss_fn(model, batch, frozen) -> (scalar loss, {name: scalar metric})
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -120,10 +120,8 @@ class TrainConfig:
                        " lower --warmup or raise --steps")
     if not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0 or self.clip_norm < 0:
       raise ValueError("min_lr_ratio must be in [0, 1]; weight_decay and clip_norm >= 0")
-    t = self.time_limit
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                          or not 0 < t < math.inf):
-      raise ValueError(f"TrainConfig.time_limit is seconds > 0 (or None: no limit), got {t!r}")
+    # Python numbers only: the config is written to JSON.
+    check_time_limit("TrainConfig.time_limit", self.time_limit, numpy=False)
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
