@@ -22,8 +22,8 @@ def add_scan_layers(p: argparse.ArgumentParser) -> None:
                  help="run the layers as one lax.scan (yes: compiles fast) or unrolled (no:"
                       " faster plain steps, several times slower compiles); auto (default):"
                       " the backend's default (unrolled on CPUs and GPUs, scanned on TPUs),"
-                      " except that `jaxspec generate` scans them on the CPU, where its short"
-                      " runs spend most of their time compiling")
+                      " except that `jaxspec generate` and `jaxspec train-data` scan them on"
+                      " the CPU, where they spend much of their time compiling")
 
 
 def default_compile_cache() -> str:

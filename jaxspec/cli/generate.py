@@ -280,9 +280,10 @@ def cmd_generate(args) -> int:
 
 
 def generate_layout(choice: str) -> bool | None:
-  """`--scan-layers` for `generate`: "auto" stacks the layers on the CPU backend, where a
-  command's short run spends most of its time compiling (the bundled SmolLM2 with its EAGLE
-  head: the loop compiles in about 40 s stacked against 130 s unrolled on 2 cores), and takes
+  """`--scan-layers` for `generate` and `train-data`: "auto" stacks the layers on the CPU
+  backend, where a command's short run spends most of its time compiling (the bundled SmolLM2
+  with its EAGLE head: the loop compiles in about 40 s stacked against 130 s unrolled on 2
+  cores; a corpus compiles a program per cache size and answer length), and takes
   the backend's default elsewhere (`jaxspec.models.llama.DEFAULT_SCAN_LAYERS`)."""
   import jax
   if choice == "auto" and jax.default_backend() == "cpu":

@@ -434,6 +434,24 @@ def test_token_count_suffixes():
                                                                     3 * 10**9]
 
 
+def test_train_data_layer_layout_option(tmp_path, monkeypatch):
+  """--scan-layers: auto stacks the layers on the CPU (a corpus compiles a program per cache size
+  and answer length); yes / no are passed to load as they are."""
+  import jaxspec.models.loading as loading
+  from jaxspec.cli.app import main
+  seen = []
+
+  def fake_load(*args, **kw):
+    seen.append(kw["scan_layers"])
+    raise OSError("stop here")
+
+  monkeypatch.setattr(loading, "load", fake_load)
+  for flag in ([], ["--scan-layers", "no"], ["--scan-layers", "yes"]):
+    with pytest.raises(SystemExit, match="stop here"):
+      main(["train-data", "--out", str(tmp_path / "c"), "--tokens", "1k"] + flag)
+  assert seen == [True, False, True]
+
+
 def test_max_minutes_option(tmp_path, capsys):
   """--max-minutes (train-data and train) takes positive finite minutes; other values are a
   one-line usage error before anything loads."""
