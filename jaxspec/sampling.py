@@ -506,6 +506,60 @@ def _filter_sorted(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   return jnp.where(keep_v, logits, -jnp.inf)
 
 
+_SIGN = 0x80000000
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+  """float32 -> uint32 keys in the same order (-0 as +0; -inf lowest), for the bisections."""
+  i = lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+  sign = jnp.uint32(_SIGN)
+  return jnp.where(i >= sign, ~i, i | sign)
+
+
+def _largest_key(pred, shape) -> jax.Array:
+  """Per row, the largest uint32 t with pred(t) true, for pred true up to some t and false
+  after it, false at 2**32 - 1 (0 when pred(0) is false too): 32 halvings."""
+  def halve(_, c):
+    lo, hi = c
+    mid = lo + (hi - lo) // 2
+    ok = pred(mid)
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+  lo, _ = lax.fori_loop(0, 32, halve, (jnp.zeros(shape, jnp.uint32),
+                                       jnp.full(shape, 0xFFFFFFFF, jnp.uint32)))
+  return lo
+
+
+def _filter_bisect(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+  """`_filter_sorted`'s filters without sorting the vocabulary (XLA's CPU sort of a [B, V]
+  row of logits takes longer than the model's decode step): top-k's k-th value is the largest
+  key that at least k tokens reach, and top-p's edge the largest key whose tokens and those
+  above it hold top_p, each found by 32 halvings of a count or a masked sum over the vocabulary;
+  among tokens tied at the edge, the lower ids come first, as in the sorted order. The same
+  tokens as `_filter_sorted` up to float rounding of the mass before the edge (summed in
+  another order)."""
+  nd = logits.ndim
+  v = logits.shape[-1]
+  u = _order_keys(logits)
+  rows = logits.shape[:-1] + (1,)
+  k = jnp.minimum(_expand(sp.top_k, nd), v)
+  kth = _largest_key(lambda t: jnp.sum(u >= t, axis=-1, keepdims=True) >= k, rows)
+  keep = (k == 0) | (u >= kth)
+  pr = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+  top_p = _expand(sp.top_p, nd)
+  edge = _largest_key(
+      lambda t: jnp.sum(jnp.where(u >= t, pr, 0.0), axis=-1, keepdims=True) >= top_p, rows)
+  above = jnp.sum(jnp.where(u > edge, pr, 0.0), axis=-1, keepdims=True)
+  tied = jnp.where(u == edge, pr, 0.0)
+  before = above + jnp.cumsum(tied, axis=-1) - tied  # mass before each token tied at the edge
+  keep = keep & ((top_p >= 1) | (u > edge) | ((u == edge) & (before < top_p)))
+  min_p = _expand(sp.min_p, nd)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  keep = keep & ((min_p <= 0) | (logits >= top + jnp.log(jnp.maximum(min_p, 1e-30))))
+  first = jnp.argmax(logits, axis=-1)[..., None]  # the most likely token (lowest id) survives
+  keep = keep | (lax.broadcasted_iota(jnp.int32, logits.shape, nd - 1) == first)
+  return jnp.where(keep, logits, -jnp.inf)
+
+
 def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   """Temperature-scaled, filtered float32 logits [B, ..., V] for the sampled rows.
 
@@ -514,8 +568,8 @@ def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   |logit| / temperature exceeds float32's largest value, ~3.4e38: below about 1e-37 for
   logits near 30) acts as its limit T -> 0: 0 on the largest logit's tokens and -inf elsewhere,
   so the distribution is the argmax one-hot (uniform over exact ties) and the chosen token's
-  log-probability is 0 (log(1/n) for n tied), finite. Filtering sorts the vocabulary, so it
-  runs only when some row asks for it.
+  log-probability is 0 (log(1/n) for n tied), finite. Filtering sorts the vocabulary (on the
+  CPU it bisects instead: `_filter_bisect`), so it runs only when some row asks for it.
   """
   logits = logits.astype(jnp.float32)
   nd = logits.ndim
@@ -529,7 +583,8 @@ def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   limit = jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), 0.0, -jnp.inf)
   logits = jnp.where(hot, jnp.where(over, limit, scaled), logits)
   needs = jnp.any((sp.temperature > 0) & ((sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)))
-  return lax.cond(needs, lambda l: _filter_sorted(l, sp), lambda l: l, logits)
+  filtered = lambda l: lax.platform_dependent(l, sp, cpu=_filter_bisect, default=_filter_sorted)
+  return lax.cond(needs, filtered, lambda l: l, logits)
 
 
 def probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from jaxspec.checks import parse_int
-from jaxspec.cli_options import add_scan_layers, count, count0, minutes
+from jaxspec.cli_options import add_compile_cache, add_scan_layers, count, count0, minutes
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -51,6 +51,7 @@ def add_train_data_parser(sub) -> None:
   t.add_argument("--model", default=None, help="the target (default: the bundled SmolLM2-135M)")
   t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   add_scan_layers(t)
+  add_compile_cache(t)  # a rerun, which continues the corpus, loads its programs
   t.add_argument("--turns", type=count, default=2,
                  help="answers per conversation (the target writes each follow-up user turn)")
   t.add_argument("--max-new-tokens", type=count, default=1024, help="tokens per answer")

@@ -58,6 +58,32 @@ def test_probs_match_reference_with_ties(t, k, p, m):
     np.testing.assert_allclose(got[r], _ref_probs(np.asarray(logits[r]), t, k, p, m), atol=1e-6)
 
 
+def test_cpu_bisection_filter_keeps_the_sorted_filters_tokens():
+  """On the CPU `probs` filters by bisection (`_filter_bisect`, XLA's CPU sort being slow); it
+  keeps exactly the tokens the sorting filter keeps, with exact ties at top-k's k-th value and
+  top-p's edge, -inf logits, -0 beside +0, every row its own k, p and min-p, and [B, K, V]
+  logits. A bisection that keeps every token tied at top-p's edge fails it."""
+  from jaxspec.sampling import _filter_bisect, _filter_sorted
+  rng = np.random.default_rng(7)
+  fs, fb = jax.jit(_filter_sorted), jax.jit(_filter_bisect)
+  for trial in range(60):
+    v = (5, 33, 64)[trial % 3]
+    x = (rng.integers(-6, 6, (4, v)) * 0.5 if trial % 2 else rng.normal(size=(4, v)) * 3
+         ).astype(np.float32)
+    x[trial % 4, rng.integers(0, v)] = -np.inf
+    x[0, 0], x[0, -1] = -0.0, 0.0
+    sp = Sampling(temperature=1.0).arrays(4)
+    sp.top_k = jnp.asarray(rng.integers(0, v + 3, 4), jnp.int32)
+    sp.top_p = jnp.asarray(rng.choice([1.0, 0.3, 0.5, 0.7, 0.95], 4), jnp.float32)
+    sp.min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.1, 0.5], 4), jnp.float32)
+    want = np.isfinite(np.asarray(fs(jnp.asarray(x), sp)))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(fb(jnp.asarray(x), sp))), want)
+  x = jnp.asarray(rng.normal(size=(2, 3, 50)).astype(np.float32) * 2)
+  sp = Sampling(temperature=1.0, top_k=7, top_p=0.8, min_p=0.05).arrays(2)
+  np.testing.assert_array_equal(np.isfinite(_filter_bisect(x, sp)),
+                                np.isfinite(_filter_sorted(x, sp)))
+
+
 def test_probs_per_row_settings_match_each_row_alone():
   """Rows with different settings in one batch: each row gets what it gets alone, and a row
   with top_p = 1 beside filtering rows keeps all of its mass (no cumulative-sum rounding)."""

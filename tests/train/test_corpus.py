@@ -434,9 +434,9 @@ def test_token_count_suffixes():
                                                                     3 * 10**9]
 
 
-def test_train_data_layer_layout_option(tmp_path, monkeypatch):
+def test_train_data_layout_and_compile_cache_options(tmp_path, monkeypatch):
   """--scan-layers: auto stacks the layers on the CPU (a corpus compiles a program per cache size
-  and answer length); yes / no are passed to load as they are."""
+  and answer length); yes / no are passed to load as they are. --compile-cache as generate's."""
   import jaxspec.models.loading as loading
   from jaxspec.cli.app import main
   seen = []
@@ -450,6 +450,10 @@ def test_train_data_layer_layout_option(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="stop here"):
       main(["train-data", "--out", str(tmp_path / "c"), "--tokens", "1k"] + flag)
   assert seen == [True, False, True]
+  from jaxspec.cli.app import _parser
+  args = ["train-data", "--out", "c", "--tokens", "1k"]
+  assert _parser().parse_args(args).compile_cache is None  # the default cache, as generate's
+  assert _parser().parse_args(args + ["--compile-cache", "none"]).compile_cache == "none"
 
 
 def test_max_minutes_option(tmp_path, capsys):
