@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,52 @@ def recipe_line(script: str, args, skip=()) -> str:
   the options in `skip` (paths of this machine)."""
   return script + " " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                  if k not in skip)
+
+
+def add_online_training_args(ap: argparse.ArgumentParser, *, train_minutes: float, steps: int,
+                             batch_size: int, seq_len: int, eval_every: int, seed: int) -> None:
+  """The options of a recipe that trains the head online on packed corpus rows (these
+  defaults), and --work / --out."""
+  ap.add_argument("--work", required=True, help="the corpus and checkpoints (not returned)")
+  ap.add_argument("--out", required=True, help="the trained head and its record")
+  ap.add_argument("--train-minutes", type=float, default=train_minutes)
+  ap.add_argument("--steps", type=int, default=steps)
+  ap.add_argument("--batch-size", type=int, default=batch_size)
+  ap.add_argument("--seq-len", type=int, default=seq_len)
+  ap.add_argument("--lr", type=float, default=3e-4)
+  ap.add_argument("--eval-every", type=int, default=eval_every)
+  ap.add_argument("--init", default="eagle", help="the head to train further (dir or name)")
+  ap.add_argument("--seed", type=int, default=seed)
+
+
+def parse_with_dirs(ap: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, Path, Path]:
+  """`ap`'s arguments, and its --work and --out directories (created)."""
+  args = ap.parse_args(argv)
+  work, out = Path(args.work), Path(args.out)
+  work.mkdir(parents=True, exist_ok=True)
+  out.mkdir(parents=True, exist_ok=True)
+  return args, work, out
+
+
+def train_online(target, head, data, args, work: Path, *, warmup_steps: int,
+                 eval_batches: int, log_every: int) -> tuple[Any, dict, float]:
+  """Trains `head` on `data` (packed rows) with the target's hidden states computed in the
+  step, as `args` says (add_online_training_args), checkpoints in WORK/train; prints a summary
+  line. Returns the run, its last history record and the seconds it took."""
+  t = time.time()
+  run = train_head(target, "eagle", data, head=head, hidden="online", out_dir=work / "train",
+                   steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                   warmup_steps=warmup_steps, save_every=args.steps, eval_every=args.eval_every,
+                   eval_batches=eval_batches, log_every=log_every,
+                   time_limit=60 * args.train_minutes, seed=args.seed, progress="lines")
+  seconds = time.time() - t
+  last = run.history[-1] if run.history else {}
+  done = int(last.get("step", 0))
+  print(f"[recipe] trained {done} of {args.steps} steps in {seconds:.0f} s"
+        f" ({done * args.batch_size * args.seq_len / max(seconds, 1e-9):,.0f} row tokens/s,"
+        f" compilation included); held-out first-draft accuracy"
+        f" {last.get('eval_acc_0', float('nan')):.4f}", flush=True)
+  return run, last, seconds
 
 
 def own_instructions(target, out: Path, n: int, seed: int) -> tuple[list[str], float | None]:

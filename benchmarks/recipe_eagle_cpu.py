@@ -36,10 +36,10 @@ import numpy as np
 from common import ROOT, machine
 from jaxspec import load
 from jaxspec.heads.io import load_head_model, save_head
-from jaxspec.train import train_head
 from jaxspec.train.corpus import FORMAT, VERSION, Corpus, PackedCorpus, write_shard
 from jaxspec.train.data import DataError
-from recipe_eagle import head_origin, recipe_line
+from recipe_eagle import (add_online_training_args, head_origin, parse_with_dirs, recipe_line,
+                          train_online)
 from recipe_eagle_round3 import ROUND2, ROUND3, _rows
 
 ROWS = (str(ROUND2), str(ROUND3))
@@ -107,23 +107,12 @@ def main(argv=None, target=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--corpus", required=True, nargs="+",
                   help="the corpora `jaxspec train-data` wrote (one or more)")
-  ap.add_argument("--work", required=True, help="the mixed corpus and checkpoints")
-  ap.add_argument("--out", required=True, help="the trained head and its record")
+  add_online_training_args(ap, train_minutes=50.0, steps=80, batch_size=8, seq_len=512,
+                           eval_every=20, seed=12)
   ap.add_argument("--rows", nargs="*", default=list(ROWS),
                   help="rows.npz files of earlier rounds to train on too (none: the corpus only)")
-  ap.add_argument("--steps", type=int, default=80)
-  ap.add_argument("--train-minutes", type=float, default=50.0)
-  ap.add_argument("--batch-size", type=int, default=8)
-  ap.add_argument("--seq-len", type=int, default=512)
-  ap.add_argument("--lr", type=float, default=3e-4)
-  ap.add_argument("--eval-every", type=int, default=20)
   ap.add_argument("--eval-batches", type=int, default=8)
-  ap.add_argument("--init", default="eagle", help="the head to train further (dir or name)")
-  ap.add_argument("--seed", type=int, default=12)
-  args = ap.parse_args(argv)
-  work, out = Path(args.work), Path(args.out)
-  work.mkdir(parents=True, exist_ok=True)
-  out.mkdir(parents=True, exist_ok=True)
+  args, work, out = parse_with_dirs(ap, argv)
   t_start = time.time()
   target = load() if target is None else target
   _, head, config = load_head_model(target, args.init)
@@ -140,19 +129,11 @@ def main(argv=None, target=None) -> dict:
         f" {', '.join(args.corpus)}); {data.num_train_rows:,} packed rows of {args.seq_len} tokens"
         f" ({data.num_eval_rows:,} held out)", flush=True)
 
-  t = time.time()
-  run = train_head(target, "eagle", data, head=head, hidden="online", out_dir=work / "train",
-                   steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                   warmup_steps=min(20, max(1, args.steps // 10)), save_every=args.steps,
-                   eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=5,
-                   time_limit=60 * args.train_minutes, seed=args.seed, progress="lines")
-  train_seconds = time.time() - t
-  last = run.history[-1] if run.history else {}
+  run, last, train_seconds = train_online(target, head, data, args, work,
+                                          warmup_steps=min(20, max(1, args.steps // 10)),
+                                          eval_batches=args.eval_batches, log_every=5)
   steps_done = int(last.get("step", 0))
   rate = steps_done * args.batch_size * args.seq_len / max(train_seconds, 1e-9)
-  print(f"[recipe] trained {steps_done} of {args.steps} steps in {train_seconds:.0f} s"
-        f" ({rate:,.0f} row tokens/s, compilation included); held-out first-draft accuracy"
-        f" {last.get('eval_acc_0', float('nan')):.4f}", flush=True)
 
   record = {
       "recipe": recipe_line("benchmarks/recipe_eagle_cpu.py", args, ("work", "out")),

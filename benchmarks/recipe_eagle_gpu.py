@@ -42,10 +42,10 @@ import jax
 from common import ROOT, machine
 from jaxspec import load
 from jaxspec.heads.io import load_head_model, save_head
-from jaxspec.train import train_head
 from jaxspec.train.corpus import CorpusConfig, PackedCorpus, write_corpus
 from jaxspec.train.data import read_prompts
-from recipe_eagle import head_origin, recipe_line
+from recipe_eagle import (add_online_training_args, head_origin, parse_with_dirs, recipe_line,
+                          train_online)
 
 FILES = ("gsm8k_train.jsonl", "humaneval.jsonl", "self_instruct_seed_tasks.jsonl")
 PART = 15 << 20  # bytes per returned piece of corpus.tar (the device tool takes 16 MiB a file)
@@ -69,8 +69,8 @@ def main(argv=None, target=None) -> dict:
   """Runs the recipe (argv: its command line; target: the loaded target, default `load()`);
   returns record.json's content."""
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--work", required=True, help="the corpus and checkpoints (not returned)")
-  ap.add_argument("--out", required=True, help="what comes back (see the module docstring)")
+  add_online_training_args(ap, train_minutes=2.5, steps=1500, batch_size=16, seq_len=1024,
+                           eval_every=250, seed=10)
   ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
   ap.add_argument("--generate-minutes", type=float, default=3.5)
   ap.add_argument("--tokens", type=int, default=10**9, help="answer-token budget")
@@ -82,18 +82,7 @@ def main(argv=None, target=None) -> dict:
                   help="file prompts, drawn evenly from the three files (GSM8K alone has 7,473:"
                        " uncapped, math would crowd out the rest)")
   ap.add_argument("--max-len", type=int, default=2048)
-  ap.add_argument("--train-minutes", type=float, default=2.5)
-  ap.add_argument("--steps", type=int, default=1500)
-  ap.add_argument("--batch-size", type=int, default=16)
-  ap.add_argument("--seq-len", type=int, default=1024)
-  ap.add_argument("--lr", type=float, default=3e-4)
-  ap.add_argument("--eval-every", type=int, default=250)
-  ap.add_argument("--init", default="eagle", help="the head to train further (dir or name)")
-  ap.add_argument("--seed", type=int, default=10)
-  args = ap.parse_args(argv)
-  work, out = Path(args.work), Path(args.out)
-  work.mkdir(parents=True, exist_ok=True)
-  out.mkdir(parents=True, exist_ok=True)
+  args, work, out = parse_with_dirs(ap, argv)
   t_start = time.time()
   # Stacked layers: the corpus's conversations grow the cache through several sizes, each a
   # compilation, and a scanned model compiles several times faster than an unrolled one.
@@ -121,19 +110,10 @@ def main(argv=None, target=None) -> dict:
 
   # 2. The head, online.
   data = PackedCorpus(work / "corpus", args.seq_len)
-  t = time.time()
-  run = train_head(target, "eagle", data, head=head, hidden="online", out_dir=work / "train",
-                   steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                   warmup_steps=min(50, args.steps // 10), save_every=args.steps,
-                   eval_every=args.eval_every, eval_batches=8, log_every=10,
-                   time_limit=60 * args.train_minutes, progress="lines")
-  train_seconds = time.time() - t
-  last = run.history[-1] if run.history else {}
+  run, last, train_seconds = train_online(target, head, data, args, work,
+                                          warmup_steps=min(50, args.steps // 10),
+                                          eval_batches=8, log_every=10)
   steps_done = int(last.get("step", 0))
-  print(f"[recipe] trained {steps_done} of {args.steps} steps in {train_seconds:.0f} s"
-        f" ({steps_done * args.batch_size * args.seq_len / max(train_seconds, 1e-9):,.0f} row"
-        f" tokens/s, compilation included); held-out first-draft accuracy"
-        f" {last.get('eval_acc_0', float('nan')):.4f}", flush=True)
 
   # 3. What comes back.
   recipe = recipe_line("benchmarks/recipe_eagle_gpu.py", args, ("work", "out", "data_dir"))
