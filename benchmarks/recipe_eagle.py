@@ -89,7 +89,7 @@ def recipe_line(script: str, args, skip=()) -> str:
 
 
 def add_online_training_args(ap: argparse.ArgumentParser, *, train_minutes: float, steps: int,
-                             batch_size: int, seq_len: int, eval_every: int, seed: int) -> None:
+                             batch_size: int, seq_len: int, eval_every: int) -> None:
   """The options of a recipe that trains the head online on packed corpus rows (these
   defaults), and --work / --out."""
   ap.add_argument("--work", required=True, help="the corpus and checkpoints (not returned)")
@@ -101,7 +101,6 @@ def add_online_training_args(ap: argparse.ArgumentParser, *, train_minutes: floa
   ap.add_argument("--lr", type=float, default=3e-4)
   ap.add_argument("--eval-every", type=int, default=eval_every)
   ap.add_argument("--init", default="eagle", help="the head to train further (dir or name)")
-  ap.add_argument("--seed", type=int, default=seed)
 
 
 def parse_with_dirs(ap: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, Path, Path]:
@@ -123,7 +122,7 @@ def train_online(target, head, data, args, work: Path, *, warmup_steps: int,
                    steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                    warmup_steps=warmup_steps, save_every=args.steps, eval_every=args.eval_every,
                    eval_batches=eval_batches, log_every=log_every,
-                   time_limit=60 * args.train_minutes, seed=args.seed, progress="lines")
+                   time_limit=60 * args.train_minutes, progress="lines")
   seconds = time.time() - t
   last = run.history[-1] if run.history else {}
   done = int(last.get("step", 0))

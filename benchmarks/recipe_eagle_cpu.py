@@ -108,7 +108,7 @@ def main(argv=None, target=None) -> dict:
   ap.add_argument("--corpus", required=True, nargs="+",
                   help="the corpora `jaxspec train-data` wrote (one or more)")
   add_online_training_args(ap, train_minutes=50.0, steps=80, batch_size=8, seq_len=512,
-                           eval_every=20, seed=12)
+                           eval_every=20)
   ap.add_argument("--rows", nargs="*", default=list(ROWS),
                   help="rows.npz files of earlier rounds to train on too (none: the corpus only)")
   ap.add_argument("--eval-batches", type=int, default=8)

@@ -70,7 +70,8 @@ def main(argv=None, target=None) -> dict:
   returns record.json's content."""
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_online_training_args(ap, train_minutes=2.5, steps=1500, batch_size=16, seq_len=1024,
-                           eval_every=250, seed=10)
+                           eval_every=250)
+  ap.add_argument("--seed", type=int, default=10, help="of the prompts' draw and the corpus")
   ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
   ap.add_argument("--generate-minutes", type=float, default=3.5)
   ap.add_argument("--tokens", type=int, default=10**9, help="answer-token budget")
