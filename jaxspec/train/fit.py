@@ -138,7 +138,8 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
     mesh: a `jax.sharding.Mesh`: batches split over its data axis, the target's weights placed
       by `rules` (`jaxspec.sharding`), the head replicated (see `jaxspec.train.mesh`).
     rules: the sharding rules for the target (default `jaxspec.sharding.DEFAULT_RULES`).
-    seed: the head's initialisation seed (default config.seed).
+    seed: the run's seed, as Hugging Face's Trainer takes it: the head's initialisation and a
+      `TrainData`'s batch order (it replaces config.seed); default config.seed.
     progress: a rich progress bar on stderr.
   Returns:
     The `TrainedHead` (module, options, history).
@@ -151,7 +152,9 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
     raise ValueError(f"hidden must be one of {HIDDEN_MODES}, got {hidden!r}")
   spec = HEADS[kind]
   cfg = _config(config, dict(settings))
-  seed = cfg.seed if seed is None else seed
+  if seed is not None:
+    cfg = dataclasses.replace(cfg, seed=seed)
+  seed = cfg.seed
   opts = dict(options or {})
   if head is None:
     opts = _with_vocab(kind, opts, data, target.cfg.vocab_size)

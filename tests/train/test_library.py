@@ -178,6 +178,41 @@ def test_plain_iterables_are_checked(tiny_target):
     train_head(tiny_target, "medusa", random_batches(v), steps=5, hidden="disk")
 
 
+def test_seed_sets_the_batch_order_and_the_initialisation(tiny_target):
+  """train_head(seed=s), as Hugging Face's Trainer seed: a TrainData's batches are drawn with s
+  (replacing config.seed) and the head starts from s; without it config.seed serves both."""
+  v = tiny_target.cfg.vocab_size
+  batches = list(random_batches(v, n=4))
+
+  class Data:  # a TrainData that records the seed it is asked for
+    seeds = []
+
+    def steps_per_epoch(self, batch_size):
+      return len(batches)
+
+    def train_batch(self, step, batch_size, seed):
+      self.seeds.append(seed)
+      return batches[step % len(batches)]
+
+    def eval_batches(self, batch_size, max_batches=None):
+      return batches[:1]
+
+  kw = dict(options=dict(n_predict=1), steps=2, optimizer=optax.sgd(0.0))
+  a = train_head(tiny_target, "mlp", Data(), seed=3, **kw)
+  assert set(Data.seeds) == {3}
+  Data.seeds.clear()
+  b = train_head(tiny_target, "mlp", Data(), config=TrainConfig(steps=2, warmup_steps=0, seed=3),
+                 **kw)
+  assert set(Data.seeds) == {3}
+  Data.seeds.clear()
+  c = train_head(tiny_target, "mlp", Data(), config=TrainConfig(steps=2, warmup_steps=0, seed=3),
+                 seed=5, **kw)
+  assert set(Data.seeds) == {5}
+  jax.tree.map(np.testing.assert_array_equal, _params(a.model), _params(b.model))
+  assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, _params(a.model),
+                                              _params(c.model))))
+
+
 def test_a_resumed_generator_is_skipped_to_its_step(tiny_target, tmp_path):
   """A deterministic generator resumes exactly: its first batches are skipped."""
   v = tiny_target.cfg.vocab_size
