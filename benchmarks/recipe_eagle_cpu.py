@@ -36,7 +36,8 @@ import numpy as np
 from common import ROOT, machine
 from jaxspec import load
 from jaxspec.heads.io import load_head_model, save_head
-from jaxspec.train.corpus import FORMAT, VERSION, Corpus, PackedCorpus, write_shard
+from jaxspec.train.corpus import (FORMAT, VERSION, Corpus, PackedCorpus, token_dtype,
+                                  write_shard)
 from jaxspec.train.data import DataError
 from recipe_eagle import (add_online_training_args, head_origin, parse_with_dirs, recipe_line,
                           train_online)
@@ -56,10 +57,11 @@ def rows_conversations(path: str | os.PathLike):
   return convs, z["prompt_index"].astype(np.int64), temp
 
 
-def mixed_corpus(corpora: list[str], rows: list[str], out: str | os.PathLike,
-                 vocab_size: int, shard_rows: int = 1024) -> Path:
-  """WORK/mixed (step 1 of the module docstring); rebuilt from scratch on every call."""
-  srcs = [Corpus(c) for c in corpora]
+def mixed_corpus(corpora: list, rows: list[str], out: str | os.PathLike,
+                 vocab_size: int, shard_rows: int = 1024) -> Corpus:
+  """WORK/mixed (step 1 of the module docstring), opened; rebuilt from scratch on every call.
+  `corpora`: `Corpus` objects or their directories."""
+  srcs = [c if isinstance(c, Corpus) else Corpus(c) for c in corpora]
   for c in srcs[1:]:
     if c.index["target"]["fingerprint"] != srcs[0].index["target"]["fingerprint"]:
       raise DataError(f"{c.path} and {srcs[0].path} were written by different targets")
@@ -76,7 +78,7 @@ def mixed_corpus(corpora: list[str], rows: list[str], out: str | os.PathLike,
       if z:  # renumber the shard's sources after the earlier corpora's
         info = src.load_shard(i)
         info["source"] = info["source"] + z
-        info["tokens"] = info["tokens"].astype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+        info["tokens"] = info["tokens"].astype(token_dtype(vocab_size))
         np.savez_compressed(out / name, **info)
       else:
         os.symlink((src.path / s["file"]).resolve(), out / name)
@@ -100,7 +102,7 @@ def mixed_corpus(corpora: list[str], rows: list[str], out: str | os.PathLike,
            "mixed_from": {"corpora": [str(c.path) for c in srcs], "rows": list(rows)},
            "complete": True}
   (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-  return out
+  return Corpus(out)
 
 
 def main(argv=None, target=None) -> dict:
@@ -120,9 +122,9 @@ def main(argv=None, target=None) -> dict:
   for c in corpora:
     c.check_target(target)
 
-  mixed = mixed_corpus(args.corpus, args.rows, work / "mixed", target.cfg.vocab_size)
+  mixed = mixed_corpus(corpora, args.rows, work / "mixed", target.cfg.vocab_size)
   data = PackedCorpus(mixed, args.seq_len)
-  totals = json.loads((mixed / "index.json").read_text())["totals"]
+  totals = mixed.index["totals"]
   corpus_tokens = sum(c.index["totals"]["loss_tokens"] for c in corpora)
   print(f"[recipe] training corpus: {totals['conversations']:,} conversations,"
         f" {totals['loss_tokens']:,} answer tokens ({corpus_tokens:,} from"

@@ -32,7 +32,7 @@ def test_mixed_corpus_holds_the_corpus_and_every_row(tmp_path):
   rows = [([5, 6, 7], [8, 9]), ([1, 2], [3, 4, 5, 6]), ([10] * 5, [11])]
   f = _rows(tmp_path / "rows.npz", rows)
   mixed = recipe.mixed_corpus([CORPUS], [str(f)], tmp_path / "mixed", 49152, shard_rows=2)
-  base, got = Corpus(CORPUS), Corpus(mixed)
+  base, got = Corpus(CORPUS), mixed
   assert got.num_shards == base.num_shards + 2
   assert got.sources == [f"{s} (smollm2-135m)" for s in base.sources] + [recipe.ROWS_SOURCE]
   convs = list(got.conversations())
@@ -50,7 +50,7 @@ def test_mixed_corpus_holds_the_corpus_and_every_row(tmp_path):
 def test_two_corpora_keep_their_sources_apart(tmp_path):
   from jaxspec.train.corpus import Corpus
   mixed = recipe.mixed_corpus([CORPUS, CORPUS], [], tmp_path / "mixed", 49152)
-  base, got = Corpus(CORPUS), Corpus(mixed)
+  base, got = Corpus(CORPUS), mixed
   assert got.num_shards == 2 * base.num_shards and len(got.sources) == 2 * len(base.sources)
   n = base.num_shards
   for s in range(n):
