@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cli_options import (CACHE_EVENTS, SCAN_LAYERS, add_compile_cache, add_penalties,
-                                 add_sampling, add_scan_layers, count, draft_count)
+from jaxspec.cli_options import (CACHE_EVENTS, add_compile_cache, add_penalties, add_sampling,
+                                 add_scan_layers, command_layout, count, draft_count)
 
 # The names --draft takes (besides a path). "eagle3" is the bundled EAGLE head under the name
 # its drafter reports (an EAGLE-3 head), so every drafter name the CLI prints is one it takes;
@@ -279,18 +279,6 @@ def cmd_generate(args) -> int:
     return _generate(args, prompts, sampling, status)
 
 
-def generate_layout(choice: str) -> bool | None:
-  """`--scan-layers` for `generate` and `train-data`: "auto" stacks the layers on the CPU
-  backend, where a command's short run spends most of its time compiling (the bundled SmolLM2
-  with its EAGLE head: the loop compiles in about 40 s stacked against 130 s unrolled on 2
-  cores; a corpus compiles a program per cache size and answer length), and takes
-  the backend's default elsewhere (`jaxspec.models.llama.DEFAULT_SCAN_LAYERS`)."""
-  import jax
-  if choice == "auto" and jax.default_backend() == "cpu":
-    return True
-  return SCAN_LAYERS[choice]
-
-
 def peak_memory_bytes() -> int:
   """The process's peak resident memory so far (Linux reports it in KiB, macOS in bytes)."""
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -301,7 +289,7 @@ def _generate(args, prompts, sampling, status) -> int:
   from jaxspec.models.loading import load
   t_load = time.perf_counter()
   status.phase("loading the model")
-  model = load(args.model, dtype=args.dtype, scan_layers=generate_layout(args.scan_layers))
+  model = load(args.model, dtype=args.dtype, scan_layers=command_layout(args.scan_layers))
   drafter = _make_drafter(args.draft, model, args.dtype or model.cfg.dtype)
   status.phase(None)
   if args.tree is not None:

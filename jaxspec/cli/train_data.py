@@ -8,7 +8,8 @@ import signal
 import sys
 
 from jaxspec.checks import parse_int
-from jaxspec.cli_options import add_compile_cache, add_scan_layers, count, count0, minutes
+from jaxspec.cli_options import (add_compile_cache, add_scan_layers, command_layout, count, count0,
+                                 minutes)
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -90,7 +91,6 @@ def cmd_train_data(args) -> int:
   """Runs `jaxspec train-data`: writes or continues the corpus, then prints a summary line."""
   from pathlib import Path
 
-  from jaxspec.cli.generate import generate_layout
   from jaxspec.models.loading import load
   from jaxspec.train.corpus import CorpusConfig, write_corpus
   from jaxspec.train.data import read_prompts
@@ -108,7 +108,7 @@ def cmd_train_data(args) -> int:
                                      all_turns=True)
   # A corpus compiles a program for every cache size and answer length it meets: stacked
   # layers compile several times faster (on a CPU a batch-16 decode step is about 10% slower).
-  target = load(args.model, dtype=args.dtype, scan_layers=generate_layout(args.scan_layers))
+  target = load(args.model, dtype=args.dtype, scan_layers=command_layout(args.scan_layers))
   # A polite stop (kill PID, a job scheduler's SIGTERM) keeps the finished batches, as Ctrl-C does.
   previous = signal.signal(signal.SIGTERM, _interrupt)
   try:
