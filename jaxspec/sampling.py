@@ -536,22 +536,31 @@ def _filter_bisect(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   above it hold top_p, each found by 32 halvings of a count or a masked sum over the vocabulary;
   among tokens tied at the edge, the lower ids come first, as in the sorted order. The same
   tokens as `_filter_sorted` up to float rounding of the mass before the edge (summed in
-  another order)."""
+  another order). Each bisection runs only when some row uses its filter."""
   nd = logits.ndim
   v = logits.shape[-1]
   u = _order_keys(logits)
   rows = logits.shape[:-1] + (1,)
+  everything = jnp.ones(logits.shape, jnp.bool_)
   k = jnp.minimum(_expand(sp.top_k, nd), v)
-  kth = _largest_key(lambda t: jnp.sum(u >= t, axis=-1, keepdims=True) >= k, rows)
-  keep = (k == 0) | (u >= kth)
-  pr = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+
+  def top_k_keep():
+    kth = _largest_key(lambda t: jnp.sum(u >= t, axis=-1, keepdims=True) >= k, rows)
+    return (k == 0) | (u >= kth)
+
+  keep = lax.cond(jnp.any(k > 0), top_k_keep, lambda: everything)
   top_p = _expand(sp.top_p, nd)
-  edge = _largest_key(
-      lambda t: jnp.sum(jnp.where(u >= t, pr, 0.0), axis=-1, keepdims=True) >= top_p, rows)
-  above = jnp.sum(jnp.where(u > edge, pr, 0.0), axis=-1, keepdims=True)
-  tied = jnp.where(u == edge, pr, 0.0)
-  before = above + jnp.cumsum(tied, axis=-1) - tied  # mass before each token tied at the edge
-  keep = keep & ((top_p >= 1) | (u > edge) | ((u == edge) & (before < top_p)))
+
+  def top_p_keep():
+    pr = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    edge = _largest_key(
+        lambda t: jnp.sum(jnp.where(u >= t, pr, 0.0), axis=-1, keepdims=True) >= top_p, rows)
+    above = jnp.sum(jnp.where(u > edge, pr, 0.0), axis=-1, keepdims=True)
+    tied = jnp.where(u == edge, pr, 0.0)
+    before = above + jnp.cumsum(tied, axis=-1) - tied  # mass before each token tied at the edge
+    return (top_p >= 1) | (u > edge) | ((u == edge) & (before < top_p))
+
+  keep = keep & lax.cond(jnp.any(top_p < 1), top_p_keep, lambda: everything)
   min_p = _expand(sp.min_p, nd)
   top = jnp.max(logits, axis=-1, keepdims=True)
   keep = keep & ((min_p <= 0) | (logits >= top + jnp.log(jnp.maximum(min_p, 1e-30))))

@@ -61,8 +61,9 @@ def test_probs_match_reference_with_ties(t, k, p, m):
 def test_cpu_bisection_filter_keeps_the_sorted_filters_tokens():
   """On the CPU `probs` filters by bisection (`_filter_bisect`, XLA's CPU sort being slow); it
   keeps exactly the tokens the sorting filter keeps, with exact ties at top-k's k-th value and
-  top-p's edge, -inf logits, -0 beside +0, every row its own k, p and min-p, and [B, K, V]
-  logits. A bisection that keeps every token tied at top-p's edge fails it."""
+  top-p's edge, -inf logits, -0 beside +0, every row its own k, p and min-p, batches where no
+  row uses top-k or top-p, and [B, K, V] logits. A bisection that keeps every token tied at
+  top-p's edge fails it."""
   from jaxspec.sampling import _filter_bisect, _filter_sorted
   rng = np.random.default_rng(7)
   fs, fb = jax.jit(_filter_sorted), jax.jit(_filter_bisect)
@@ -76,6 +77,10 @@ def test_cpu_bisection_filter_keeps_the_sorted_filters_tokens():
     sp.top_k = jnp.asarray(rng.integers(0, v + 3, 4), jnp.int32)
     sp.top_p = jnp.asarray(rng.choice([1.0, 0.3, 0.5, 0.7, 0.95], 4), jnp.float32)
     sp.min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.1, 0.5], 4), jnp.float32)
+    if trial % 5 == 0:  # no row uses top-k: its bisection is skipped
+      sp.top_k = jnp.zeros(4, jnp.int32)
+    elif trial % 5 == 1:  # no row uses top-p: its bisection is skipped
+      sp.top_p = jnp.ones(4, jnp.float32)
     want = np.isfinite(np.asarray(fs(jnp.asarray(x), sp)))
     np.testing.assert_array_equal(np.isfinite(np.asarray(fb(jnp.asarray(x), sp))), want)
   x = jnp.asarray(rng.normal(size=(2, 3, 50)).astype(np.float32) * 2)
