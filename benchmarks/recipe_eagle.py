@@ -30,6 +30,7 @@ import numpy as np
 
 from common import ROOT
 from jaxspec import load
+from jaxspec.heads import head_kind
 from jaxspec.heads.io import load_head_model, save_head
 from jaxspec.train import train_head
 from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, Dataset, make_progress,
@@ -100,7 +101,8 @@ def add_online_training_args(ap: argparse.ArgumentParser, *, train_minutes: floa
   ap.add_argument("--seq-len", type=int, default=seq_len)
   ap.add_argument("--lr", type=float, default=3e-4)
   ap.add_argument("--eval-every", type=int, default=eval_every)
-  ap.add_argument("--init", default="eagle", help="the head to train further (dir or name)")
+  ap.add_argument("--init", default="eagle",
+                  help="the head to train further (dir or name; its kind is the kind trained)")
 
 
 def parse_with_dirs(ap: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, Path, Path]:
@@ -116,12 +118,13 @@ def train_online(target, head, data, args, work: Path, *, warmup_steps: int,
                  eval_batches: int, log_every: int) -> tuple[Any, dict, float]:
   """Trains `head` on `data` (packed rows) with the target's hidden states computed in the
   step, as `args` says (add_online_training_args), checkpoints in WORK/train; prints a summary
-  line. Returns the run, its last history record and the seconds it took."""
+  line. Returns the run, its last history record and the seconds it took. The head's kind
+  (EAGLE-3, Medusa or the MLP speculator) is `head`'s."""
   t = time.time()
-  run = train_head(target, "eagle", data, head=head, hidden="online", out_dir=work / "train",
-                   steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                   warmup_steps=warmup_steps, save_every=args.steps, eval_every=args.eval_every,
-                   eval_batches=eval_batches, log_every=log_every,
+  run = train_head(target, head_kind(head), data, head=head, hidden="online",
+                   out_dir=work / "train", steps=args.steps, batch_size=args.batch_size,
+                   lr=args.lr, warmup_steps=warmup_steps, save_every=args.steps,
+                   eval_every=args.eval_every, eval_batches=eval_batches, log_every=log_every,
                    time_limit=60 * args.train_minutes, progress="lines")
   seconds = time.time() - t
   last = run.history[-1] if run.history else {}

@@ -1,8 +1,9 @@
-"""The bundled EAGLE-3 head's next round on this CPU: a multi-turn corpus the target writes
-(`jaxspec train-data`, run beforehand, resumable; several, from workers run side by side), mixed with the token ids of the earlier
+"""A bundled head's next round on this CPU (EAGLE-3 by default; `--init medusa` or `mlp` trains
+that head): a multi-turn corpus the target writes (`jaxspec train-data`, run beforehand,
+resumable; several, from workers run side by side), mixed with the token ids of the earlier
 rounds' rows, trains the bundled head online, time-boxed.
 
-    jaxspec train-data --out CORPUS ...            # the corpus (the command in docs/guides/training.md)
+    jaxspec train-data --out CORPUS ...   # the corpus (the command in docs/guides/training.md)
     python3 benchmarks/recipe_eagle_cpu.py --corpus CORPUS --work /tmp/r4 --out heads/round4 \
         [--rows data/heads/smollm2-135m-eagle-round2/rows.npz ...] [--steps 80] \
         [--train-minutes 50] [--batch-size 8] [--seq-len 512] [--lr 3e-4]
@@ -14,11 +15,11 @@ rounds' rows, trains the bundled head online, time-boxed.
    lists them all. Rows of every --rows file share one source, so the answers to one prompt
    (prompt_index) fall on one side of the held-out split.
 2. `jaxspec.train.train_head(..., hidden="online")` trains the --init head (default the bundled
-   one) on packed rows of --seq-len tokens (`PackedCorpus`), the frozen target's forward inside
-   the jitted step; the cosine schedule is set by --steps, --train-minutes stops it earlier
-   (evaluated and saved).
-3. OUT/eagle: the trained head, its record in config.json's meta (data, training, machine);
-   OUT/record.json and OUT/history.jsonl beside it.
+   EAGLE-3 head; its kind is the kind trained) on packed rows of --seq-len tokens
+   (`PackedCorpus`), the frozen target's forward inside the jitted step; the cosine schedule
+   is set by --steps, --train-minutes stops it earlier (evaluated and saved).
+3. OUT/KIND (eagle, medusa or mlp): the trained head, its record in config.json's meta (data,
+   training, machine); OUT/record.json and OUT/history.jsonl beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 
 from common import ROOT, machine
 from jaxspec import load
+from jaxspec.heads import head_kind
 from jaxspec.heads.io import load_head_model, save_head
 from jaxspec.train.corpus import (FORMAT, VERSION, Corpus, PackedCorpus, token_dtype,
                                   write_shard)
@@ -153,7 +155,8 @@ def main(argv=None, target=None) -> dict:
                 "final": last or None},
       "seconds": round(time.time() - t_start, 1),
   }
-  save_head(out / "eagle", "eagle", run.model, target.cfg, target_params=target.params,
+  kind = head_kind(head)
+  save_head(out / kind, kind, run.model, target.cfg, target_params=target.params,
             meta={k: record[k] for k in ("recipe", "init", "data", "train")})
   shutil.copy(work / "train" / "history.jsonl", out / "history.jsonl")
   (out / "record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")

@@ -64,7 +64,8 @@ def add_train_data_parser(sub) -> None:
                  help="share of batches whose first user turn the target writes (Magpie);"
                       " all of them once the prompts are used up (0: stop then)")
   t.add_argument("--gen-batch-size", type=count, default=16,
-                 help="conversations per generate call")
+                 help="conversations per batch, and the slots they are written on at once"
+                      " (continuous batching)")
   t.add_argument("--max-prompt-len", type=count, default=512,
                  help="longer prompts (after the chat template) are skipped")
   t.add_argument("--max-len", type=count, default=4096, help="longest conversation (tokens)")
@@ -106,8 +107,8 @@ def cmd_train_data(args) -> int:
     prompts, _, files = read_prompts(args.prompts, max_prompts=args.max_prompts, seed=args.seed,
                                      allow_eval=args.allow_eval_prompts, with_files=True,
                                      all_turns=True)
-  # A corpus compiles a program for every cache size and answer length it meets: stacked
-  # layers compile several times faster (on a CPU a batch-16 decode step is about 10% slower).
+  # A corpus compiles a program for every chunk width and number of slots starting a turn
+  # together: stacked layers compile several times faster (on a CPU a batch-16 decode step is about 10% slower).
   target = load(args.model, dtype=args.dtype, scan_layers=command_layout(args.scan_layers))
   # A polite stop (kill PID, a job scheduler's SIGTERM) keeps the finished batches, as Ctrl-C does.
   previous = signal.signal(signal.SIGTERM, _interrupt)

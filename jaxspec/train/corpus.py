@@ -1,15 +1,17 @@
 """Self-distillation corpora at scale: multi-turn conversations the target writes, stored as
 token-id shards, read back as a stream of packed training batches.
 
-`write_corpus` has the target regenerate every assistant turn of its conversations with the
-project's own batched `generate` (greedy and sampled): a conversation starts from a prompt file's
-user message, or from a user message the target writes itself after its chat template's bare
+`write_corpus` has the target regenerate every assistant turn of its conversations, greedy and
+sampled, by continuous batching (`ConversationWriter` on a `jaxspec.decoding.slots.SlotDecoder`:
+each conversation keeps a slot and its cache for all its turns): a conversation starts from a
+prompt file's user message, or from a user message the target writes itself after its chat template's bare
 user-turn prefix (Magpie, Xu et al. 2024); after each answer comes the prompt's next user turn
 when the prompt file gives several, else one the target writes the same way (after the
 template's "end of assistant turn, start of user turn"), and the target answers it, up to
 `CorpusConfig.turns` answers. Generation runs to a token budget and is resumable: the
-work is a fixed sequence of batches (batch i's prompts, temperature and random key are a function
-of i), shards are written at batch boundaries, and index.json records the next batch, so a rerun
+work is a fixed sequence of batches (batch i's prompts, temperature and random keys are a
+function of i; batches are handed back in order however their conversations share the slots),
+shards are written at batch boundaries, and index.json records the next batch, so a rerun
 continues where the last one stopped and writes the conversations an uninterrupted run writes.
 
 A corpus directory:
@@ -156,7 +158,8 @@ class CorpusConfig:
     magpie_fraction: share of the batches whose first user turn the target writes; once every
       prompt is answered at every temperature, all batches are Magpie batches (with 0 the
       corpus is then complete).
-    batch_size: conversations per `generate` call.
+    batch_size: conversations per batch of the schedule, and the slots they are written on
+      (a finished conversation's slot takes the next one at once).
     max_prompt_len: prompts longer than this (after the chat template) are skipped.
     max_len: longest conversation in tokens (the KV-cache size bound).
     shard_tokens: a shard is written once it holds this many tokens (at a batch boundary).
@@ -236,7 +239,7 @@ def batch_plan(i: int, num_prompts: int, cfg: CorpusConfig) -> BatchPlan | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# One batch of conversations.
+# The conversations of the batches, on slots (continuous batching).
 
 
 @dataclasses.dataclass
@@ -252,124 +255,191 @@ class Conversation:
   given: list[list[int]] = dataclasses.field(default_factory=list)  # later user turns
 
 
-def _generate_rows(target: Model, prompts: list[list[int]], *, batch_size: int,
-                   max_new_tokens: int, sampling, key, stop_ids, max_len: int) -> list[list[int]]:
-  """New tokens of each prompt, through jaxspec's batched `generate`. The batch is padded to
-  `batch_size` with copies of its first row (one shape for every call) and the cache size
-  rounded up to a multiple of 256 (few shapes, few compilations)."""
-  from jaxspec.api import generate
+@dataclasses.dataclass
+class _Live:
+  """A conversation on a slot: its batch, its row j there, the phase it is in (phase p of
+  batch i samples row j with row_keys(fold_in(fold_in(key(seed), i), p), batch_size)[j]),
+  whether the slot writes a user turn (else an answer), and the tokens before that user turn
+  (not in `conv.tokens` until the turn is kept)."""
 
-  n = len(prompts)
-  padded = prompts + [prompts[0]] * (batch_size - n)
-  longest = max(len(p) for p in padded)
-  cache = min(-(-(longest + max_new_tokens) // 256) * 256, max(max_len, longest + max_new_tokens))
-  res = generate(target, padded, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
-                 stop_ids=stop_ids, max_len=cache)
-  return [res.row(j) for j in range(n)]
-
-
-def _user_turns(target: Model, convs: list[Conversation], turns: ChatTurns, cfg: CorpusConfig,
-                key, *, follow_up: bool) -> None:
-  """The next user turn of every open conversation: the prompt file's own when it gives one,
-  else written by the target (Magpie): sampled after the conversation so far (and, for a
-  follow-up, the template's start of a user turn), stopped by the end of a user turn. Kept when
-  it ends within max_user_tokens, has min_user_tokens and leaves room for an answer of
-  max_new_tokens; otherwise the conversation closes as it was."""
-  from jaxspec.sampling import Sampling
-  # An answer ends with the token that starts `assistant_to_user` (it is already there).
-  lead = list(turns.assistant_to_user[1:]) if follow_up else []
-  given = [c for c in convs if c.open and c.given]
-  for c in given:  # a prompt file's next user turn, as the template writes a user message
-    add = lead + c.given.pop(0) + list(turns.user_to_assistant)
-    if len(c.tokens) + len(add) + cfg.max_new_tokens > cfg.max_len:
-      c.open = False
-      continue
-    c.tokens += add
-    c.mask += [0] * len(add)
-  taken = {id(c) for c in given}
-  live = [c for c in convs if c.open and id(c) not in taken]
-  if not live:
-    return
-  stops = sorted({turns.user_end, *target.cfg.eos_token_ids})
-  rows = _generate_rows(target, [c.tokens + lead for c in live], batch_size=cfg.batch_size,
-                        max_new_tokens=cfg.max_user_tokens + 1,
-                        sampling=Sampling(temperature=cfg.user_temperature,
-                                          top_p=cfg.user_top_p),
-                        key=key, stop_ids=stops, max_len=cfg.max_len)
-  for c, row in zip(live, rows):
-    add = lead + row + list(turns.user_to_assistant[1:])
-    if (not row or row[-1] != turns.user_end
-        or not cfg.min_user_tokens <= len(row) - 1 <= cfg.max_user_tokens
-        or len(c.tokens) + len(add) + cfg.max_new_tokens > cfg.max_len):
-      c.open = False
-      continue
-    c.tokens += add
-    c.mask += [0] * len(add)
+  conv: Conversation
+  batch: int
+  j: int
+  phase: int
+  user: bool = False
+  lead: tuple[int, ...] = ()
 
 
-def _answers(target: Model, convs: list[Conversation], turns: ChatTurns | None,
-             cfg: CorpusConfig, temperature: float, key) -> None:
-  """The target answers every open conversation (at `temperature`); the answer's tokens are the
-  ones the loss mask marks. An answer that does not stop, or a conversation with no room for
-  another turn, closes it."""
-  from jaxspec.sampling import Sampling
-  live = [c for c in convs if c.open]
-  if not live:
-    return
-  stops = sorted(set(target.cfg.eos_token_ids)
-                 | set(getattr(target.tokenizer, "eos_token_ids", ()) or ())
-                 | ({turns.assistant_end} if turns is not None else set()))
-  room = min(cfg.max_new_tokens, cfg.max_len - max(len(c.tokens) for c in live))
-  rows = _generate_rows(target, [c.tokens for c in live], batch_size=cfg.batch_size,
-                        max_new_tokens=room, sampling=Sampling(temperature=float(temperature)),
-                        key=key, stop_ids=stops, max_len=cfg.max_len)
-  for c, row in zip(live, rows):
-    c.tokens += row
-    c.mask += [1] * len(row)
-    c.answers += 1
-    more = (turns is not None and c.answers < cfg.turns and row
-            and row[-1] == turns.assistant_end
-            and len(c.tokens) + len(turns.assistant_to_user) + cfg.max_user_tokens
-            + len(turns.user_to_assistant) + cfg.max_new_tokens <= cfg.max_len)
-    if not more:
-      c.open = False
+class ConversationWriter:
+  """Writes the conversations of batches start, start + 1, ... of the schedule (`batch_plan`)
+  on `cfg.batch_size` slots of a `SlotDecoder`, and hands them back batch by batch, in order.
 
+  Each conversation lives on one slot from its first user turn to its last answer: a phase
+  (a target-written user turn, or an answer) appends to the slot's cache only the tokens since
+  the last one, and a slot whose conversation ends takes the next conversation, of the same
+  batch or of the next one admitted, at once. So no step waits for a batch's longest row, and
+  no turn prefills the conversation again. What a conversation holds depends only on its batch
+  and row (the keys above): the same as the batches run one at a time, up to the float rounding
+  of other rows in the decode batch.
 
-def write_conversations(target: Model, plan: BatchPlan, prompt_ids: Sequence[Sequence[int]],
-                        cfg: CorpusConfig, turns: ChatTurns | None, *,
-                        later_ids: Sequence[Sequence[Sequence[int]]] | None = None,
-                        on_phase=None) -> list[Conversation]:
-  """The conversations of one batch: the first user turns (the plan's prompts, or written by the
-  target), then up to cfg.turns answers, each but the last followed by a user turn: the prompt
-  file's next one (`later_ids[p]`: token ids of its later user turns), else target-written. Phase p of batch i samples with fold_in(fold_in(key(seed), i), p). `on_phase(convs)`,
-  when given, is called after every phase (progress inside a long batch).
-
-  Returns:
-    The finished conversations that hold at least one answer, in the plan's order.
+  A conversation's phases, as the batch writer's were: the first user turn (a prompt's, or the
+  target's after `user_prefix`: Magpie), then up to cfg.turns answers, each but the last
+  followed by the prompt file's next user turn (`later_ids[p]`) or one the target writes. A
+  target-written user turn is kept when it ends within max_user_tokens, has min_user_tokens and
+  leaves room for an answer of max_new_tokens; an answer that does not stop, or leaves no room
+  for another turn, ends the conversation. An answer may run to max_new_tokens or to max_len.
   """
-  base = jax.random.fold_in(jax.random.key(cfg.seed), plan.index)
-  phase = iter(range(1 << 20))
-  temp = cfg.temperatures[plan.temperature_index]
-  if plan.magpie:
-    if turns is None:
-      raise DataError("Magpie batches need the target's chat template (magpie_fraction=0"
-                      " without one)")
-    convs = [Conversation(list(turns.user_prefix), [0] * len(turns.user_prefix),
-                          plan.index * cfg.batch_size + j) for j in range(cfg.batch_size)]
-    _user_turns(target, convs, turns, cfg, jax.random.fold_in(base, next(phase)),
-                follow_up=False)
-  else:
-    convs = [Conversation(list(prompt_ids[p]), [0] * len(prompt_ids[p]), p,
-                          given=[list(t) for t in later_ids[p]] if later_ids else [])
-             for p in plan.prompts]
-  for a in range(cfg.turns):
-    if a:
-      _user_turns(target, convs, turns, cfg, jax.random.fold_in(base, next(phase)),
-                  follow_up=True)
-    _answers(target, convs, turns, cfg, temp, jax.random.fold_in(base, next(phase)))
-    if on_phase is not None:
-      on_phase(convs)
-  return [c for c in convs if c.answers]
+
+  def __init__(self, target: Model, prompt_ids: Sequence[Sequence[int]], cfg: CorpusConfig,
+               turns: ChatTurns | None, *, later_ids: Sequence[Sequence[Sequence[int]]] = (),
+               start: int = 0):
+    from jaxspec.decoding.slots import SlotDecoder
+    self.prompt_ids, self.later, self.cfg, self.turns = prompt_ids, later_ids, cfg, turns
+    self.answer_stops = set(target.cfg.eos_token_ids) | set(
+        getattr(target.tokenizer, "eos_token_ids", ()) or ())
+    self.user_stops = set(target.cfg.eos_token_ids)
+    if turns is not None:
+      self.answer_stops.add(turns.assistant_end)
+      self.user_stops.add(turns.user_end)
+    self.dec = SlotDecoder(target, cfg.batch_size, cfg.max_len,
+                           max(cfg.max_new_tokens, cfg.max_user_tokens + 1),
+                           sorted(self.answer_stops),
+                           max_stops=max(8, len(self.answer_stops), len(self.user_stops)))
+    self.next_batch = start
+    self.exhausted = False  # the schedule is over
+    self.waiting: list[_Live] = []  # admitted, not on a slot yet
+    self.on_slot: dict[int, _Live] = {}
+    self.batches: dict[int, tuple[BatchPlan, list[Conversation], list[int]]] = {}
+    self._base = jax.random.key(cfg.seed)
+    self.on_run = None  # called after every return of the decode loop (progress)
+
+  # The keys and jobs of one phase.
+  def _key(self, live: _Live) -> jax.Array:
+    from jaxspec.sampling import row_keys
+    k = jax.random.fold_in(jax.random.fold_in(self._base, live.batch), live.phase)
+    return row_keys(k, self.cfg.batch_size)[live.j]
+
+  def _start(self, slot: int, live: _Live, reset: bool) -> None:
+    from jaxspec.decoding.slots import Job
+    cfg, c = self.cfg, live.conv
+    held = 0 if reset else self.dec.cached(slot)
+    if live.user:
+      job = Job((c.tokens + list(live.lead))[held:], cfg.max_user_tokens + 1, self._key(live),
+                cfg.user_temperature, cfg.user_top_p, reset, sorted(self.user_stops))
+    else:
+      plan = self.batches[live.batch][0]
+      room = min(cfg.max_new_tokens, cfg.max_len - len(c.tokens))
+      job = Job(c.tokens[held:], room, self._key(live),
+                cfg.temperatures[plan.temperature_index], 1.0, reset)
+    self.on_slot[slot] = live
+    self.dec.start(slot, job)
+
+  def _admit(self) -> bool:
+    """Queues the next batch's conversations; False when the schedule is over."""
+    plan = batch_plan(self.next_batch, len(self.prompt_ids), self.cfg)
+    if plan is None:
+      self.exhausted = True
+      return False
+    cfg, turns = self.cfg, self.turns
+    if plan.magpie:
+      if turns is None:
+        raise DataError("Magpie batches need the target's chat template (magpie_fraction=0"
+                        " without one)")
+      convs = [Conversation(list(turns.user_prefix), [0] * len(turns.user_prefix),
+                            plan.index * cfg.batch_size + j) for j in range(cfg.batch_size)]
+      lives = [_Live(c, plan.index, j, 0, user=True) for j, c in enumerate(convs)]
+    else:
+      convs = [Conversation(list(self.prompt_ids[p]), [0] * len(self.prompt_ids[p]), p,
+                            given=[list(t) for t in self.later[p]] if self.later else [])
+               for p in plan.prompts]
+      lives = [_Live(c, plan.index, j, 0) for j, c in enumerate(convs)]
+    self.batches[plan.index] = (plan, convs, [len(convs)])
+    self.waiting += lives
+    self.next_batch += 1
+    return True
+
+  def _close(self, live: _Live) -> None:
+    live.conv.open = False
+    self.batches[live.batch][2][0] -= 1
+
+  def _next_phase(self, live: _Live) -> bool:
+    """After an answer: the next user turn set up (a given one appended, or a target-written
+    one to write); False when the conversation ends."""
+    cfg, turns, c = self.cfg, self.turns, live.conv
+    live.phase += 1
+    lead = tuple(turns.assistant_to_user[1:])
+    if c.given:  # a prompt file's next user turn, as the template writes a user message
+      add = list(lead) + c.given.pop(0) + list(turns.user_to_assistant)
+      if len(c.tokens) + len(add) + cfg.max_new_tokens > cfg.max_len:
+        return False
+      c.tokens += add
+      c.mask += [0] * len(add)
+      live.phase += 1  # the answer's phase
+      live.user = False
+    else:
+      live.user, live.lead = True, lead
+    return True
+
+  def _finished(self, slot: int, row: list[int]) -> bool:
+    """Takes a slot's finished phase into its conversation; True when the conversation goes
+    on (its next phase started on the same slot)."""
+    cfg, turns = self.cfg, self.turns
+    live = self.on_slot.pop(slot)
+    c = live.conv
+    if live.user:
+      add = list(live.lead) + row + list(turns.user_to_assistant[1:])
+      if (not row or row[-1] != turns.user_end
+          or not cfg.min_user_tokens <= len(row) - 1 <= cfg.max_user_tokens
+          or len(c.tokens) + len(add) + cfg.max_new_tokens > cfg.max_len):
+        return False
+      c.tokens += add
+      c.mask += [0] * len(add)
+      live.user, live.lead = False, ()
+      live.phase += 1
+    else:
+      c.tokens += row
+      c.mask += [1] * len(row)
+      c.answers += 1
+      more = (turns is not None and c.answers < cfg.turns and row
+              and row[-1] == turns.assistant_end
+              and len(c.tokens) + len(turns.assistant_to_user) + cfg.max_user_tokens
+              + len(turns.user_to_assistant) + cfg.max_new_tokens <= cfg.max_len)
+      if not more or not self._next_phase(live):
+        return False
+    self._start(slot, live, reset=False)
+    return True
+
+  def answer_tokens(self) -> int:
+    """Answer tokens the conversations of unfinished batches hold so far (progress)."""
+    return sum(sum(c.mask) for _, convs, _ in self.batches.values() for c in convs)
+
+  def next(self, admit=lambda batch: True) -> tuple[BatchPlan, list[Conversation]] | None:
+    """Writes until the oldest unfinished batch is done and returns it (its conversations that
+    hold an answer, in the batch's order); None when no batch is left: the schedule is over
+    (`exhausted`), or `admit(i)` refused batch i and every admitted one has been returned.
+    `admit` is asked before a batch's conversations are queued for free slots."""
+    while True:
+      if self.batches:
+        oldest = min(self.batches)
+        plan, convs, left = self.batches[oldest]
+        if not left[0]:
+          del self.batches[oldest]
+          return plan, [c for c in convs if c.answers]
+      for slot in self.dec.free:
+        if not self.waiting and not (not self.exhausted and admit(self.next_batch)
+                                     and self._admit()):
+          break
+        self._start(slot, self.waiting.pop(0), reset=True)
+      if not self.on_slot:
+        if not self.batches:
+          return None
+        raise AssertionError("unfinished batches with no conversation on a slot")
+      for slot, row in self.dec.run().items():
+        live = self.on_slot[slot]
+        if not self._finished(slot, row):
+          self._close(live)
+      if self.on_run is not None:
+        self.on_run()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,8 +603,8 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     sources: names of the prompt files (recorded; the Magpie name is appended).
     prompt_sources: for each prompt, its index in `sources` (default 0).
     max_batches: stop after this many batches in this call (tests, time-boxed runs).
-    time_limit: start no batch after this many seconds of this call (a time-boxed run: it ends
-      at most one batch past the limit, with every finished batch stored; rerun to go on).
+    time_limit: start no batch after this many seconds of this call (a time-boxed run: the
+      batches already on slots finish and are stored; rerun to go on).
     progress: show progress on stderr (a bar on a terminal, else a line every
       `progress_every` seconds).
   Returns:
@@ -636,26 +706,31 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   meter.deadline = deadline
   if not index_file.is_file():
     save(0)
-  i = index["next_batch"]
-  try:
-    buffered = lambda: sum(len(c.tokens) for c in pending)  # noqa: E731
-    buffered_loss = lambda: sum(sum(c.mask) for c in pending)  # noqa: E731
-    while tot["loss_tokens"] + buffered_loss() < token_budget and not index["complete"]:
-      if max_batches is not None and batches >= max_batches:
-        break
-      if deadline is not None and time.monotonic() >= deadline:
-        break
-      plan = batch_plan(i, len(prompt_ids), cfg)
-      if plan is None:
-        index["complete"] = True
-        break
-      def on_phase(convs, i=i):
-        meter.done = tot["loss_tokens"] + buffered_loss() + sum(sum(c.mask) for c in convs)
-        bar.update(f", batch {i} (answer {max(c.answers for c in convs)} of {cfg.turns}),"
-                   f" {len(index['shards'])} shards")
+  i = i0 = index["next_batch"]
+  writer = None  # made when a batch is to be written (its slots' caches are large)
+  buffered = lambda: sum(len(c.tokens) for c in pending)  # noqa: E731
+  buffered_loss = lambda: sum(sum(c.mask) for c in pending)  # noqa: E731
 
-      convs = write_conversations(target, plan, prompt_ids, cfg, turns, later_ids=later,
-                                  on_phase=on_phase)
+  def admit(batch: int) -> bool:  # whether batch `batch` may start
+    return ((max_batches is None or batch < i0 + max_batches)
+            and (deadline is None or time.monotonic() < deadline)
+            and tot["loss_tokens"] + buffered_loss() < token_budget)
+
+  def on_run():
+    meter.done = tot["loss_tokens"] + buffered_loss() + writer.answer_tokens()
+    bar.update(f", batch {i} ({len(writer.on_slot)} conversations on slots),"
+               f" {len(index['shards'])} shards")
+
+  try:
+    while tot["loss_tokens"] + buffered_loss() < token_budget and not index["complete"]:
+      if writer is None:
+        writer = ConversationWriter(target, prompt_ids, cfg, turns, later_ids=later, start=i)
+        writer.on_run = on_run
+      done = writer.next(admit)
+      if done is None:
+        index["complete"] = writer.exhausted
+        break
+      plan, convs = done
       temp = cfg.temperatures[plan.temperature_index]
       for c in convs:
         pending.append(c)

@@ -6,6 +6,7 @@ import json
 import sys
 
 import numpy as np
+import pytest
 
 from helpers import ROOT
 
@@ -60,19 +61,25 @@ def test_two_corpora_keep_their_sources_apart(tmp_path):
   assert got.index["totals"]["loss_tokens"] == 2 * base.index["totals"]["loss_tokens"]
 
 
-def test_recipe_trains_the_head_online_and_saves_it_with_its_record(smollm2, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle", "mlp"])
+def test_recipe_trains_the_head_online_and_saves_it_with_its_record(smollm2, tmp_path, kind):
+  """--init names the bundled head trained further, and so its kind (EAGLE-3 by default)."""
+  from jaxspec.heads import head_kind
   from jaxspec.heads.io import load_head_model
   f = _rows(tmp_path / "rows.npz", [([1, 2, 3], list(range(40, 70)))] * 4)
   out = tmp_path / "out"
   rec = recipe.main(["--corpus", str(CORPUS), "--work", str(tmp_path / "work"), "--out",
                      str(out), "--rows", str(f), "--steps", "2", "--batch-size", "2",
-                     "--seq-len", "128", "--eval-every", "2", "--eval-batches", "1"],
-                    target=smollm2)
+                     "--seq-len", "128", "--eval-every", "2", "--eval-batches", "1"]
+                    + (["--init", kind] if kind != "eagle" else []), target=smollm2)
   assert json.loads((out / "record.json").read_text()) == json.loads(json.dumps(rec,
                                                                                 default=str))
   assert rec["train"]["steps"] == 2 and rec["train"]["stopped"] is None
   assert rec["data"]["totals"]["conversations"] == 158 + 4
   history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
   assert history[-1]["step"] == 2 and "eval_acc_0" in history[-1]
-  _, head, config = load_head_model(smollm2, out / "eagle")
-  assert config["meta"]["recipe"] == rec["recipe"] and head.cfg.version == 3
+  _, head, config = load_head_model(smollm2, out / kind)
+  assert config["meta"]["recipe"] == rec["recipe"] and head_kind(head) == kind
+  assert config["meta"]["init"].startswith(kind)
+  if kind == "eagle":
+    assert head.cfg.version == 3

@@ -145,6 +145,60 @@ def test_sampled_answers_differ_from_greedy(chat_target, tmp_path):
   assert any(by[(p, 0.0)] != by[(p, float(np.float32(0.7)))] for p in range(len(PROMPTS)))
 
 
+def test_sampled_conversations_follow_their_keys_phase_by_phase(chat_target, tmp_path):
+  """Every target-written span of sampled multi-turn conversations (Magpie user turns, follow-up
+  user turns, answers) is what `generate` draws for the conversation before it with the key the
+  schedule names: phase p of batch i samples row j with row_keys(fold_in(fold_in(key(seed), i),
+  p), batch_size)[j], however the conversations shared the slots."""
+  import jaxspec
+  cfg = dataclasses.replace(CFG, temperatures=(0.7,), turns=2, seed=3)
+  s = write_corpus(chat_target, PROMPTS, tmp_path / "c", cfg, token_budget=10**6,
+                   max_batches=4, progress=False)
+  corpus = Corpus(s.path)
+  turns = chat_turns(chat_target.tokenizer)
+  magpie = len(corpus.sources) - 1
+  where = {}  # (file prompt) -> (batch, row)
+  for i in range(s.next_batch):
+    plan = batch_plan(i, len(PROMPTS), cfg)
+    where.update({p: (i, j) for j, p in enumerate(plan.prompts)})
+  b = cfg.batch_size
+  checked = 0
+
+  def drawn(prefix, batch, row, phase, user):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), batch), phase)
+    sp = dict(temperature=cfg.user_temperature, top_p=cfg.user_top_p) if user else dict(
+        temperature=0.7)
+    budget = cfg.max_user_tokens + 1 if user else min(cfg.max_new_tokens,
+                                                      cfg.max_len - len(prefix))
+    out = jaxspec.generate(chat_target, [prefix] * b, max_new_tokens=budget, sampling=sp,
+                           key=key, stop_ids=(END,), max_len=cfg.max_len + 16)
+    return out.row(row)
+
+  for source, prompt, _, toks, mask in _conversations(s.path):
+    batch, row = divmod(prompt, b) if source == magpie else where[prompt]
+    phase, pos = 0, 0
+    if source == magpie:  # the first user turn: after the template's bare user prefix
+      pos = len(turns.user_prefix)
+      user = drawn(toks[:pos], batch, row, phase, True)
+      assert toks[pos:pos + len(user)] == user
+      pos, phase = pos + len(user) + len(turns.user_to_assistant) - 1, phase + 1
+      checked += 1
+    spans = _spans(mask)
+    for n, (a, e) in enumerate(spans):
+      assert n or source != magpie or a == pos  # a Magpie answer follows its user turn
+      if n:  # a follow-up user turn the target wrote, after the lead of a user turn
+        lead = len(turns.assistant_to_user) - 1
+        start = spans[n - 1][1] + lead
+        user = drawn(toks[:start], batch, row, phase, True)
+        assert toks[start:start + len(user)] == user
+        phase += 1
+        checked += 1
+      assert toks[a:e] == drawn(toks[:a], batch, row, phase, False)
+      phase += 1
+      checked += 1
+  assert checked >= 12 and any(len(_spans(m)) == 2 for *_, m in _conversations(s.path))
+
+
 def _conversations(path):
   corpus = Corpus(path)
   out = []
@@ -603,21 +657,21 @@ def test_interrupt_keeps_finished_batches(chat_target, tmp_path, monkeypatch):
   import jaxspec.train.corpus as corpus_mod
   whole = write_corpus(chat_target, PROMPTS, tmp_path / "whole", CFG, token_budget=300,
                        progress=False)
-  real, calls = corpus_mod.write_conversations, []
+  real, calls = corpus_mod.ConversationWriter.next, []
 
-  def flaky(target, plan, *a, **k):
-    calls.append(plan.index)
+  def flaky(self, *a, **k):  # batch 3 is being written when Ctrl-C comes
+    calls.append(self.next_batch)
     if len(calls) == 4:
       raise KeyboardInterrupt
-    return real(target, plan, *a, **k)
+    return real(self, *a, **k)
 
-  monkeypatch.setattr(corpus_mod, "write_conversations", flaky)
+  monkeypatch.setattr(corpus_mod.ConversationWriter, "next", flaky)
   big = dataclasses.replace(CFG, shard_tokens=10**6)  # nothing would be flushed before the end
   with pytest.raises(KeyboardInterrupt):
     write_corpus(chat_target, PROMPTS, tmp_path / "part", big, token_budget=300, progress=False)
   index = json.loads((tmp_path / "part" / "index.json").read_text())
   assert index["next_batch"] == 3 and len(index["shards"]) == 1
-  monkeypatch.setattr(corpus_mod, "write_conversations", real)
+  monkeypatch.setattr(corpus_mod.ConversationWriter, "next", real)
   again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=300,
                        progress=False)
   assert again.next_batch == whole.next_batch
