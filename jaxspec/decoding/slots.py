@@ -231,13 +231,22 @@ class SlotDecoder:
 
   def start(self, slot: int, job: Job) -> None:
     """Queues `job` for `slot` (free); it starts at the next `run`. Raises ValueError for a
-    job that does not fit: no tokens, a cache past max_len, or a budget past capacity."""
+    job that does not fit (no tokens, a cache past max_len, a budget past capacity) or whose
+    token ids, temperature or top-p are out of range."""
     check_int("slot", slot, 0, self.num_slots - 1, numpy=False)
     if self.busy[slot] or slot in self.pending:
       raise ValueError(f"slot {slot} is busy")
     n = len(job.tokens)
     if n < 1:
       raise ValueError("a job appends at least one token")
+    ids = np.asarray(job.tokens)
+    vocab = self.lm.vocab_size
+    if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab:
+      raise ValueError(f"a job's tokens must be token ids in [0, {vocab}), got"
+                       f" {str(job.tokens)[:60]}")
+    if not (0 <= job.temperature < np.inf and 0 < job.top_p <= 1):
+      raise ValueError(f"a job samples at temperature >= 0 (0: greedy) and top_p in (0, 1], got"
+                       f" temperature {job.temperature}, top_p {job.top_p}")
     check_int("max_new_tokens", job.max_new_tokens, 1, self.capacity, numpy=False)
     if job.stop_ids is not None and len(set(job.stop_ids)) > self.max_stops:
       raise ValueError(f"a job names {len(set(job.stop_ids))} stop tokens, more than max_stops"

@@ -664,6 +664,9 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     old = Corpus(out).index
     # shard_tokens only decides where shards end: a rerun may change it.
     same = lambda d: {k: v for k, v in d.items() if k != "shard_tokens"}  # noqa: E731
+    # A corpus stamped by the fingerprint rule of before the unification is the target's too.
+    if fingerprint_matches(old["target"]["fingerprint"], target):
+      index["target"] = old["target"]
     for key in ("target", "config", "sources", "prompts"):
       if (same(old[key]) if key == "config" else old[key]) != (
           same(index[key]) if key == "config" else index[key]):

@@ -95,6 +95,12 @@ def test_refuses_what_does_not_fit(tiny_target):
     dec.start(0, Job([5, 6], 9, key))
   with pytest.raises(ValueError, match="slot"):
     dec.start(2, Job([5, 6], 4, key))
+  with pytest.raises(ValueError, match=r"token ids in \[0, 128\)"):
+    dec.start(0, Job([5, 128], 4, key))
+  with pytest.raises(ValueError, match="top_p in"):
+    dec.start(0, Job([5, 6], 4, key, temperature=1.0, top_p=0.0))
+  with pytest.raises(ValueError, match="temperature >= 0"):
+    dec.start(0, Job([5, 6], 4, key, temperature=-1.0))
   dec.start(0, Job([5, 6], 4, key))
   with pytest.raises(ValueError, match="slot 0 is busy"):
     dec.start(0, Job([5, 6], 4, key))

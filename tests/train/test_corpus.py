@@ -711,6 +711,26 @@ def test_multi_turn_prompts_give_their_user_turns(chat_target, tmp_path):
   assert seen >= 2
 
 
+def test_a_corpus_stamped_by_the_old_fingerprint_rule_continues(chat_target, tmp_path):
+  """data/corpus/smollm2-135m's README command continues it: its index carries the fingerprint
+  rule of before the unification, which `write_corpus` once refused as another target."""
+  from jaxspec.train.data import _fingerprint_v1
+  out = tmp_path / "c"
+  write_corpus(chat_target, PROMPTS, out, CFG, token_budget=10**6, max_batches=1,
+               progress=False)
+  index = json.loads((out / "index.json").read_text())
+  index["target"]["fingerprint"] = _fingerprint_v1(chat_target)
+  (out / "index.json").write_text(json.dumps(index))
+  s = write_corpus(chat_target, PROMPTS, out, CFG, token_budget=10**6, max_batches=1,
+                   progress=False)
+  assert s.next_batch == 2
+  assert Corpus(out).index["target"]["fingerprint"] == _fingerprint_v1(chat_target)
+  other = Model(chat_target.cfg, init_params(chat_target.cfg, jax.random.key(9)),
+                tokenizer=chat_target.tokenizer, name="tiny-chat")
+  with pytest.raises(DataError, match="different target"):
+    write_corpus(other, PROMPTS, out, CFG, token_budget=10**6, max_batches=1, progress=False)
+
+
 def test_committed_corpus_serves_the_bundled_model(smollm2):
   """data/corpus/smollm2-135m was stamped by the fingerprint rule of before the unification, with
   the config fields of that day: a field LlamaConfig gained later (attention_kernel) once made
