@@ -2,7 +2,7 @@
 token-id shards, read back as a stream of packed training batches.
 
 `write_corpus` has the target regenerate every assistant turn of its conversations, greedy and
-sampled, by continuous batching (`ConversationWriter` on a `jaxspec.decoding.slots.SlotDecoder`:
+sampled, by continuous batching (`ConversationWriter` on a `jaxspec.engine.slots.SlotDecoder`:
 each conversation keeps a slot and its cache for all its turns): a conversation starts from a
 prompt file's user message, or from a user message the target writes itself after its chat template's bare
 user-turn prefix (Magpie, Xu et al. 2024); after each answer comes the prompt's next user turn
@@ -293,7 +293,7 @@ class ConversationWriter:
   def __init__(self, target: Model, prompt_ids: Sequence[Sequence[int]], cfg: CorpusConfig,
                turns: ChatTurns | None, *, later_ids: Sequence[Sequence[Sequence[int]]] = (),
                start: int = 0):
-    from jaxspec.decoding.slots import SlotDecoder
+    from jaxspec.engine.slots import SlotDecoder
     self.prompt_ids, self.later, self.cfg, self.turns = prompt_ids, later_ids, cfg, turns
     self.answer_stops = set(target.cfg.eos_token_ids) | set(
         getattr(target.tokenizer, "eos_token_ids", ()) or ())
@@ -320,7 +320,7 @@ class ConversationWriter:
     return row_keys(k, self.cfg.batch_size)[live.j]
 
   def _start(self, slot: int, live: _Live, reset: bool) -> None:
-    from jaxspec.decoding.slots import Job
+    from jaxspec.engine.slots import Job
     cfg, c = self.cfg, live.conv
     held = 0 if reset else self.dec.cached(slot)
     if live.user:

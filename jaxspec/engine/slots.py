@@ -36,6 +36,7 @@ from jaxspec import sampling as sampling_lib
 from jaxspec.checks import check_int
 from jaxspec.decoding import plain, protocol
 from jaxspec.decoding.plain import DecodeState
+from jaxspec.engine import io
 from jaxspec.pytree import pytree_dataclass as _pytree
 
 # Appended chunks are padded to one of these widths (tokens), so a run compiles `extend` a few
@@ -194,7 +195,6 @@ class SlotDecoder:
   def __init__(self, target, num_slots: int, max_len: int, capacity: int,
                stop_ids: Sequence[int], *, wake: int | None = None, steps_per_call: int = 256,
                max_stops: int | None = None):
-    from jaxspec.engine import io
     for name, v, lo in (("num_slots", num_slots, 1), ("max_len", max_len, 2),
                         ("capacity", capacity, 1), ("steps_per_call", steps_per_call, 1)):
       check_int(name, v, lo, numpy=False)

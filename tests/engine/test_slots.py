@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.decoding.slots import CHUNKS, Job, SlotDecoder
+from jaxspec.engine.slots import CHUNKS, Job, SlotDecoder
 from jaxspec.sampling import Sampling, row_keys
 
 
