@@ -705,12 +705,16 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     _write_json(index_file, index)
 
   save.t = t0
-  deadline = None if time_limit is None else time.monotonic() + time_limit
-  meter.deadline = deadline
   if not index_file.is_file():
     save(0)
   i = i0 = index["next_batch"]
-  writer = None  # made when a batch is to be written (its slots' caches are large)
+  # The slots (their caches are large) only when a batch is to be written; allocating them does
+  # not count against time_limit, so a time-boxed run always starts its first batch.
+  writer = None
+  if not index["complete"] and tot["loss_tokens"] < token_budget:
+    writer = ConversationWriter(target, prompt_ids, cfg, turns, later_ids=later, start=i)
+  deadline = None if time_limit is None else time.monotonic() + time_limit
+  meter.deadline = deadline
   buffered = lambda: sum(len(c.tokens) for c in pending)  # noqa: E731
   buffered_loss = lambda: sum(sum(c.mask) for c in pending)  # noqa: E731
 
@@ -725,10 +729,9 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
                f" {len(index['shards'])} shards")
 
   try:
+    if writer is not None:
+      writer.on_run = on_run
     while tot["loss_tokens"] + buffered_loss() < token_budget and not index["complete"]:
-      if writer is None:
-        writer = ConversationWriter(target, prompt_ids, cfg, turns, later_ids=later, start=i)
-        writer.on_run = on_run
       done = writer.next(admit)
       if done is None:
         index["complete"] = writer.exhausted
