@@ -12,9 +12,10 @@ runs as is, at the small sizes of its test.)
    answers the prompts of ../shared/data's three training files (never the Spec-Bench
    evaluation prompts; --max-prompts of them, drawn evenly) and, for --magpie-fraction of the
    batches, user turns it writes itself (Magpie), --turns answers per conversation (it writes
-   the follow-up user turns), greedy and at T 0.7, --gen-batch-size conversations per
-   `generate` call, until --generate-minutes have passed (`time_limit`: the batch running then
-   finishes) or --tokens answer tokens are written.
+   the follow-up user turns), greedy and at T 0.7, --gen-batch-size conversations per batch
+   written on as many slots (continuous batching), until --generate-minutes have passed
+   (`time_limit`: the batches already started then finish) or --tokens answer tokens are
+   written.
 2. `jaxspec.train.train_head(..., hidden="online")` trains the `--init` head (default the bundled
    one) on the corpus as packed rows of --seq-len tokens (`PackedCorpus`): the frozen target's
    forward runs inside the jitted step, so no hidden state is stored. The cosine schedule is set
