@@ -4,11 +4,11 @@ token-id shards, read back as a stream of packed training batches.
 `write_corpus` has the target regenerate every assistant turn of its conversations, greedy and
 sampled, by continuous batching (`ConversationWriter` on a `jaxspec.engine.slots.SlotDecoder`:
 each conversation keeps a slot and its cache for all its turns): a conversation starts from a
-prompt file's user message, or from a user message the target writes itself after its chat template's bare
-user-turn prefix (Magpie, Xu et al. 2024); after each answer comes the prompt's next user turn
-when the prompt file gives several, else one the target writes the same way (after the
-template's "end of assistant turn, start of user turn"), and the target answers it, up to
-`CorpusConfig.turns` answers. Generation runs to a token budget and is resumable: the
+prompt file's user message, or from a user message the target writes itself after its chat
+template's bare user-turn prefix (Magpie, Xu et al. 2024); after each answer comes the prompt's
+next user turn when the prompt file gives several, else one the target writes the same way
+(after the template's "end of assistant turn, start of user turn"), and the target answers it,
+up to `CorpusConfig.turns` answers. Generation runs to a token budget and is resumable: the
 work is a fixed sequence of batches (batch i's prompts, temperature and random keys are a
 function of i; batches are handed back in order however their conversations share the slots),
 shards are written at batch boundaries, and index.json records the next batch, so a rerun
