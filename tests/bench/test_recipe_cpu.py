@@ -75,7 +75,9 @@ def test_recipe_trains_the_head_online_and_saves_it_with_its_record(smollm2, tmp
   assert json.loads((out / "record.json").read_text()) == json.loads(json.dumps(rec,
                                                                                 default=str))
   assert rec["train"]["steps"] == 2 and rec["train"]["stopped"] is None
-  assert rec["data"]["totals"]["conversations"] == 158 + 4
+  from jaxspec.train.corpus import Corpus
+  assert rec["data"]["totals"]["conversations"] == Corpus(CORPUS).index["totals"][
+      "conversations"] + 4
   history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
   assert history[-1]["step"] == 2 and "eval_acc_0" in history[-1]
   _, head, config = load_head_model(smollm2, out / kind)
