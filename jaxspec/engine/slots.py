@@ -16,9 +16,10 @@ index, as `jaxspec.generate` samples a row: a job given row j's key of `generate
 rounding of a different batch.
 
 Two programs: `extend` (gathers the rows it appends to, runs them through the model, scatters
-them back; compiled once per chunk width and number of rows, a power of four or S) and `decode` (the
-`lax.while_loop`). The cache is allocated for `max_len` plus the widest chunk.
-Only jaxspec's own models (block models with a `KVCache`) are served.
+them back; compiled once per chunk width and number of rows, a power of four or S) and
+`decode` (the `lax.while_loop`). The cache is allocated for `max_len` plus the widest chunk.
+Only jaxspec's own full-attention models (block models with a `KVCache` and no rings) are
+served.
 """
 
 from __future__ import annotations
