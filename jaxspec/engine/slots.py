@@ -18,8 +18,8 @@ rounding of a different batch.
 Two programs: `extend` (gathers the rows it appends to, runs them through the model, scatters
 them back; compiled once per chunk width and number of rows, a power of four or S) and
 `decode` (the `lax.while_loop`). The cache is allocated for `max_len` plus the widest chunk.
-Only jaxspec's own full-attention models (block models with a `KVCache` and no rings) are
-served.
+Only jaxspec's own models (block models with a `KVCache`) are served; sliding-window layers
+kept in rings need a slack of at least the widest chunk (the default's is 288).
 """
 
 from __future__ import annotations
@@ -216,9 +216,13 @@ class SlotDecoder:
     self.held = np.zeros(num_slots, np.int64)  # tokens in each slot's cache (host's count)
     self.busy = np.zeros(num_slots, bool)
     self.pending: dict[int, Job] = {}
-    if self.state.cache.k_ring is not None:
-      raise ValueError("SlotDecoder does not serve sliding-window layers kept in rings (a"
-                       " padded chunk could overwrite a window): use jaxspec.generate")
+    # A padded chunk writes up to max(CHUNKS) - 1 positions past what the slot keeps: a ring's
+    # slack must cover them, or they would overwrite positions a window still reads.
+    slack = getattr(self.lm, "ring_slack", None)
+    if self.state.cache.k_ring is not None and (slack or 0) < max(CHUNKS):
+      raise ValueError(f"SlotDecoder needs sliding-window rings with a slack of at least"
+                       f" {max(CHUNKS)} positions, got ring_slack {slack}: use the default"
+                       " (jaxspec.models.llama.RING_SLACK) or jaxspec.generate")
     self.steps = 0  # decode steps run
 
   @property

@@ -121,3 +121,27 @@ def test_each_job_stops_at_its_own_stop_tokens(tiny_target):
   got, _ = _drain(dec, [Job(prompts[0], 12, key, stop_ids=[stop]), Job(prompts[1], 12, key)])
   assert got[0] == ref.row(0)[:first + 1]
   assert got[1] == ref.row(1)  # no stop of its own
+
+
+def test_sliding_window_rings(tiny_target):
+  """A model whose sliding layers keep rings (window 8, cache far longer): a padded chunk stays
+  within the rings' slack, so jobs, appended ones included, equal generate's rows."""
+  import dataclasses
+  from jaxspec.models import init_params, tiny_config
+  from jaxspec.models.model import Model
+  cfg = dataclasses.replace(tiny_config(), sliding_window=8)
+  model = Model(cfg, init_params(cfg, jax.random.key(2), scale=0.2), name="tiny-sliding")
+  prompts = _prompts(3, seed=7)
+  ref = jaxspec.generate(model, prompts, max_new_tokens=20, max_len=512, stop_ids=())
+  dec = SlotDecoder(model, num_slots=2, max_len=512, capacity=20, stop_ids=(), wake=1)
+  assert dec.state.cache.k_ring is not None
+  got, slots = _drain(dec, [Job(p, 20, jax.random.key(0)) for p in prompts])
+  assert got == [ref.row(j) for j in range(3)]
+  j = 2  # its slot appends more, far past the window
+  dec.start(slots[j], Job([got[j][-1], 5, 6, 7], 20, jax.random.key(0), reset=False))
+  more = {}
+  while not more:
+    more = dec.run()
+  whole = prompts[j] + got[j] + [5, 6, 7]
+  assert more[slots[j]] == jaxspec.generate(model, [whole], max_new_tokens=20, max_len=512,
+                                            stop_ids=()).row(0)
