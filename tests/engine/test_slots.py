@@ -123,7 +123,7 @@ def test_each_job_stops_at_its_own_stop_tokens(tiny_target):
   assert got[1] == ref.row(1)  # no stop of its own
 
 
-def test_sliding_window_rings(tiny_target):
+def test_sliding_window_rings():
   """A model whose sliding layers keep rings (window 8, cache far longer): a padded chunk stays
   within the rings' slack, so jobs, appended ones included, equal generate's rows."""
   import dataclasses
