@@ -6,9 +6,10 @@ answer tokens per second, compilation excluded.
 
 A warm-up call writes the same batches into a throwaway corpus first, so the timed call (a
 fresh corpus, the same settings) finds every program it runs compiled. The prompts are the
-training prompt files of ../shared/data (never the evaluation set), at most --max-prompts of them. The same script runs
-on an older checkout (`git worktree add`) for a side-by-side number: it only calls
-`write_corpus`. Prints one line and, with --out, writes it as JSON with the machine.
+training prompt files of ../shared/data (never the evaluation set), at most --max-prompts of
+them. The same script runs on an older checkout (`git worktree add`) for a side-by-side
+number: it only calls `write_corpus`. Prints one line and, with --out, writes it as JSON with
+the machine.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def cmd_train_data(args) -> int:
                                      allow_eval=args.allow_eval_prompts, with_files=True,
                                      all_turns=True)
   # A corpus compiles a program for every chunk width and number of slots starting a turn
-  # together: stacked layers compile several times faster (on a CPU a batch-16 decode step is about 10% slower).
+  # together: stacked layers compile several times faster (on a CPU a batch-16 decode step is
+  # about 10% slower).
   target = load(args.model, dtype=args.dtype, scan_layers=command_layout(args.scan_layers))
   # A polite stop (kill PID, a job scheduler's SIGTERM) keeps the finished batches, as Ctrl-C does.
   previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -292,7 +292,7 @@ class ConversationWriter:
 
   def __init__(self, target: Model, prompt_ids: Sequence[Sequence[int]], cfg: CorpusConfig,
                turns: ChatTurns | None, *, later_ids: Sequence[Sequence[Sequence[int]]] = (),
-               start: int = 0):
+               start: int = 0, on_run=None):
     from jaxspec.engine.slots import SlotDecoder
     self.prompt_ids, self.later, self.cfg, self.turns = prompt_ids, later_ids, cfg, turns
     self.answer_stops = set(target.cfg.eos_token_ids) | set(
@@ -309,9 +309,11 @@ class ConversationWriter:
     self.exhausted = False  # the schedule is over
     self.waiting: list[_Live] = []  # admitted, not on a slot yet
     self.on_slot: dict[int, _Live] = {}
-    self.batches: dict[int, tuple[BatchPlan, list[Conversation], list[int]]] = {}
+    # Admitted batches not handed back yet: a batch is done once none of its conversations is
+    # open (waiting, or on a slot).
+    self.batches: dict[int, tuple[BatchPlan, list[Conversation]]] = {}
     self._base = jax.random.key(cfg.seed)
-    self.on_run = None  # called after every return of the decode loop (progress)
+    self.on_run = on_run  # called after every return of the decode loop (progress)
 
   # The keys and jobs of one phase.
   def _key(self, live: _Live) -> jax.Array:
@@ -353,14 +355,10 @@ class ConversationWriter:
                             given=[list(t) for t in self.later[p]] if self.later else [])
                for p in plan.prompts]
       lives = [_Live(c, plan.index, j, 0) for j, c in enumerate(convs)]
-    self.batches[plan.index] = (plan, convs, [len(convs)])
+    self.batches[plan.index] = (plan, convs)
     self.waiting += lives
     self.next_batch += 1
     return True
-
-  def _close(self, live: _Live) -> None:
-    live.conv.open = False
-    self.batches[live.batch][2][0] -= 1
 
   def _next_phase(self, live: _Live) -> bool:
     """After an answer: the next user turn set up (a given one appended, or a target-written
@@ -411,7 +409,7 @@ class ConversationWriter:
 
   def answer_tokens(self) -> int:
     """Answer tokens the conversations of unfinished batches hold so far (progress)."""
-    return sum(sum(c.mask) for _, convs, _ in self.batches.values() for c in convs)
+    return sum(sum(c.mask) for _, convs in self.batches.values() for c in convs)
 
   def next(self, admit=lambda batch: True) -> tuple[BatchPlan, list[Conversation]] | None:
     """Writes until the oldest unfinished batch is done and returns it (its conversations that
@@ -421,13 +419,13 @@ class ConversationWriter:
     while True:
       if self.batches:
         oldest = min(self.batches)
-        plan, convs, left = self.batches[oldest]
-        if not left[0]:
+        plan, convs = self.batches[oldest]
+        if not any(c.open for c in convs):
           del self.batches[oldest]
           return plan, [c for c in convs if c.answers]
       for slot in self.dec.free:
-        if not self.waiting and not (not self.exhausted and admit(self.next_batch)
-                                     and self._admit()):
+        if not self.waiting and (self.exhausted or not admit(self.next_batch)
+                                 or not self._admit()):
           break
         self._start(slot, self.waiting.pop(0), reset=True)
       if not self.on_slot:
@@ -437,7 +435,7 @@ class ConversationWriter:
       for slot, row in self.dec.run().items():
         live = self.on_slot[slot]
         if not self._finished(slot, row):
-          self._close(live)
+          live.conv.open = False
       if self.on_run is not None:
         self.on_run()
 
@@ -682,7 +680,7 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   bar = _Progress(meter, progress, progress_every)
   pending: list[Conversation] = []
   meta: dict[str, list] = {"source": [], "temperature": []}
-  t0, batches = time.perf_counter(), 0
+  t0 = time.perf_counter()
 
   def flush():
     if not pending:
@@ -708,13 +706,6 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
   if not index_file.is_file():
     save(0)
   i = i0 = index["next_batch"]
-  # The slots (their caches are large) only when a batch is to be written; allocating them does
-  # not count against time_limit, so a time-boxed run always starts its first batch.
-  writer = None
-  if not index["complete"] and tot["loss_tokens"] < token_budget:
-    writer = ConversationWriter(target, prompt_ids, cfg, turns, later_ids=later, start=i)
-  deadline = None if time_limit is None else time.monotonic() + time_limit
-  meter.deadline = deadline
   buffered = lambda: sum(len(c.tokens) for c in pending)  # noqa: E731
   buffered_loss = lambda: sum(sum(c.mask) for c in pending)  # noqa: E731
 
@@ -728,9 +719,15 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
     bar.update(f", batch {i} ({len(writer.on_slot)} conversations on slots),"
                f" {len(index['shards'])} shards")
 
+  # The slots (their caches are large) only when a batch is to be written; allocating them does
+  # not count against time_limit, so a time-boxed run always starts its first batch.
+  writer = None
+  if not index["complete"] and tot["loss_tokens"] < token_budget:
+    writer = ConversationWriter(target, prompt_ids, cfg, turns, later_ids=later, start=i,
+                                on_run=on_run)
+  deadline = None if time_limit is None else time.monotonic() + time_limit
+  meter.deadline = deadline
   try:
-    if writer is not None:
-      writer.on_run = on_run
     while tot["loss_tokens"] + buffered_loss() < token_budget and not index["complete"]:
       done = writer.next(admit)
       if done is None:
@@ -743,14 +740,13 @@ def write_corpus(target: Model, prompts: Sequence[Prompt], out_dir: str | os.Pat
         meta["source"].append(magpie_source if plan.magpie else src_of[c.prompt])
         meta["temperature"].append(temp)
       i += 1
-      batches += 1
       meter.done = tot["loss_tokens"] + buffered_loss()
       if buffered() >= cfg.shard_tokens:
         flush()
         save(i)
       bar.update(f", batch {i}, {len(index['shards'])} shards")
   except KeyboardInterrupt:
-    # The finished batches are kept (the one being written is not): a rerun goes on from i.
+    # The finished batches are kept (those on slots are not): a rerun goes on from i.
     flush()
     save(i)
     bar.update(f", batch {i}, {len(index['shards'])} shards (interrupted; saved)", force=True)
