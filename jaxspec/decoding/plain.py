@@ -41,7 +41,11 @@ class DecodeState:
   top_lp: jax.Array | None = None
 
 
-def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...] | jax.Array) -> jax.Array:
+  """[B] whether each row's token [B] is a stop token: one of `stop_ids` (a tuple, every row's),
+  or of its own row of `stop_ids` [B, K] (an array, -1 padded: per-row stops)."""
+  if isinstance(stop_ids, jax.Array):
+    return jnp.any(tokens[:, None] == stop_ids, axis=1)
   if not stop_ids:
     return jnp.zeros(tokens.shape, bool)
   return jnp.isin(tokens, jnp.array(stop_ids, jnp.int32))

@@ -84,11 +84,6 @@ def init_slots(lm, params, num_slots: int, max_len: int, capacity: int,
                    stops=jnp.full((s, max_stops), -1, jnp.int32), steps=jnp.zeros((), jnp.int32))
 
 
-def _is_stop(tokens, stops):
-  """[R] whether each row's token is one of its stop tokens (stops [R, K], -1 padded)."""
-  return jnp.any(tokens[:, None] == stops, axis=1)
-
-
 def _rows(cache, rows):
   """The cache's rows `rows` [R] (clipped into range): every array with a batch axis."""
   take = lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip")  # noqa: E731
@@ -127,7 +122,7 @@ def extend(params, s: SlotState, rows, chunk, n, reset, keys, budget, temperatur
   first = sampling_lib.sample(jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(n)), logits, sp)
   cap = s.tokens.shape[1]
   new_tokens = jnp.full((rows.shape[0], cap), -1, jnp.int32).at[:, 0].set(first)
-  done = _is_stop(first, stops) | (budget <= 1)
+  done = plain.is_stop(first, stops) | (budget <= 1)
   put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
   return SlotState(cache=_put_rows(s.cache, rows, part), tokens=put(s.tokens, new_tokens),
                    n_out=put(s.n_out, jnp.ones_like(n)), done=put(s.done, done),
@@ -146,9 +141,8 @@ def decode(params, s: SlotState, until, wake, busy, *, lm) -> SlotState:
   def step(s: SlotState) -> SlotState:
     d = DecodeState(tokens=s.tokens, n_out=s.n_out, done=s.done, last=s.last, cache=s.cache,
                     keys=s.keys, steps=s.steps)
-    d = plain.decode_step(params, d, sp, lm, s.budget, ())  # each slot's own stops below
-    done = d.done | (~s.done & _is_stop(d.last, s.stops))
-    return dataclasses.replace(s, tokens=d.tokens, n_out=d.n_out, done=done, last=d.last,
+    d = plain.decode_step(params, d, sp, lm, s.budget, s.stops)  # each slot's own stops
+    return dataclasses.replace(s, tokens=d.tokens, n_out=d.n_out, done=d.done, last=d.last,
                                cache=d.cache, steps=d.steps)
 
   def more(s: SlotState):
