@@ -80,11 +80,12 @@ def test_hidden_layers_are_layer_outputs():
   _, h1, _ = fwd(p1, toks, init_cache(one, 1, 16), one, hidden_layers=(0,))
   np.testing.assert_allclose(h1.layers[0], h.layers[0], atol=1e-5)
   # Repeats and negative indices (from the last layer), scanned and unrolled: only the layers
-  # asked for are kept (not every layer's output stacked), in the order asked.
+  # asked for are kept (not every layer's output stacked), in the order asked. Unrolled layers
+  # are other programs, which may round differently (1.4e-5 seen on a unit-sized entry).
   from jaxspec.models.llama import with_scan_layers
   for p in (params, with_scan_layers(params, False)):
     _, hr, _ = fwd(p, toks, init_cache(cfg, 1, 16), cfg, hidden_layers=(2, 0, 2, -3))
-    np.testing.assert_allclose(hr.layers, h.layers[jnp.array([1, 0, 1, 0])], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hr.layers, h.layers[jnp.array([1, 0, 1, 0])], rtol=1e-4, atol=1e-4)
 
 
 def test_llama3_rope_scaling_matches_reference_formula():
