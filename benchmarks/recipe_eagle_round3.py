@@ -49,11 +49,11 @@ CHUNK = 144  # prompts per chunk (three batches of 48)
 
 def round2_prompts() -> dict[tuple[int, ...], int]:
   """{prompt ids: prompt_index} of round two's rows, in row order (its first row of each)."""
-  z = np.load(ROUND2)
+  z = np.load(ROUND2)  # each z[name] reads and decompresses that array again: once each here
+  tokens, prompt_lengths, prompt_index = z["tokens"], z["prompt_lengths"], z["prompt_index"]
   index = {}
-  for i in range(len(z["lengths"])):
-    index.setdefault(tuple(z["tokens"][i, :z["prompt_lengths"][i]].tolist()),
-                     int(z["prompt_index"][i]))
+  for i in range(len(prompt_lengths)):
+    index.setdefault(tuple(tokens[i, :prompt_lengths[i]].tolist()), int(prompt_index[i]))
   return index
 
 
