@@ -80,12 +80,13 @@ def _mc_drafter(name, target, draft):
 # "draft-model" (a fixed k) runs the standard rule; under "auto" the same drafter is coupled.
 # slow: "ngram" and "auto" (where the draft model is coupled) sample `generate`'s own text for the
 # key, which test_speculative asserts token for token, a stronger check than a chi-square;
-# "draft-model" runs in "draft-model-p_min" (the same draft and k, some drafts stopped) and in
-# test_penalties' later-position test (the same draft and k), "tree" in test_penalties' (the
-# same Medusa tree on the same target).
+# "draft-model" and "draft-model-p_min" run in test_penalties' later-position test (the same
+# draft, k and target, p_min = 0.5 stopping some drafts, counted there), "tree" in
+# test_penalties' (the same Medusa tree on the same target).
 @pytest.mark.parametrize("name", [pytest.param("ngram", marks=pytest.mark.slow),
                                   pytest.param("draft-model", marks=pytest.mark.slow),
-                                  "draft-model-p_min", pytest.param("auto", marks=pytest.mark.slow),
+                                  pytest.param("draft-model-p_min", marks=pytest.mark.slow),
+                                  pytest.param("auto", marks=pytest.mark.slow),
                                   pytest.param("tree", marks=pytest.mark.slow)])
 def test_monte_carlo_later_positions(small_vocab, name):
   """30,000 rows of 6 sampled tokens: at every position, after the rollbacks of earlier

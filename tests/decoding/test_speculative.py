@@ -303,10 +303,10 @@ def test_sampled_row_does_not_depend_on_the_batch(tiny_target, poor_draft):
 
 
 
-def test_coupled_draft_model_gives_generates_text(tiny_target, poor_draft, small_vocab):
+def test_coupled_draft_model_gives_generates_text(tiny_target, poor_draft):
   """DraftModel(coupled=True) draws each draft with the noise the target draws that token
   with: its sampled text is `generate`'s for the key whatever k or "auto" (greedy: the same),
-  its drafts are really accepted, and its output distribution is the target's."""
+  and its drafts are really accepted."""
   sp = Sampling(temperature=1.0, top_k=30)
   ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=5, stop_ids=())
   for drafter, k in ((DraftModel(tiny_target, coupled=True), 3),
@@ -317,7 +317,18 @@ def test_coupled_draft_model_gives_generates_text(tiny_target, poor_draft, small
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     if drafter.model is tiny_target:  # the target drafting for itself: every draft accepted
       assert out.stats["acceptance_rate"] == 1.0
+    elif k == 2:  # both paths of the rule ran, so a wrong correction token changes the text
+      assert 0 < out.stats["acceptance_rate"] < 1, out.stats["acceptance_rate"]
   assert DraftModel(poor_draft, coupled=True) != DraftModel(poor_draft)
+
+
+# slow: the text above is `generate`'s for the key token for token (a stronger check than a
+# chi-square, as for the n-gram drafter), and test_monte_carlo_joint_of_first_three_tokens runs
+# this joint with the same draft under the standard rule.
+@pytest.mark.slow
+def test_coupled_draft_model_joint_of_first_three_tokens(small_vocab):
+  """The coupled draft model's output distribution is the target's: 20000 rows' (t1, t2, t3)
+  by chi-square against the exact joint, with drafts both accepted and rejected."""
   target, draft = small_vocab
   sp = Sampling(temperature=0.9, top_k=6, top_p=0.9)
   prompt = [1, 2, 3, 4]

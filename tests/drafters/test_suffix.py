@@ -168,7 +168,34 @@ def test_greedy_equals_plain_under_vmap_and_through_the_host_wrapper(tiny_target
   np.testing.assert_array_equal(host.tokens, plain.tokens)
 
 
+def test_sampled_text_is_generates(tiny_target):
+  """Sampled, the one-hot drafts take the coupled form of the rule (the target's token at each
+  position drawn with that position's key, as `generate` draws it): the text is `generate`'s
+  for the key whatever the drafts, from the rows alone (drafts accepted and rejected) and from
+  a corpus of that very text (most of it accepted)."""
+  sp = Sampling(temperature=1.0, top_k=40)
+  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=6, stop_ids=())
+  d = SuffixDecoding(vocab=tiny_target.cfg.vocab_size, corpus_size=256)
+  ids, lens = padded(PROMPTS)
+  run = jax.jit(lambda corpus: speculative_decode(
+      tiny_target, d, ids, lens, jax.random.key(6), max_new_tokens=N_NEW, num_draft_tokens=3,
+      sampling=sp, stop_ids=(), drafter_params=corpus))
+  accepted = []
+  for corpus in (d.params, corpus_from([p + list(t) for p, t in zip(PROMPTS, ref.tokens)],
+                                       tiny_target.cfg.vocab_size, 256)):
+    out = run(corpus)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref.tokens)
+    accepted.append((int(out.stats.accepted.sum()), int(out.stats.drafted.sum())))
+  (acc0, drafted0), (acc1, _) = accepted
+  assert 0 < acc0 < drafted0, accepted  # both paths of the rule, from the rows alone
+  assert acc1 > 40, accepted
 
+
+# slow: test_sampled_text_is_generates above is `generate`'s text for the key token for token
+# (a stronger check than a chi-square, as for the n-gram drafter), and
+# test_sampled_drafts_distribution_at_later_positions keeps the chi-square of this case with
+# sampled drafts (and runs these one-hot drafts for its acceptance comparison).
+@pytest.mark.slow
 def test_sampled_distribution_at_later_positions(small_vocab):
   """The 4th and 5th new tokens of row 1 (which drafts from row 0 and from a corpus of earlier
   samples) over 4000 mapped calls: chi-square against the target's exact joint at the 1e-4

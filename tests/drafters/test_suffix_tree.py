@@ -183,6 +183,10 @@ def test_suffix_tree_by_name(tiny_target, plain):
   np.testing.assert_array_equal(host.tokens, plain.tokens)
 
 
+# slow: the tree's sampled text is `generate`'s for the key token for token
+# (test_sampled_tree_writes_generates_text, a stronger check than a chi-square, as for the
+# n-gram drafter), and test_suffix's sampled-drafts test keeps the chi-square of this case.
+@pytest.mark.slow
 def test_sampled_tree_distribution_at_later_positions(small_vocab):
   """As test_suffix's chain test: the 4th and 5th new tokens of row 1 over 4000 mapped calls,
   drafting a tree from row 0 and a corpus of earlier samples, chi-square against the exact
