@@ -3,11 +3,10 @@
 # benchmarks/recipe_eagle_gpu.py, corpus generation and online training, in one call of at most
 # 9 minutes.
 #
-# The GGUF travels in three pieces as for benchmarks/gpu_run.sh (see there), and .gpu3 also
-# carries the training prompt files, compressed (the tree and a piece must stay under 64 MiB):
-#   for f in gsm8k_train humaneval self_instruct_seed_tasks; do
-#     gzip -9c ../shared/data/$f.jsonl > .gpu3/$f.jsonl.gz; done
-# then three device calls back to back (the machine stays warm 30 s):
+# The GGUF travels in three pieces as for benchmarks/gpu_run.sh, and .gpu3 also carries the
+# training prompt files, compressed (the tree and a piece must stay under 64 MiB):
+# `bash benchmarks/gpu_pack.sh recipe` builds .gpu1-3 and prints the three device calls, back
+# to back (the machine stays warm 30 s):
 #   carry [.gpu1]: mkdir -p /tmp/parts && cp .gpu1/part00 /tmp/parts/
 #   carry [.gpu2]: cp .gpu2/part01 /tmp/parts/
 #   carry [.gpu3]: cp .gpu3/part02 /tmp/parts/ && GIT_COMMIT=<commit> bash benchmarks/gpu_recipe.sh

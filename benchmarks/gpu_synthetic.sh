@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/bench_synthetic.py (and the attention table) on a lent GPU (the workplace's
 # `device` tool), in one call of under 10 minutes. Random-weight targets need no checkpoint; the
-# only thing carried is a flax wheel matching the project's (here: `pip download --no-deps
-# --only-binary=:all: --python-version 3.12 -d .gpuw flax==0.12.12`, .gpuw/ ignored by git),
-# then:
+# only thing carried is a flax wheel for the machine's Python 3.12 (flax 0.12.12, in .gpuw/,
+# ignored by git: `bash benchmarks/gpu_pack.sh synthetic` builds it and prints the call), then:
 #   device run, carry [.gpuw]: GIT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_synthetic.sh
 # (the copy of the tree on the GPU machine has no .git: GIT_COMMIT names the commit in the JSONs).
 # Each step has its own time limit inside one deadline, so what finished comes back. Everything
