@@ -110,7 +110,7 @@ def extend(params, s: SlotState, rows, chunk, n, reset, keys, budget, temperatur
   """New jobs for slots `rows` [R] (a row of S or more: padding, ignored): each appends its
   first n[r] tokens of chunk [R, T] to the slot's cache (emptied first where reset[r]), samples
   its first new token there (key fold_in(keys[r], 0)) and runs with budget[r] new tokens at
-  temperature[r], top_p[r], until one of stops[r] [K] (-1: none)."""
+  temperature[r], top_p[r], until one of the K ids of stops[r] (-1: none)."""
   part = _rows(s.cache, rows)
   part = dataclasses.replace(part, length=jnp.where(reset, 0, part.length))
   start = part.length
