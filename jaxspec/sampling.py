@@ -32,7 +32,7 @@ from jax import lax
 
 
 from jaxspec.checks import check_int  # noqa: E402
-from jaxspec.pytree import pytree_dataclass as _pytree  # noqa: E402
+from jaxspec.pytree import pytree_dataclass as _pytree, static_field  # noqa: E402
 
 
 # The fields holding one number per row, with the value that turns each off (None: always on).
@@ -162,7 +162,7 @@ class Sampling:
     if "min_new_tokens" in out and max_new_tokens is not None and not _is_traced(m) \
         and _is_concrete(max_new_tokens):
       _check_min_new(max(m) if isinstance(m, tuple) else m, int(max_new_tokens))
-    return SamplingArrays(**out)
+    return SamplingArrays(**out, all_greedy=bool(self.greedy))
 
 
 def _is_concrete(x) -> bool:
@@ -342,6 +342,11 @@ class SamplingArrays:
   frequency_penalty: jax.Array | None = None  # [B] float32
   min_new_tokens: jax.Array | None = None  # [B] int32
   logit_bias: jax.Array | None = None  # [B, V] float32
+  # Static (the program's, not an array): every row decodes greedily, so nothing of sampling is
+  # compiled (no filters, draws or residuals; the per-row choice costs twice the compile time
+  # of a greedy loop on the CPU). `Sampling.arrays` sets it when every temperature is a
+  # concrete 0; False leaves the choice to each row's temperature at run time.
+  all_greedy: bool = static_field(False)
 
   @property
   def adjusts(self) -> bool:
@@ -581,6 +586,8 @@ def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   CPU it bisects instead: `_filter_bisect`), so it runs only when some row asks for it.
   """
   logits = logits.astype(jnp.float32)
+  if sp.all_greedy:
+    return logits
   nd = logits.ndim
   temp = _expand(sp.temperature, nd)
   hot = temp > 0
@@ -604,6 +611,8 @@ def probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   mismatch).
   """
   hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  if sp.all_greedy:
+    return hard
   greedy = _expand(sp.temperature, logits.ndim) == 0
 
   def mixed(logits):
@@ -613,12 +622,21 @@ def probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   return lax.cond(jnp.all(sp.temperature == 0), lambda l: hard, mixed, logits)
 
 
+def greedy_rows(sp: SamplingArrays) -> jax.Array | bool:
+  """The rows decoded greedily: sp.temperature == 0 [B], or True (a Python bool) when
+  `sp.all_greedy` (every row, known before compiling: `sample_from_probs`, `sample_positions`
+  and the acceptance rules then compile no draw)."""
+  return True if sp.all_greedy else sp.temperature == 0
+
+
 def sample(keys: jax.Array, logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   """One token per row from logits [B, V] with per-row keys [B]; greedy rows take the argmax.
 
   Sampled rows draw from `probs`' distribution (the float32 softmax of `process_logits`) with
   `draw`, as the speculative loops draw from the target's p, so a key gives the same text."""
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if sp.all_greedy:
+    return greedy
 
   def drawn(logits):
     tok = draw(keys, jax.nn.softmax(process_logits(logits, sp), axis=-1))
@@ -685,11 +703,14 @@ def sample_from_probs(keys: jax.Array, p: jax.Array, one_hot: jax.Array | None =
   (`draw`).
 
   one_hot: [B] bool rows known to hold a one-hot p (greedy decoding): they take the argmax,
-  and when every row does no random numbers are drawn.
+  and when every row does no random numbers are drawn; True (`greedy_rows` of an all-greedy
+  `SamplingArrays`): every row, and no draw is compiled.
   """
   if one_hot is None:
     return draw(keys, p)
   top = jnp.argmax(p, axis=-1).astype(jnp.int32)
+  if one_hot is True:
+    return top
   return lax.cond(jnp.all(one_hot), lambda p: top,
                   lambda p: jnp.where(one_hot, top, draw(keys, p)), p)
 
@@ -697,8 +718,10 @@ def sample_from_probs(keys: jax.Array, p: jax.Array, one_hot: jax.Array | None =
 def sample_positions(keys: jax.Array, p: jax.Array, greedy: jax.Array | None = None) -> jax.Array:
   """[B, T] tokens drawn from p [B, T, V] with keys [B, T] (`draw`: `generate`'s draw of each
   position's token with its key); greedy rows (one-hot p) take the argmax, and an all-greedy
-  batch draws nothing."""
+  batch draws nothing (greedy True: every row, and no draw is compiled)."""
   top = jnp.argmax(p, axis=-1).astype(jnp.int32)
+  if greedy is True:
+    return top
 
   def drawn(p):
     y = draw(keys, p)
@@ -789,6 +812,8 @@ def sampling_arrays(sampling, batch_size: int, vocab_size: int | None = None,
     return resolve_sampling(sampling).arrays(batch_size, vocab_size, max_new_tokens)
   out = {}
   for f in dataclasses.fields(SamplingArrays):
+    if f.metadata.get("static"):
+      continue
     x = getattr(sampling, f.name)
     if x is None and f.name in _ADJUSTMENTS:
       continue
@@ -809,7 +834,11 @@ def sampling_arrays(sampling, batch_size: int, vocab_size: int | None = None,
   if m is not None and max_new_tokens is not None and _is_concrete(max_new_tokens) \
       and not isinstance(sampling.min_new_tokens, jax.core.Tracer):
     _check_min_new(int(np.max(np.asarray(m))), int(max_new_tokens), " (SamplingArrays)")
-  return SamplingArrays(**out)
+  t = sampling.temperature
+  if sampling.all_greedy and not isinstance(t, jax.core.Tracer) and np.any(np.asarray(t) != 0):
+    raise ValueError("SamplingArrays.all_greedy is True but some row's temperature is not 0:"
+                     " leave all_greedy False for rows that sample (it compiles no sampling)")
+  return SamplingArrays(**out, all_greedy=sampling.all_greedy)
 
 
 def _check_rows(name: str, x) -> None:

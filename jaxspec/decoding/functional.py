@@ -335,7 +335,8 @@ def _nbytes(tree) -> int:
 
 
 def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
-                state_bytes: int, drafter=None, dparams=None) -> limits.WorkingSet:
+                state_bytes: int, drafter=None, dparams=None,
+                greedy: bool = False) -> limits.WorkingSet:
   """The estimated allocations of one decoding call (`limits.WorkingSet`), from shapes only
   (nothing is compiled or allocated): the target's cache (and the drafter's state, a draft
   model's cache among it), the loop's buffers, the prefill's activations and a step's logits.
@@ -346,6 +347,7 @@ def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
     verify_tokens: tokens of the widest pass a step runs (1 for plain decoding).
     state_bytes: the loop's own buffers (sequence, outputs, log-probabilities).
     drafter, dparams: the drafter, whose state from `init` is counted with the cache.
+    greedy: every row decodes greedily (`SamplingArrays.all_greedy`: smaller steps).
   """
   cache = _nbytes(jax.eval_shape(lambda q: protocol.init_cache(lm, q, b, max_len), params))
   if drafter is not None and not drafter.uses_target_hidden:
@@ -363,20 +365,20 @@ def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
   return limits.working_set(
       batch=b, prompt_len=p, max_len=max_len, vocab=lm.vocab_size, cache_bytes=cache,
       state_bytes=state_bytes, verify_tokens=verify_tokens,
-      prefill_logits_tokens=1 if protocol.is_block_lm(lm) else p, **dims)
+      prefill_logits_tokens=1 if protocol.is_block_lm(lm) else p, greedy=greedy, **dims)
 
 
 def spec_working_set(tgt: protocol.Target, drafter, dparams, policy, b: int, p: int,
-                     capacity: int, max_len: int) -> limits.WorkingSet:
+                     capacity: int, max_len: int, *, greedy: bool = False) -> limits.WorkingSet:
   """`working_set` of `speculative_decode`'s program: the sequence buffer (max_len + k_max + 1
   positions), its log-probabilities and the outputs; steps verify k_max + 1 tokens (a tree:
-  its nodes)."""
+  its nodes). greedy: `SamplingArrays.all_greedy` of the call."""
   width = drafter.tree.num_nodes if drafter.tree is not None else policy.k_max + 1
   # int32 tokens, float32 log-probabilities, and top-N ids and log-probabilities
   lp = (2 + 2 * policy.top_logprobs) if policy.logprobs else 1
   state = 4 * lp * b * (max_len + policy.k_max + 1 + 2 * capacity)
   return working_set(tgt.lm, tgt.params, b, p, max_len, verify_tokens=width, state_bytes=state,
-                     drafter=drafter, dparams=dparams)
+                     drafter=drafter, dparams=dparams, greedy=greedy)
 
 
 def decode_working_set(tgt: protocol.Target, b: int, p: int, capacity: int, max_len: int, *,
@@ -496,7 +498,8 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     _check_drafter_params(drafter, drafter_params)
     dparams = drafter_params
   limits.check_positions(int(max_len))
-  ws = spec_working_set(tgt, drafter, dparams, policy, b * n, p, capacity, int(max_len))
+  ws = spec_working_set(tgt, drafter, dparams, policy, b * n, p, capacity, int(max_len),
+                        greedy=sp.all_greedy)
   limits.check_working_set(ws, b * n, int(max_len), "speculative decoding of")
   costs = costs_array(policy, cost if policy.auto else None)
   run = _not_differentiable(functools.partial(

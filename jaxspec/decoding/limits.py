@@ -49,6 +49,9 @@ def check_positions(max_len: int) -> None:
 # top-p, the log-softmax of the log-probabilities, the rejection rule's ratios. Counted from
 # XLA's buffer assignment of the compiled loop (CPU; `memory_analysis`), which reuses the rest.
 LOGIT_BUFFERS = 9
+# The same for an all-greedy loop (`SamplingArrays.all_greedy`): no processed copy, softmax,
+# filters or ratios: the logits, their one-hot and the log-softmax (2.1-2.5 measured).
+GREEDY_LOGIT_BUFFERS = 3
 # [B, V] buffers of the prefill's first token (one position, the same processing and the
 # sampling arrays' own).
 PREFILL_LOGIT_BUFFERS = 10
@@ -71,7 +74,8 @@ class WorkingSet:
       `PREFILL_LOGIT_BUFFERS` [B, V] buffers ([B, P, V] logits for a model without the block
       interface), whichever is larger.
     step: a step's peak, `LOGIT_BUFFERS` buffers [B, T, V] of the widest verify (T = k + 1,
-      or the tree's nodes; 1 for a decode step).
+      or the tree's nodes; 1 for a decode step); `GREEDY_LOGIT_BUFFERS` when every row is
+      greedy.
   """
 
   cache: int
@@ -92,7 +96,8 @@ class WorkingSet:
 
 def working_set(*, batch: int, prompt_len: int, max_len: int, vocab: int, cache_bytes: int,
                 state_bytes: int, verify_tokens: int, heads: int = 0, hidden: int = 0,
-                ffw: int = 0, layer_bytes: int = 0, prefill_logits_tokens: int = 1) -> WorkingSet:
+                ffw: int = 0, layer_bytes: int = 0, prefill_logits_tokens: int = 1,
+                greedy: bool = False) -> WorkingSet:
   """The estimate of a decoding call's allocations (`WorkingSet`) from its shapes; within 25%
   of the compiled programs' `memory_analysis()` (tests/decoding/test_memory.py).
 
@@ -104,12 +109,15 @@ def working_set(*, batch: int, prompt_len: int, max_len: int, vocab: int, cache_
     layer_bytes: one layer's weights when the layers are stacked (a scan slices a copy).
     prefill_logits_tokens: positions whose logits the prefill computes (P for a model without
       the block interface, whose forward returns every position's logits).
+    greedy: the program decodes every row greedily (`SamplingArrays.all_greedy`): a step
+      holds `GREEDY_LOGIT_BUFFERS` logit buffers, not `LOGIT_BUFFERS`.
   """
   f32 = 4
   attention = (batch * heads * prompt_len * prompt_len + batch * prompt_len * (hidden + ffw)) \
       * f32 + layer_bytes
   first = batch * vocab * f32 * (PREFILL_LOGIT_BUFFERS + prefill_logits_tokens - 1)
-  step = LOGIT_BUFFERS * batch * verify_tokens * vocab * f32
+  buffers = GREEDY_LOGIT_BUFFERS if greedy else LOGIT_BUFFERS
+  step = buffers * batch * verify_tokens * vocab * f32
   del max_len  # the cache's positions are in cache_bytes
   return WorkingSet(cache=int(cache_bytes), state=int(state_bytes),
                     prefill=int(max(attention, first)), step=int(step))

@@ -450,7 +450,7 @@ def verify_branch(tparams, cache, last, prop: Proposal | None, k: int, sp, keys,
   `lax.switch`). keys: [B, k_max + 1] the position keys of the step's tokens. history: the
   state's `TokenHistory` (None: sp adjusts nothing).
   """
-  greedy = sp.temperature == 0
+  greedy = sampling_lib.greedy_rows(sp)
 
   def plain(cache):  # as `generate`'s decode step: sampled from the logits, no [B, V] one-hot
     with jax.named_scope("verify"):
@@ -632,7 +632,7 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
           hidden_layers=cfg.hidden_layers, return_logits=True, history=s.history)
     with jax.named_scope("accept"):
       n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, keys, depth,
-                                                  greedy=sp.temperature == 0, valid=in_vocab,
+                                                  greedy=sampling_lib.greedy_rows(sp), valid=in_vocab,
                                                   depth=prop.depth)
       hidden, block = tree_lib.gather_path(path, hidden, block)
       at_path = None

@@ -150,7 +150,8 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
       the step (split into the acceptance uniforms and the last draw).
     n_valid: [B] real drafts per row (None: all k); later drafts are never accepted.
     greedy: [B] bool rows decoded greedily (one-hot p): their token is the argmax of the
-      one-hot residual, and an all-greedy batch draws no random numbers over the vocabulary.
+      one-hot residual, and an all-greedy batch draws no random numbers over the vocabulary;
+      True (`sampling.greedy_rows` of an all-greedy batch): every row, and no draw compiled.
   Returns:
     n_accepted [B] int32 in 0..k, and emitted [B, k+1] int32: the accepted drafts followed by
     the correction or bonus token at index n_accepted (entries after it are -1).
@@ -158,6 +159,8 @@ def rejection_sample(p: jax.Array, q: jax.Array | None, drafts: jax.Array, keys:
   b, k1, _ = p.shape
   k = k1 - 1
   rows = jnp.arange(b)
+  if greedy is True and keys.ndim == 2:
+    q = None  # every p one-hot: the coupled rule is the same (accept while a draft is the argmax)
   if keys.ndim == 2:
     limit = jnp.full((b,), k, jnp.int32) if n_valid is None else jnp.clip(n_valid, 0, k)
     if q is None:

@@ -129,7 +129,7 @@ class DraftModel(Drafter):
       q = sampling_lib.probs(sampling_lib.adjust(logits_i, sp, hist), sp)
       # Coupled, key_i is the target's key for this token: the same Gumbel-max draw then
       # shares the target's noise.
-      tok = sampling_lib.sample_from_probs(key_i, q, sp.temperature == 0)
+      tok = sampling_lib.sample_from_probs(key_i, q, sampling_lib.greedy_rows(sp))
       # Whether this draft is proposed is decided before it is drawn: from the draft model's
       # top probability (llama.cpp's --draft-p-min), not the drawn token's, whose use would
       # select against unlikely draws and bias a sampled output. Greedy: the same value.

@@ -114,7 +114,7 @@ class ParallelDraft(DraftModel):
     cache = protocol.with_length(cache, start + jnp.where(single, 1, 2))
     q = sampling_lib.probs(lg, sp)  # [B, k, V]
     step_keys = split_draft_keys(self, keys, ctx, k)  # [B, k]
-    greedy = sp.temperature == 0
+    greedy = sampling_lib.greedy_rows(sp)
     drafts = jax.vmap(lambda kk, qq: sampling_lib.sample_from_probs(kk, qq, greedy),
                       in_axes=(1, 1), out_axes=1)(step_keys, q)  # [B, k]
     n_valid = None

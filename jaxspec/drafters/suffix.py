@@ -406,6 +406,10 @@ class SuffixDecoding(Drafter):
     limit), never the token drawn at d (`jaxspec.decoding.drafter`'s rule). Greedy rows
     (temperature 0) take the deterministic chain, with a one-hot q.
     """
+    if sp is not None and sp.all_greedy:  # every row takes the deterministic chain
+      det = self._most_frequent(cont, alive, best, k)
+      return dataclasses.replace(det, q=jax.nn.one_hot(det.tokens, self.vocab_size,
+                                                      dtype=jnp.float32))
     b = cont.shape[0]
     v = self.vocab_size
     rows = jnp.arange(b)

@@ -84,7 +84,7 @@ def frozen_target_arrays(target_params: Params) -> Params:
 def _draw(key: jax.Array, q: jax.Array, sp) -> jax.Array:
   """One draft per row from q [B, V] (the target's Gumbel-max draw: coupled, `key` is the
   target's key for the token); greedy rows (one-hot q) take the argmax without drawing."""
-  return sampling_lib.sample_from_probs(key, q, sp.temperature == 0)
+  return sampling_lib.sample_from_probs(key, q, sampling_lib.greedy_rows(sp))
 
 
 def _sample_steps(drafter, logits: jax.Array, sp, keys: jax.Array, ctx):

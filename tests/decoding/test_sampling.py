@@ -1,11 +1,13 @@
 """The sampling module: filters against a numpy reference, argument validation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.sampling import Sampling, probs, sample
+from jaxspec.sampling import Sampling, probs, sample, sampling_arrays
 
 
 def _ref_probs(logits, t, k, p, m):
@@ -95,11 +97,8 @@ def test_probs_per_row_settings_match_each_row_alone():
   settings = [(1.0, 0, 1.0, 0.0), (0.7, 4, 0.9, 0.0), (1.3, 0, 0.5, 0.05), (1.0, 9, 1.0, 0.2)]
   logits = jnp.concatenate([_tied_logits(2, 48, seed=3),
                             jax.random.normal(jax.random.key(4), (2, 48)) * 4])
-  sp = Sampling().arrays(4)
-  sp.temperature = jnp.array([s[0] for s in settings], jnp.float32)
-  sp.top_k = jnp.array([s[1] for s in settings], jnp.int32)
-  sp.top_p = jnp.array([s[2] for s in settings], jnp.float32)
-  sp.min_p = jnp.array([s[3] for s in settings], jnp.float32)
+  t, k, p, m = zip(*settings)
+  sp = Sampling(temperature=t, top_k=k, top_p=p, min_p=m).arrays(4)
   got = np.asarray(probs(logits, sp))
   for r, (t, k, p, m) in enumerate(settings):
     alone = np.asarray(probs(logits[r:r + 1], Sampling(temperature=t, top_k=k, top_p=p,
@@ -112,13 +111,29 @@ def test_probs_per_row_settings_match_each_row_alone():
 
 def test_greedy_is_one_hot_and_rows_can_differ():
   logits = jax.random.normal(jax.random.key(1), (2, 16))
-  sp = Sampling().arrays(2)
-  sp.temperature = jnp.array([0.0, 1.0])
+  sp = Sampling(temperature=(0.0, 1.0)).arrays(2)
+  assert not sp.all_greedy
   pr = np.asarray(probs(logits, sp))
   assert pr[0].max() == 1.0 and pr[0].argmax() == int(logits[0].argmax())
   np.testing.assert_allclose(pr[1], jax.nn.softmax(logits[1]), atol=1e-6)
   keys = jax.random.split(jax.random.key(2), 2)
   assert int(sample(keys, logits, sp)[0]) == int(logits[0].argmax())
+
+
+def test_all_greedy_compiles_no_sampling_and_gives_the_per_row_programs_tokens():
+  """`Sampling.arrays` marks an all-greedy batch (static): its programs take the argmax without
+  compiling the draws and filters, and give exactly what the per-row program gives greedy rows."""
+  logits = jax.random.normal(jax.random.key(5), (3, 64)) * 3
+  keys = jax.random.split(jax.random.key(6), 3)
+  fast = Sampling().arrays(3)
+  per_row = dataclasses.replace(fast, all_greedy=False)
+  assert fast.all_greedy and not Sampling(temperature=(0.0, 0.0, 0.5)).arrays(3).all_greedy
+  np.testing.assert_array_equal(sample(keys, logits, fast), sample(keys, logits, per_row))
+  np.testing.assert_array_equal(probs(logits, fast), probs(logits, per_row))
+  size = lambda sp: len(jax.jit(sample).lower(keys, logits, sp).as_text())
+  assert size(fast) < size(per_row) / 2
+  with pytest.raises(ValueError, match="all_greedy"):
+    sampling_arrays(dataclasses.replace(Sampling(temperature=0.5).arrays(3), all_greedy=True), 3)
 
 
 def test_sample_frequencies():

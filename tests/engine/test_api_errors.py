@@ -70,6 +70,8 @@ def _fixed_cases(target, draft):
       ("SamplingArrays.top_k", lambda: dec(sampling=_with(sp, top_k=[5, -1]))),
       ("SamplingArrays.top_p", lambda: spec(sampling=_with(sp, top_p=[np.nan, 0.9]))),
       ("SamplingArrays.min_p", lambda: dec(sampling=_with(sp, min_p=[2.0, 0.0]))),
+      ("SamplingArrays.all_greedy",
+       lambda: spec(sampling=dataclasses.replace(sp, all_greedy=True))),
       ("prompt 0", lambda: gen([[1.5, 2.7]])),
       ("prompt 0", lambda: sgen([[None]])),
       ("prompt 1", lambda: gen([[1, 2], [None]])),
