@@ -103,9 +103,14 @@ def test_speculative_batches_and_lengths_share_one_program_per_bucket(tiny_targe
   _same(sampled, sampled_ref)
   for k in SPEC_STATS:
     assert sampled.stats[k] == sampled_ref.stats[k], k
-  assert len(engine.programs) == n
+  # A call that samples has programs of its own (an all-greedy one compiles no sampling); other
+  # temperatures, batches and lengths share them.
+  assert len(engine.programs) == n + 2
+  engine.speculative_generate(tiny_target, NGram(), PROMPTS[:4],
+                              **dict(sp, sampling=Sampling(temperature=(0.5, 0.0, 2.0, 1.0))))
+  assert len(engine.programs) == n + 2
   five = engine.speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=17, **SPEC)
-  assert len(engine.programs) == n + 2  # the bucket of 8 rows
+  assert len(engine.programs) == n + 4  # the bucket of 8 rows
   np.testing.assert_array_equal(five.tokens[:3], ref.tokens)
 
 
