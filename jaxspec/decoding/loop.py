@@ -632,8 +632,8 @@ def tree_step(tparams, dparams, s: SpecState, sp, cfg: StepConfig):
           hidden_layers=cfg.hidden_layers, return_logits=True, history=s.history)
     with jax.named_scope("accept"):
       n_acc, emitted, path = tree_lib.tree_accept(p, tokens, prop.parents, keys, depth,
-                                                  greedy=sampling_lib.greedy_rows(sp), valid=in_vocab,
-                                                  depth=prop.depth)
+                                                  greedy=sampling_lib.greedy_rows(sp),
+                                                  valid=in_vocab, depth=prop.depth)
       hidden, block = tree_lib.gather_path(path, hidden, block)
       at_path = None
       if cfg.policy.logprobs:  # emitted token i was drawn from the target's logits at node i
