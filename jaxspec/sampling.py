@@ -835,7 +835,7 @@ def sampling_arrays(sampling, batch_size: int, vocab_size: int | None = None,
       and not isinstance(sampling.min_new_tokens, jax.core.Tracer):
     _check_min_new(int(np.max(np.asarray(m))), int(max_new_tokens), " (SamplingArrays)")
   t = sampling.temperature
-  if sampling.all_greedy and not isinstance(t, jax.core.Tracer) and np.any(np.asarray(t) != 0):
+  if sampling.all_greedy and not _is_traced(t) and np.any(np.asarray(t) != 0):
     raise ValueError("SamplingArrays.all_greedy is True but some row's temperature is not 0:"
                      " leave all_greedy False for rows that sample (it compiles no sampling)")
   return SamplingArrays(**out, all_greedy=sampling.all_greedy)

@@ -406,14 +406,15 @@ class SuffixDecoding(Drafter):
     limit), never the token drawn at d (`jaxspec.decoding.drafter`'s rule). Greedy rows
     (temperature 0) take the deterministic chain, with a one-hot q.
     """
-    if sp is not None and sp.all_greedy:  # every row takes the deterministic chain
-      det = self._most_frequent(cont, alive, best, k)
-      return dataclasses.replace(det, q=jax.nn.one_hot(det.tokens, self.vocab_size,
-                                                      dtype=jnp.float32))
     b = cont.shape[0]
     v = self.vocab_size
+    det = None  # the deterministic chain of greedy rows, with its one-hot q
+    if sp is not None:
+      det = self._most_frequent(cont, alive, best, k)
+      det = dataclasses.replace(det, q=jax.nn.one_hot(det.tokens, v, dtype=jnp.float32))
+      if sp.all_greedy:  # every row takes it: no draw compiled
+        return det
     rows = jnp.arange(b)
-    alive0 = alive
     limit = self._limit(best, k)
     step_keys = split_draft_keys(self, keys, None, k)  # [B, k] (never coupled)
     prob = jnp.ones((b,), jnp.float32)
@@ -437,13 +438,11 @@ class SuffixDecoding(Drafter):
     sampled = Proposal(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32),
                        q=jnp.stack(qs, axis=1),
                        n_valid=jnp.sum(jnp.stack(valid, axis=1), axis=1).astype(jnp.int32))
-    if sp is None:
+    if det is None:
       return sampled
     greedy = sp.temperature == 0  # [B]
-    det = self._most_frequent(cont, alive0, best, k)
     per_row = lambda a, c: jnp.where(greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
-    return Proposal(tokens=per_row(det.tokens, sampled.tokens),
-                    q=per_row(jax.nn.one_hot(det.tokens, v, dtype=jnp.float32), sampled.q),
+    return Proposal(tokens=per_row(det.tokens, sampled.tokens), q=per_row(det.q, sampled.q),
                     n_valid=per_row(det.n_valid, sampled.n_valid))
 
   def propose_tree(self, params, state, ctx, sp, keys):
