@@ -128,6 +128,12 @@ class Sampling:
       return False
     return all(x == 0 for x in t) if isinstance(t, tuple) else t == 0
 
+  @property
+  def unfiltered(self) -> bool:
+    """Whether top-k, top-p and min-p are off in every row (False where one is traced)."""
+    return all(not _is_traced(v) and all(x == off for x in (v if isinstance(v, tuple) else (v,)))
+               for v, off in ((self.top_k, 0), (self.top_p, 1.0), (self.min_p, 0.0)))
+
   def arrays(self, batch_size: int, vocab_size: int | None = None,
              max_new_tokens=None) -> SamplingArrays:
     """Per-row arrays, so a change of value does not recompile; an adjustment off in every row
@@ -162,7 +168,7 @@ class Sampling:
     if "min_new_tokens" in out and max_new_tokens is not None and not _is_traced(m) \
         and _is_concrete(max_new_tokens):
       _check_min_new(max(m) if isinstance(m, tuple) else m, int(max_new_tokens))
-    return SamplingArrays(**out, all_greedy=bool(self.greedy))
+    return SamplingArrays(**out, all_greedy=bool(self.greedy), unfiltered=self.unfiltered)
 
 
 def _is_concrete(x) -> bool:
@@ -347,6 +353,10 @@ class SamplingArrays:
   # of a greedy loop on the CPU). `Sampling.arrays` sets it when every temperature is a
   # concrete 0; False leaves the choice to each row's temperature at run time.
   all_greedy: bool = static_field(False)
+  # Static: top-k, top-p and min-p are off in every row, so no filter is compiled (they cost
+  # about half the XLA compile time of a sampled decode loop on the CPU). `Sampling.arrays` sets
+  # it when all three are concrete and off; False leaves the filters to each row at run time.
+  unfiltered: bool = static_field(False)
 
   @property
   def adjusts(self) -> bool:
@@ -583,7 +593,8 @@ def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   logits near 30) acts as its limit T -> 0: 0 on the largest logit's tokens and -inf elsewhere,
   so the distribution is the argmax one-hot (uniform over exact ties) and the chosen token's
   log-probability is 0 (log(1/n) for n tied), finite. Filtering sorts the vocabulary (on the
-  CPU it bisects instead: `_filter_bisect`), so it runs only when some row asks for it.
+  CPU it bisects instead: `_filter_bisect`), so it runs only when some row asks for it, and
+  is not compiled at all under `SamplingArrays.unfiltered`.
   """
   logits = logits.astype(jnp.float32)
   if sp.all_greedy:
@@ -598,6 +609,8 @@ def process_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
   over = jnp.any(jnp.isinf(scaled) & jnp.isfinite(logits), axis=-1, keepdims=True)
   limit = jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), 0.0, -jnp.inf)
   logits = jnp.where(hot, jnp.where(over, limit, scaled), logits)
+  if sp.unfiltered:
+    return logits
   needs = jnp.any((sp.temperature > 0) & ((sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0)))
   filtered = lambda l: lax.platform_dependent(l, sp, cpu=_filter_bisect, default=_filter_sorted)
   return lax.cond(needs, filtered, lambda l: l, logits)
@@ -838,7 +851,14 @@ def sampling_arrays(sampling, batch_size: int, vocab_size: int | None = None,
   if sampling.all_greedy and not _is_traced(t) and np.any(np.asarray(t) != 0):
     raise ValueError("SamplingArrays.all_greedy is True but some row's temperature is not 0:"
                      " leave all_greedy False for rows that sample (it compiles no sampling)")
-  return SamplingArrays(**out, all_greedy=sampling.all_greedy)
+  if sampling.unfiltered:
+    for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+      x = getattr(sampling, name)
+      if not _is_traced(x) and np.any(np.asarray(x) != off):
+        raise ValueError(f"SamplingArrays.unfiltered is True but some row's {name} is not"
+                         f" {off}: leave unfiltered False for rows that filter (it compiles no"
+                         " filter)")
+  return SamplingArrays(**out, all_greedy=sampling.all_greedy, unfiltered=sampling.unfiltered)
 
 
 def _check_rows(name: str, x) -> None:

@@ -336,7 +336,7 @@ def _nbytes(tree) -> int:
 
 def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
                 state_bytes: int, drafter=None, dparams=None,
-                greedy: bool = False) -> limits.WorkingSet:
+                greedy: bool = False, unfiltered: bool = False) -> limits.WorkingSet:
   """The estimated allocations of one decoding call (`limits.WorkingSet`), from shapes only
   (nothing is compiled or allocated): the target's cache (and the drafter's state, a draft
   model's cache among it), the loop's buffers, the prefill's activations and a step's logits.
@@ -348,6 +348,7 @@ def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
     state_bytes: the loop's own buffers (sequence, outputs, log-probabilities).
     drafter, dparams: the drafter, whose state from `init` is counted with the cache.
     greedy: every row decodes greedily (`SamplingArrays.all_greedy`: smaller steps).
+    unfiltered: no row filters (`SamplingArrays.unfiltered`: smaller sampled steps).
   """
   cache = _nbytes(jax.eval_shape(lambda q: protocol.init_cache(lm, q, b, max_len), params))
   if drafter is not None and not drafter.uses_target_hidden:
@@ -365,20 +366,22 @@ def working_set(lm, params, b: int, p: int, max_len: int, *, verify_tokens: int,
   return limits.working_set(
       batch=b, prompt_len=p, max_len=max_len, vocab=lm.vocab_size, cache_bytes=cache,
       state_bytes=state_bytes, verify_tokens=verify_tokens,
-      prefill_logits_tokens=1 if protocol.is_block_lm(lm) else p, greedy=greedy, **dims)
+      prefill_logits_tokens=1 if protocol.is_block_lm(lm) else p, greedy=greedy,
+      unfiltered=unfiltered, **dims)
 
 
 def spec_working_set(tgt: protocol.Target, drafter, dparams, policy, b: int, p: int,
-                     capacity: int, max_len: int, *, greedy: bool = False) -> limits.WorkingSet:
+                     capacity: int, max_len: int, *, greedy: bool = False,
+                     unfiltered: bool = False) -> limits.WorkingSet:
   """`working_set` of `speculative_decode`'s program: the sequence buffer (max_len + k_max + 1
   positions), its log-probabilities and the outputs; steps verify k_max + 1 tokens (a tree:
-  its nodes). greedy: `SamplingArrays.all_greedy` of the call."""
+  its nodes). greedy, unfiltered: `SamplingArrays.all_greedy`, `.unfiltered` of the call."""
   width = drafter.tree.num_nodes if drafter.tree is not None else policy.k_max + 1
   # int32 tokens, float32 log-probabilities, and top-N ids and log-probabilities
   lp = (2 + 2 * policy.top_logprobs) if policy.logprobs else 1
   state = 4 * lp * b * (max_len + policy.k_max + 1 + 2 * capacity)
   return working_set(tgt.lm, tgt.params, b, p, max_len, verify_tokens=width, state_bytes=state,
-                     drafter=drafter, dparams=dparams, greedy=greedy)
+                     drafter=drafter, dparams=dparams, greedy=greedy, unfiltered=unfiltered)
 
 
 def decode_working_set(tgt: protocol.Target, b: int, p: int, capacity: int, max_len: int, *,
@@ -499,7 +502,7 @@ def speculative_decode(target, drafter: Drafter, prompt_ids, prompt_lengths, key
     dparams = drafter_params
   limits.check_positions(int(max_len))
   ws = spec_working_set(tgt, drafter, dparams, policy, b * n, p, capacity, int(max_len),
-                        greedy=sp.all_greedy)
+                        greedy=sp.all_greedy, unfiltered=sp.unfiltered)
   limits.check_working_set(ws, b * n, int(max_len), "speculative decoding of")
   costs = costs_array(policy, cost if policy.auto else None)
   run = _not_differentiable(functools.partial(

@@ -52,6 +52,9 @@ LOGIT_BUFFERS = 9
 # The same for an all-greedy loop (`SamplingArrays.all_greedy`): no processed copy, softmax,
 # filters or ratios: the logits, their one-hot and the log-softmax (2.1-2.5 measured).
 GREEDY_LOGIT_BUFFERS = 3
+# The same for a sampled loop without filters (`SamplingArrays.unfiltered`): no sort, cumulative
+# sum or masks of top-k/top-p/min-p.
+UNFILTERED_LOGIT_BUFFERS = 5
 # [B, V] buffers of the prefill's first token (one position, the same processing and the
 # sampling arrays' own).
 PREFILL_LOGIT_BUFFERS = 10
@@ -97,7 +100,7 @@ class WorkingSet:
 def working_set(*, batch: int, prompt_len: int, max_len: int, vocab: int, cache_bytes: int,
                 state_bytes: int, verify_tokens: int, heads: int = 0, hidden: int = 0,
                 ffw: int = 0, layer_bytes: int = 0, prefill_logits_tokens: int = 1,
-                greedy: bool = False) -> WorkingSet:
+                greedy: bool = False, unfiltered: bool = False) -> WorkingSet:
   """The estimate of a decoding call's allocations (`WorkingSet`) from its shapes; within 25%
   of the compiled programs' `memory_analysis()` (tests/decoding/test_memory.py).
 
@@ -111,12 +114,14 @@ def working_set(*, batch: int, prompt_len: int, max_len: int, vocab: int, cache_
       the block interface, whose forward returns every position's logits).
     greedy: the program decodes every row greedily (`SamplingArrays.all_greedy`): a step
       holds `GREEDY_LOGIT_BUFFERS` logit buffers, not `LOGIT_BUFFERS`.
+    unfiltered: no row filters (`SamplingArrays.unfiltered`): `UNFILTERED_LOGIT_BUFFERS`.
   """
   f32 = 4
   attention = (batch * heads * prompt_len * prompt_len + batch * prompt_len * (hidden + ffw)) \
       * f32 + layer_bytes
   first = batch * vocab * f32 * (PREFILL_LOGIT_BUFFERS + prefill_logits_tokens - 1)
-  buffers = GREEDY_LOGIT_BUFFERS if greedy else LOGIT_BUFFERS
+  buffers = GREEDY_LOGIT_BUFFERS if greedy else (
+      UNFILTERED_LOGIT_BUFFERS if unfiltered else LOGIT_BUFFERS)
   step = buffers * batch * verify_tokens * vocab * f32
   del max_len  # the cache's positions are in cache_bytes
   return WorkingSet(cache=int(cache_bytes), state=int(state_bytes),

@@ -47,13 +47,16 @@ def test_working_set_estimate_within_25_percent_of_compiled_programs(shape):
   assert 0.75 < est.total / got < 1.25, (est, got)
   policy = dataclasses.replace(resolve_policy(k, None, NGram()), logprobs=True)
   ml = p + n + k + 1
-  # The all-greedy program (no sampling compiled) and one whose rows may sample.
-  for spk in (sp, sampling_arrays(Sampling(temperature=0.5), b)):
-    est = F.spec_working_set(tgt, NGram(), None, policy, b, p, n, ml, greedy=spk.all_greedy)
+  # The all-greedy program (no sampling compiled), a sampled one without filters and one whose
+  # rows may filter.
+  for spk in (sp, sampling_arrays(Sampling(temperature=0.5), b),
+              sampling_arrays(Sampling(temperature=0.5, top_p=0.9), b)):
+    est = F.spec_working_set(tgt, NGram(), None, policy, b, p, n, ml, greedy=spk.all_greedy,
+                             unfiltered=spk.unfiltered)
     got = _allocated(F._speculative_jit, tgt, None, prompt, lens, key, jnp.int32(n), spk,
                      costs_array(policy, None), drafter=NGram(), policy=policy, capacity=n,
                      max_len=ml, stop_ids=(), pad_id=0)
-    assert 0.75 < est.total / got < 1.25, (spk.all_greedy, est, got)
+    assert 0.75 < est.total / got < 1.25, (spk.all_greedy, spk.unfiltered, est, got)
 
 
 def test_functional_core_refuses_what_does_not_fit_before_compiling(tiny_target, no_compile,

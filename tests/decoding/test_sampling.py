@@ -136,6 +136,30 @@ def test_all_greedy_compiles_no_sampling_and_gives_the_per_row_programs_tokens()
     sampling_arrays(dataclasses.replace(Sampling(temperature=0.5).arrays(3), all_greedy=True), 3)
 
 
+def test_unfiltered_compiles_no_filter_and_gives_the_per_row_programs_tokens():
+  """`Sampling.arrays` marks a batch whose top-k, top-p and min-p are off in every row (static):
+  its programs compile no filter, and give exactly what the per-row program gives."""
+  logits = jax.random.normal(jax.random.key(7), (3, 64)) * 3
+  keys = jax.random.split(jax.random.key(8), 3)
+  fast = Sampling(temperature=(0.0, 0.7, 1.3)).arrays(3)
+  per_row = dataclasses.replace(fast, unfiltered=False)
+  assert fast.unfiltered and not fast.all_greedy
+  assert not Sampling(temperature=0.7, top_k=(0, 5, 0)).arrays(3).unfiltered
+  assert not Sampling(temperature=0.7, top_p=0.9).arrays(3).unfiltered
+  assert not Sampling(temperature=0.7, min_p=(0.0, 0.0, 0.1)).arrays(3).unfiltered
+  assert Sampling(temperature=0.7, top_k=jnp.asarray(0)).arrays(3).unfiltered  # a concrete 0
+  seen = []  # a traced value is not known to be off
+  jax.jit(lambda k: seen.append(Sampling(temperature=0.7, top_k=k).arrays(3).unfiltered) or k)(0)
+  assert seen == [False]
+  np.testing.assert_array_equal(sample(keys, logits, fast), sample(keys, logits, per_row))
+  np.testing.assert_array_equal(probs(logits, fast), probs(logits, per_row))
+  size = lambda sp: len(jax.jit(sample).lower(keys, logits, sp).as_text())
+  assert size(fast) < 0.6 * size(per_row)  # 26k against 47k characters of StableHLO
+  with pytest.raises(ValueError, match="unfiltered.*top_p"):
+    sampling_arrays(dataclasses.replace(Sampling(temperature=0.5, top_p=0.9).arrays(3),
+                                        unfiltered=True), 3)
+
+
 def test_sample_frequencies():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.2, 0.0]]))
   sp = Sampling(temperature=1.0, top_k=2).arrays(4000)

@@ -72,6 +72,8 @@ def _fixed_cases(target, draft):
       ("SamplingArrays.min_p", lambda: dec(sampling=_with(sp, min_p=[2.0, 0.0]))),
       ("SamplingArrays.all_greedy",
        lambda: spec(sampling=dataclasses.replace(sp, all_greedy=True))),
+      ("SamplingArrays.unfiltered",
+       lambda: dec(sampling=dataclasses.replace(sp, unfiltered=True))),
       ("prompt 0", lambda: gen([[1.5, 2.7]])),
       ("prompt 0", lambda: sgen([[None]])),
       ("prompt 1", lambda: gen([[1, 2], [None]])),
