@@ -130,8 +130,10 @@ def test_bundled_model_config(smollm):
   assert cfg.tie_embeddings and smollm.params.lm_head is None
   assert cfg.eos_token_ids == (2,) and cfg.rope_theta == 100000.0
   assert stacked_layers(smollm.params).wq.shape == (30, 576, 9, 64)
-  # jaxspec.load's default layout on this backend (unrolled on CPU), the same weights both ways
-  assert smollm.scan_layers == default_scan_layers()
+  # The session's copy is stacked (conftest); the other layout holds the same weights.
+  un = smollm.with_scan_layers(False)
+  assert smollm.scan_layers and not un.scan_layers
+  np.testing.assert_array_equal(stacked_layers(un.params).wq, stacked_layers(smollm.params).wq)
 
 
 # -- Hugging Face round trip ----------------------------------------------------------------------
@@ -203,10 +205,16 @@ def test_hf_reads_safetensors_written_by_the_library(tmp_path):
   assert_params_equal(params_from_hf(ours, cfg), params)
 
 
-def test_hf_model_with_tokenizer_round_trip(tmp_path):
+def test_hf_model_with_tokenizer_round_trip(tmp_path, monkeypatch):
   cfg, params = tiny_checkpoint()
   write_tiny_gguf(tmp_path / "tiny.gguf", cfg, params)
   model = load(str(tmp_path / "tiny.gguf"))
+  # jaxspec.load's layout on this backend when none is asked for (unrolled on CPU), and the
+  # environment's override
+  assert model.scan_layers == default_scan_layers()
+  monkeypatch.setenv("JAXSPEC_SCAN_LAYERS", "unrolled" if model.scan_layers else "stacked")
+  assert load(str(tmp_path / "tiny.gguf")).scan_layers != model.scan_layers
+  monkeypatch.delenv("JAXSPEC_SCAN_LAYERS")
   save_hf(model, tmp_path / "hf")
   back = load_hf(tmp_path / "hf")
   text = "hello world <|im_start|>x"
@@ -455,7 +463,9 @@ def reference():
                                pytest.param(2, marks=pytest.mark.slow)])
 def test_logits_match_hugging_face(smollm, reference, i):
   n = int(reference["prompt_len"][i])
+  # In jaxspec.load's layout on this backend (unrolled on CPU; the session's copy is stacked).
+  model = smollm.with_scan_layers(default_scan_layers())
   # Full float32 matmuls: accelerators default to TF32-like precision, which moves logits ~1e-2.
   with jax.default_matmul_precision("highest"):
-    logits = _logits(smollm.params, smollm.cfg, reference["prompt_ids"][i, :n])
+    logits = _logits(model.params, model.cfg, reference["prompt_ids"][i, :n])
   np.testing.assert_allclose(logits[-8:], reference[f"logits_{i}"], atol=1e-3, rtol=0)
