@@ -50,13 +50,22 @@ def test_stop_token_ends_row_and_is_kept(tiny_target):
 
 
 def test_sampling_values_do_not_recompile(tiny_target):
+  # Values are arrays: a new temperature, or new filter values, run the program compiled for the
+  # old ones. Filtering or not is static (`SamplingArrays.unfiltered`): one program each.
   a = generate(tiny_target, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0), key=3)
-  b = generate(tiny_target, PROMPTS, max_new_tokens=8,
-               sampling=Sampling(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1), key=3)
+  b = generate(tiny_target, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=0.5), key=3)
   assert b.stats["compile_seconds"] == 0.0
   assert not np.array_equal(a.tokens, b.tokens)
+  f = generate(tiny_target, PROMPTS, max_new_tokens=8,
+               sampling=Sampling(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1), key=3)
+  assert f.stats["compile_seconds"] > 0.0
+  g = generate(tiny_target, PROMPTS, max_new_tokens=8,
+               sampling=Sampling(temperature=0.8, top_k=5, top_p=0.95), key=3)
+  assert g.stats["compile_seconds"] == 0.0
+  assert not np.array_equal(f.tokens, g.tokens)
   c = generate(tiny_target, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0), key=3)
   np.testing.assert_array_equal(a.tokens, c.tokens)  # same key, same tokens
+  assert c.stats["compile_seconds"] == 0.0
 
 
 def test_top_k_one_is_greedy(tiny_target):
