@@ -49,6 +49,16 @@ def _is_traced(v) -> bool:
   return isinstance(v, jax.core.Tracer)
 
 
+# The filters and the value that turns each off.
+_FILTERS_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def _off_in_every_row(v, off) -> bool:
+  """Whether a `Sampling` field (one value, or a tuple of one per row) is concretely `off` in
+  every row (False where it is traced: unknown before the program runs)."""
+  return not _is_traced(v) and all(x == off for x in (v if isinstance(v, tuple) else (v,)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
   """User-facing sampling settings (numbers, or arrays: validated before anything compiles).
@@ -131,8 +141,7 @@ class Sampling:
   @property
   def unfiltered(self) -> bool:
     """Whether top-k, top-p and min-p are off in every row (False where one is traced)."""
-    return all(not _is_traced(v) and all(x == off for x in (v if isinstance(v, tuple) else (v,)))
-               for v, off in ((self.top_k, 0), (self.top_p, 1.0), (self.min_p, 0.0)))
+    return all(_off_in_every_row(getattr(self, name), off) for name, off in _FILTERS_OFF.items())
 
   def arrays(self, batch_size: int, vocab_size: int | None = None,
              max_new_tokens=None) -> SamplingArrays:
@@ -157,8 +166,7 @@ class Sampling:
     out = {}
     for name, off in _SCALARS.items():
       v = getattr(self, name)
-      if off is not None and not _is_traced(v) and all(
-          x == off for x in (v if isinstance(v, tuple) else (v,))):
+      if off is not None and _off_in_every_row(v, off):
         continue  # off in every row: nothing compiled for it
       out[name] = full(name, jnp.int32 if name in _INTEGER else jnp.float32)
     if self.logit_bias is not None:
@@ -852,7 +860,7 @@ def sampling_arrays(sampling, batch_size: int, vocab_size: int | None = None,
     raise ValueError("SamplingArrays.all_greedy is True but some row's temperature is not 0:"
                      " leave all_greedy False for rows that sample (it compiles no sampling)")
   if sampling.unfiltered:
-    for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+    for name, off in _FILTERS_OFF.items():
       x = getattr(sampling, name)
       if not _is_traced(x) and np.any(np.asarray(x) != off):
         raise ValueError(f"SamplingArrays.unfiltered is True but some row's {name} is not"

@@ -130,9 +130,11 @@ def test_bundled_model_config(smollm):
   assert cfg.tie_embeddings and smollm.params.lm_head is None
   assert cfg.eos_token_ids == (2,) and cfg.rope_theta == 100000.0
   assert stacked_layers(smollm.params).wq.shape == (30, 576, 9, 64)
-  # The session's copy is stacked (conftest); the other layout holds the same weights.
-  un = smollm.with_scan_layers(False)
-  assert smollm.scan_layers and not un.scan_layers
+
+def test_bundled_model_in_both_layouts(smollm, smollm_default_layout):
+  # The session's copy is stacked (conftest); load's CPU default (unrolled) holds the same weights.
+  un = smollm_default_layout
+  assert smollm.scan_layers and un.scan_layers == default_scan_layers()
   np.testing.assert_array_equal(stacked_layers(un.params).wq, stacked_layers(smollm.params).wq)
 
 
@@ -450,6 +452,12 @@ def smollm(smollm2) -> Model:
 
 
 @pytest.fixture(scope="module")
+def smollm_default_layout(smollm) -> Model:
+  """The session's SmolLM2 in `jaxspec.load`'s layout on this backend (unrolled on CPU)."""
+  return smollm.with_scan_layers(default_scan_layers())
+
+
+@pytest.fixture(scope="module")
 def reference():
   if not REFERENCE.is_file():
     pytest.skip(f"Hugging Face reference {REFERENCE} is absent (it lives in the shared folder)")
@@ -461,10 +469,9 @@ def reference():
 # Hugging Face's token for token).
 @pytest.mark.parametrize("i", [0, pytest.param(1, marks=pytest.mark.slow),
                                pytest.param(2, marks=pytest.mark.slow)])
-def test_logits_match_hugging_face(smollm, reference, i):
+def test_logits_match_hugging_face(smollm_default_layout, reference, i):
   n = int(reference["prompt_len"][i])
-  # In jaxspec.load's layout on this backend (unrolled on CPU; the session's copy is stacked).
-  model = smollm.with_scan_layers(default_scan_layers())
+  model = smollm_default_layout  # load's layout on this backend; the session's copy is stacked
   # Full float32 matmuls: accelerators default to TF32-like precision, which moves logits ~1e-2.
   with jax.default_matmul_precision("highest"):
     logits = _logits(model.params, model.cfg, reference["prompt_ids"][i, :n])
