@@ -101,6 +101,9 @@ def add_online_training_args(ap: argparse.ArgumentParser, *, train_minutes: floa
   ap.add_argument("--seq-len", type=int, default=seq_len)
   ap.add_argument("--lr", type=float, default=3e-4)
   ap.add_argument("--eval-every", type=int, default=eval_every)
+  ap.add_argument("--shuffle-window", type=int, default=8,
+                  help="corpus shards whose rows are shuffled together (PackedCorpus): batches"
+                       " mix the greedy, sampled and Magpie batches and the corpora mixed in")
   ap.add_argument("--init", default="eagle",
                   help="the head to train further (dir or name; its kind is the kind trained)")
 

@@ -125,7 +125,7 @@ def main(argv=None, target=None) -> dict:
     c.check_target(target)
 
   mixed = mixed_corpus(corpora, args.rows, work / "mixed", target.cfg.vocab_size)
-  data = PackedCorpus(mixed, args.seq_len)
+  data = PackedCorpus(mixed, args.seq_len, shuffle_window=args.shuffle_window)
   totals = mixed.index["totals"]
   corpus_tokens = sum(c.index["totals"]["loss_tokens"] for c in corpora)
   print(f"[recipe] training corpus: {totals['conversations']:,} conversations,"

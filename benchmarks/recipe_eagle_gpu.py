@@ -111,7 +111,7 @@ def main(argv=None, target=None) -> dict:
         flush=True)
 
   # 2. The head, online.
-  data = PackedCorpus(work / "corpus", args.seq_len)
+  data = PackedCorpus(work / "corpus", args.seq_len, shuffle_window=args.shuffle_window)
   run, last, train_seconds = train_online(target, head, data, args, work,
                                           warmup_steps=min(50, args.steps // 10),
                                           eval_batches=8, log_every=10)

@@ -33,7 +33,7 @@ A corpus directory:
                         temperature [C] float32, turns [C] int16: answers in the conversation
 
 `Corpus` opens a directory; `PackedCorpus` reads it as training batches, never holding more than
-one shard's arrays: conversations are packed (first-fit decreasing, per shard) into rows of
+one shard's arrays (or `shuffle_window` shards', whose rows it mixes): conversations are packed (first-fit decreasing, per shard) into rows of
 `seq_len` tokens, and a batch is a dict of numpy arrays
 
   tokens [B, T] int32          conversations side by side, 0-padded
@@ -53,6 +53,7 @@ conversation a row, for the offline path (`jaxspec.train.data.Dataset`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -79,6 +80,8 @@ from jaxspec.train.data import (SELF_INSTRUCTIONS, DataConfig, DataError, Prompt
 FORMAT = "jaxspec-corpus"
 VERSION = 1
 _SHARD = "shard-{:05d}.npz"
+# The seed stream of `PackedCorpus`'s window shuffle, apart from the per-shard ones (a shard id).
+_WINDOW_STREAM = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -897,10 +900,17 @@ class PackedCorpus:
   `default_rng([seed, e]).permutation`, and inside each shard its training rows in the order
   `default_rng([seed, e, shard]).permutation`: batch `step` is a pure function of (seed, step),
   and a pass over an epoch reads every shard once.
+
+  With `shuffle_window=W > 1`, the shards in that order are taken W at a time and the training
+  rows of each window are shuffled together (`default_rng([seed, e, _WINDOW_STREAM,
+  window]).permutation`), so a batch mixes rows of W shards: of corpora written one after the
+  other, or of a corpus's greedy, sampled and Magpie batches, which lie in different shards. Up
+  to W shards are held in memory; an epoch still reads each shard once (a batch that straddles
+  two windows may read a shard twice).
   """
 
   def __init__(self, corpus: Corpus | str | os.PathLike, seq_len: int, *, pack: bool = True,
-               eval_fraction: float = 0.02, split_seed: int = 0):
+               eval_fraction: float = 0.02, split_seed: int = 0, shuffle_window: int = 1):
     """
     Args:
       corpus: a `Corpus` or its directory.
@@ -908,15 +918,18 @@ class PackedCorpus:
       pack: several conversations per row (False: one, truncated to seq_len).
       eval_fraction: share of prompts held out (by hash; see `held_out`).
       split_seed: seed of the split.
+      shuffle_window: shards whose training rows are shuffled together, and held in memory at
+        once (1: one shard at a time, each shard's rows shuffled alone).
     """
     check_int("seq_len", seq_len, 2, numpy=False, error=DataError)
+    check_int("shuffle_window", shuffle_window, 1, numpy=False, error=DataError)
     if not 0 <= eval_fraction < 1:
       raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     self.corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus)
     if self.corpus.num_shards == 0:
       raise DataError(f"{self.corpus.path} holds no shards yet: let `jaxspec train-data` write"
                       " some (a shard is written every shard_tokens tokens)")
-    self.seq_len, self.pack = seq_len, pack
+    self.seq_len, self.pack, self.shuffle_window = seq_len, pack, shuffle_window
     self.train_rows: list[list[list[int]]] = []  # [shard][row] -> conversation indices
     self.eval_rows: list[list[list[int]]] = []
     for s in range(self.corpus.num_shards):
@@ -929,7 +942,8 @@ class PackedCorpus:
                 else [[j] for j in range(len(idx))])
         rows.append([[int(idx[j]) for j in r] for r in plan])
     self.loads = 0  # shards read so far (a test's measure of streaming)
-    self._cached: tuple[int, dict[str, np.ndarray]] | None = None
+    # The shards in memory, least recently used first: at most shuffle_window of them.
+    self._cached: collections.OrderedDict[int, dict[str, np.ndarray]] = collections.OrderedDict()
 
   @property
   def num_train_rows(self) -> int:
@@ -940,12 +954,15 @@ class PackedCorpus:
     return sum(len(r) for r in self.eval_rows)
 
   def _shard(self, s: int) -> dict[str, np.ndarray]:
-    """Shard s's arrays; the one kept in memory is replaced, never added to."""
-    if self._cached is None or self._cached[0] != s:
-      self._cached = None  # drop the old shard before reading the new one
-      self._cached = (s, self.corpus.load_shard(s))
-      self.loads += 1
-    return self._cached[1]
+    """Shard s's arrays; past shuffle_window shards in memory, the least recently used goes."""
+    if s in self._cached:
+      self._cached.move_to_end(s)
+      return self._cached[s]
+    while len(self._cached) >= self.shuffle_window:  # drop before reading the new one
+      self._cached.popitem(last=False)
+    self._cached[s] = self.corpus.load_shard(s)
+    self.loads += 1
+    return self._cached[s]
 
   def steps_per_epoch(self, batch_size: int) -> int:
     n = self.num_train_rows
@@ -961,26 +978,29 @@ class PackedCorpus:
     for s in np.random.default_rng([seed, epoch]).permutation(self.corpus.num_shards):
       n = len(self.train_rows[s])
       rows = np.random.default_rng([seed, epoch, int(s)]).permutation(n)
-      parts.append(np.stack([np.full(n, s), rows], axis=1))
+      parts.append(np.stack([np.full(n, s), rows], axis=1).reshape(-1, 2))
+    if self.shuffle_window > 1:
+      w = self.shuffle_window
+      parts = [np.concatenate(parts[i:i + w]) for i in range(0, len(parts), w)]
+      parts = [p[np.random.default_rng([seed, epoch, _WINDOW_STREAM, j]).permutation(len(p))]
+               for j, p in enumerate(parts)]
     return np.concatenate(parts).astype(np.int64)
 
   def _rows(self, pairs: np.ndarray, table) -> dict[str, np.ndarray]:
-    """The packed rows at (shard, row) pairs, in order, reading each shard once per run."""
+    """The packed rows at (shard, row) pairs, in order, reading each shard once per call."""
     out: dict[str, list] = {}
-    start = 0
-    while start < len(pairs):
-      s = int(pairs[start, 0])
-      end = start
-      while end < len(pairs) and pairs[end, 0] == s:
-        end += 1
+    where = []  # the pairs' indices, in the order their rows are packed
+    for s in dict.fromkeys(pairs[:, 0].tolist()):  # shards in order of first appearance
+      sel = np.flatnonzero(pairs[:, 0] == s)
       z = self._shard(s)
       part = pack_rows(z["tokens"], z["loss_mask"], z["offsets"],
-                       [table[s][int(r)] for r in pairs[start:end, 1]], self.seq_len)
-      del z  # the next shard replaces this one: keep no second reference to it
+                       [table[s][int(r)] for r in pairs[sel, 1]], self.seq_len)
+      del z  # a later shard may replace this one: keep no second reference to it
       for k, v in part.items():
         out.setdefault(k, []).append(v)
-      start = end
-    return {k: np.concatenate(v) for k, v in out.items()}
+      where.append(sel)
+    back = np.argsort(np.concatenate(where), kind="stable") if where else np.zeros(0, np.int64)
+    return {k: np.concatenate(v)[back] for k, v in out.items()}
 
   def train_batch(self, step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
     """Training batch `step` (0-based): a pure function of (step, batch_size, seed)."""

@@ -419,6 +419,50 @@ def test_streaming_reader_equals_in_memory_reader_one_shard_at_a_time(tmp_path):
   assert p16 < 1.3 * p4 and p16 < 4 * shard_bytes, (p16, p4, shard_bytes)
 
 
+def test_shuffle_window_mixes_shards_and_keeps_epochs_exact(tmp_path):
+  """shuffle_window=W shuffles the training rows of W shards together: batches mix shards (one
+  shard's rows alone when W is 1, as before), an epoch holds the same rows as with W = 1, each
+  shard is read once per epoch and at most W are held, batches equal those built in memory,
+  and a batch is a pure function of (seed, step) (a fresh reader at step k reads the same)."""
+  path = tmp_path / "c"
+  _random_corpus(path, 8, per_shard=(60, 80), lengths=(20, 120))
+  corpus = Corpus(path)
+  one = PackedCorpus(path, 128, eval_fraction=0.1)
+  mixed = PackedCorpus(path, 128, eval_fraction=0.1, shuffle_window=4)
+  # W = 1 keeps the order the reader had before the window (a resumed run reads what it read).
+  want = np.concatenate([
+      np.stack([np.full(len(one.train_rows[s]), s),
+                np.random.default_rng([3, 0, int(s)]).permutation(len(one.train_rows[s]))], 1)
+      for s in np.random.default_rng([3, 0]).permutation(corpus.num_shards)])
+  np.testing.assert_array_equal(one.epoch_order(0, 3), want)
+  order = mixed.epoch_order(0, 3)
+  assert sorted(map(tuple, order.tolist())) == sorted(map(tuple, want.tolist()))
+  bs = 8
+  per = mixed.steps_per_epoch(bs)
+
+  def shards_per_batch(data):
+    o = data.epoch_order(0, 3)
+    return np.mean([len(set(o[i * bs:(i + 1) * bs, 0].tolist())) for i in range(per)])
+  assert shards_per_batch(one) < 1.3 and shards_per_batch(mixed) > 3.0
+  full = [corpus.load_shard(s) for s in range(corpus.num_shards)]
+  for step in range(2 * per):
+    got = mixed.train_batch(step, bs, seed=3)
+    assert len(mixed._cached) <= 4
+    epoch, pos = divmod(step, per)
+    pairs = mixed.epoch_order(epoch, 3)[pos * bs:(pos + 1) * bs]
+    ref = [pack_rows(full[s]["tokens"], full[s]["loss_mask"], full[s]["offsets"],
+                     [mixed.train_rows[s][r]], 128) for s, r in pairs]
+    for k in ("tokens", "loss_mask", "segment_ids", "positions"):
+      np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in ref]))
+    if step == per - 1:
+      assert mixed.loads <= corpus.num_shards  # one read per shard in an epoch
+  fresh = PackedCorpus(path, 128, eval_fraction=0.1, shuffle_window=4)
+  for k, v in fresh.train_batch(per + 3, bs, seed=3).items():
+    np.testing.assert_array_equal(v, mixed.train_batch(per + 3, bs, seed=3)[k])
+  with pytest.raises(DataError, match="shuffle_window"):
+    PackedCorpus(path, 128, shuffle_window=0)
+
+
 def test_unpacked_rows_and_eval_batches(tmp_path):
   path = tmp_path / "c"
   convs = _random_corpus(path, 2, lengths=(3, 30))
