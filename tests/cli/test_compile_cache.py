@@ -6,8 +6,10 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from jaxspec.cli import console_main
 from helpers import tiny_checkpoint, write_tiny_gguf
 
 
@@ -46,7 +48,7 @@ def test_second_run_loads_compiled_programs(tiny_gguf, tmp_path):
   assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")) == entries
 
 
-def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path):
+def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path, capsys):
   home = {"XDG_CACHE_HOME": str(tmp_path / "home-cache")}
   _run(tiny_gguf, env=home, cwd=tmp_path)  # no flag: $XDG_CACHE_HOME/jaxspec/xla
   assert any((tmp_path / "home-cache" / "jaxspec" / "xla").iterdir())
@@ -57,9 +59,10 @@ def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path):
   assert not any(work.iterdir())  # no cache anywhere (not even a directory called "none")
   blocker = tmp_path / "a-file"
   blocker.write_text("")
-  env = {k: v for k, v in os.environ.items() if k != "JAXSPEC_COMPILE_CACHE"}
-  out = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "hi", "--model",
-                        str(tiny_gguf), "--compile-cache", str(blocker / "xla")],
-                       capture_output=True, text=True, env=env, timeout=300)
-  assert out.returncode != 0
-  assert "--compile-cache" in out.stderr and "--compile-cache none" in out.stderr, out.stderr
+  # Refused before JAX's configuration is touched, so this process may run it.
+  before = jax.config.jax_compilation_cache_dir
+  code = console_main(["generate", "hi", "--model", str(tiny_gguf), "--compile-cache",
+                       str(blocker / "xla")])
+  err = capsys.readouterr().err
+  assert code == 2 and jax.config.jax_compilation_cache_dir == before
+  assert "--compile-cache" in err and "--compile-cache none" in err, err

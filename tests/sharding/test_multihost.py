@@ -22,7 +22,10 @@ def _free_port() -> int:
 
 def test_two_processes_one_mesh_give_the_single_process_tokens():
   port = _free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  # Two devices a process; the test run's other XLA flags kept (its -O0 compiles faster).
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=2"]),
              JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "jaxspec.sharding.multihost", "--coordinator",
          f"localhost:{port}", "--num-processes", "2", "--mesh", "data=2,model=2", "--tiny",

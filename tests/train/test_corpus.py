@@ -49,6 +49,15 @@ CFG = CorpusConfig(turns=3, max_new_tokens=12, max_user_tokens=8, min_user_token
                    temperatures=(0.0, 0.7), magpie_fraction=0.5, batch_size=4,
                    max_prompt_len=32, max_len=256, shard_tokens=120)
 PROMPTS = ["hello world", "how are you", "tell me", "x y z", "what", "why now", "he", "or"]
+WHOLE_BUDGET = 400
+
+
+@pytest.fixture(scope="module")
+def whole(chat_target, tmp_path_factory):
+  """The corpus of an uninterrupted run to WHOLE_BUDGET answer tokens, which the stopped and
+  continued runs below must end with (written once for the module)."""
+  return write_corpus(chat_target, PROMPTS, tmp_path_factory.mktemp("whole") / "whole", CFG,
+                      token_budget=WHOLE_BUDGET, progress=False)
 
 
 def _spans(mask):
@@ -211,13 +220,11 @@ def _conversations(path):
   return out
 
 
-def test_resume_continues_without_duplicates(chat_target, tmp_path):
+def test_resume_continues_without_duplicates(chat_target, whole, tmp_path):
   """A run stopped after 3 batches and rerun to the budget writes exactly the conversations of
   an uninterrupted run (same order, no repeats); a leftover temporary file of a write killed
   midway is removed; a rerun with other settings is refused."""
-  budget = 400
-  whole = write_corpus(chat_target, PROMPTS, tmp_path / "whole", CFG, token_budget=budget,
-                       progress=False)
+  budget = WHOLE_BUDGET
   part = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=budget,
                       max_batches=3, progress=False)
   assert part.next_batch == 3 and part.loss_tokens < budget
@@ -226,7 +233,7 @@ def test_resume_continues_without_duplicates(chat_target, tmp_path):
                        progress=False)
   assert not list((tmp_path / "part").glob("*.tmp*"))
   assert again.next_batch == whole.next_batch and again.loss_tokens == whole.loss_tokens
-  a, b = _conversations(tmp_path / "part"), _conversations(tmp_path / "whole")
+  a, b = _conversations(tmp_path / "part"), _conversations(whole.path)
   assert a == b
   keys = [(s, p, t) for s, p, t, _, _ in a]
   assert len(keys) == len(set(keys))  # each (prompt, temperature) at most once
@@ -695,12 +702,10 @@ def test_train_turns_writes_multi_turn_conversations_and_self_instructions(chat_
           "2", "--responses", "given", "--out", str(tmp_path / "x")])
 
 
-def test_interrupt_keeps_finished_batches(chat_target, tmp_path, monkeypatch):
+def test_interrupt_keeps_finished_batches(chat_target, whole, tmp_path, monkeypatch):
   """Ctrl-C (or the command's SIGTERM) during batch 3 stores batches 0-2 before it propagates;
   a rerun, with another shard size, ends with the conversations of an uninterrupted run."""
   import jaxspec.train.corpus as corpus_mod
-  whole = write_corpus(chat_target, PROMPTS, tmp_path / "whole", CFG, token_budget=300,
-                       progress=False)
   real, calls = corpus_mod.ConversationWriter.next, []
 
   def flaky(self, *a, **k):  # batch 3 is being written when Ctrl-C comes
@@ -712,14 +717,15 @@ def test_interrupt_keeps_finished_batches(chat_target, tmp_path, monkeypatch):
   monkeypatch.setattr(corpus_mod.ConversationWriter, "next", flaky)
   big = dataclasses.replace(CFG, shard_tokens=10**6)  # nothing would be flushed before the end
   with pytest.raises(KeyboardInterrupt):
-    write_corpus(chat_target, PROMPTS, tmp_path / "part", big, token_budget=300, progress=False)
+    write_corpus(chat_target, PROMPTS, tmp_path / "part", big, token_budget=WHOLE_BUDGET,
+                 progress=False)
   index = json.loads((tmp_path / "part" / "index.json").read_text())
   assert index["next_batch"] == 3 and len(index["shards"]) == 1
   monkeypatch.setattr(corpus_mod.ConversationWriter, "next", real)
-  again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=300,
+  again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=WHOLE_BUDGET,
                        progress=False)
   assert again.next_batch == whole.next_batch
-  assert _conversations(tmp_path / "part") == _conversations(tmp_path / "whole")
+  assert _conversations(tmp_path / "part") == _conversations(whole.path)
 
 
 def test_multi_turn_prompts_give_their_user_turns(chat_target, tmp_path):
@@ -791,13 +797,11 @@ def test_committed_corpus_serves_the_bundled_model(smollm2):
     corpus.check_target(smollm2)
 
 
-def test_time_limit_starts_no_batch_past_it(chat_target, tmp_path, monkeypatch):
+def test_time_limit_starts_no_batch_past_it(chat_target, whole, tmp_path, monkeypatch):
   """write_corpus(time_limit=) starts no batch once the limit has passed, keeps what it wrote,
   and a rerun continues to the corpus of an uninterrupted run; bad limits are refused."""
   import jaxspec.train.corpus as corpus_mod
-  budget = 400
-  whole = write_corpus(chat_target, PROMPTS, tmp_path / "whole", CFG, token_budget=budget,
-                       progress=False)
+  budget = WHOLE_BUDGET
   clock = {"t": 0.0}
 
   def fake_clock():  # every reading is 10 s later: a limit of 25 s lets batches 0 and 1 start
@@ -814,7 +818,7 @@ def test_time_limit_starts_no_batch_past_it(chat_target, tmp_path, monkeypatch):
   assert part.next_batch == 2 < whole.next_batch and part.loss_tokens < budget
   again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=budget,
                        progress=False)
-  assert _conversations(tmp_path / "part") == _conversations(tmp_path / "whole")
+  assert _conversations(tmp_path / "part") == _conversations(whole.path)
   assert again.next_batch == whole.next_batch
   for bad in (0, -5, float("nan"), float("inf"), True, "60"):
     with pytest.raises(DataError, match="time_limit is seconds > 0"):
