@@ -51,7 +51,10 @@ def _wrapper(target, drafter, prompts, key, sampling=None, n_new=N_NEW):
                                       num_draft_tokens=K, key=key, sampling=sampling)
 
 
-@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
+# greedy under -m slow: the sampled case runs the same traced weights inside the user's jit, and
+# test_nnx_model_as_target_and_as_draft_model greedy speculation inside a jitted loop.
+@pytest.mark.parametrize("sampling", [pytest.param(None, marks=pytest.mark.slow), SAMPLED],
+                         ids=["greedy", "sampled"])
 def test_inside_user_jit_equals_host_wrapper(target, draft, sampling):
   ids, lens, max_len = _padded(target, PROMPTS)
   drafter = DraftModel(draft)
@@ -152,8 +155,10 @@ def _reference_logprobs(target, prompts, tokens, lengths, sp: SamplingArrays):
   return out
 
 
-@pytest.mark.parametrize("sampling", [None, Sampling(temperature=[0.7, 1.3], top_k=[20, 0],
-                                                      top_p=[1.0, 0.9])],
+# sampled-per-row under -m slow: test_score.py's `[sampled-filtered]` case checks both loops'
+# log-probabilities with per-row temperatures and filters (a draft model's corrections too).
+@pytest.mark.parametrize("sampling", [None, pytest.param(
+    Sampling(temperature=[0.7, 1.3], top_k=[20, 0], top_p=[1.0, 0.9]), marks=pytest.mark.slow)],
                          ids=["greedy", "sampled-per-row"])
 def test_logprobs_are_the_processed_target_logprobs(target, draft, sampling):
   ids, lens, max_len = _padded(target, PROMPTS)

@@ -198,26 +198,29 @@ def test_grad_through_the_loops_names_score(target):
 
 def test_n_equals_hand_tiling(target):
   """n = 3 is the batch of three copies of each prompt with the samples' keys
-  (`sample_keys`), and sample 0 is what n = 1 draws."""
+  (`sample_keys`), and sample 0 is what n = 1 draws; speculative decoding's n = 3 draws the
+  same samples (a deterministic drafter takes the coupled rule: its sampled text is decode's
+  for the same keys, `test_sampled_text_is_generates_with_deterministic_drafters`)."""
   sp = Sampling(temperature=[1.0, 0.8], top_k=[0, 16])
   key = jax.random.key(5)
   keys = sample_keys(row_keys(key, 2), 3)
   sp3 = jax.tree.map(lambda x: _tiled(x, 3), sampling_arrays(sp, 2))
-  for name, run in (
-      ("decode", lambda ids, lens, k, s, **kw: decode(target, ids, lens, k,
-                                                       max_new_tokens=N_NEW, sampling=s, **kw)),
-      ("speculative", lambda ids, lens, k, s, **kw: speculative_decode(
-          target, NGram(), ids, lens, k, max_new_tokens=N_NEW, num_draft_tokens=3, sampling=s,
-          **kw))):
-    out = run(IDS, LENS, key, sp, n=3)
-    hand = run(_tiled(IDS, 3), _tiled(LENS, 3), keys, sp3)
-    assert out.tokens.shape == (6, N_NEW)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(hand.tokens), err_msg=name)
-    np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(hand.logprobs))
-    one = np.asarray(run(IDS, LENS, key, sp).tokens)
-    np.testing.assert_array_equal(np.asarray(out.tokens)[::3], one, err_msg=name)
-    toks = np.asarray(out.tokens)
-    assert len({tuple(r) for r in toks[3:]}) == 3  # prompt 1's samples differ (T = 0.8)
+  run = lambda ids, lens, k, s, **kw: decode(target, ids, lens, k, max_new_tokens=N_NEW,  # noqa: E731
+                                             sampling=s, **kw)
+  out = run(IDS, LENS, key, sp, n=3)
+  hand = run(_tiled(IDS, 3), _tiled(LENS, 3), keys, sp3)
+  assert out.tokens.shape == (6, N_NEW)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(hand.tokens))
+  np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(hand.logprobs))
+  one = np.asarray(run(IDS, LENS, key, sp).tokens)
+  np.testing.assert_array_equal(np.asarray(out.tokens)[::3], one)
+  toks = np.asarray(out.tokens)
+  assert len({tuple(r) for r in toks[3:]}) == 3  # prompt 1's samples differ (T = 0.8)
+  spec = speculative_decode(target, NGram(), IDS, LENS, key, max_new_tokens=N_NEW,
+                            num_draft_tokens=3, sampling=sp, n=3)
+  np.testing.assert_array_equal(np.asarray(spec.tokens), toks)
+  np.testing.assert_allclose(np.asarray(spec.logprobs), np.asarray(out.logprobs), atol=2e-5)
+  assert int(np.asarray(spec.stats.drafted).sum()) > 0  # tokens came from verify passes
 
 
 @pytest.mark.slow  # test_host_wrapper_takes_per_row_seeds, test_n_equals_hand_tiling and

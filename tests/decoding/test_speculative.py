@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxspec.decoding.adaptive import AutoK
 from jaxspec.drafters import DraftModel, NGram, Proposal
 from jaxspec.api import generate
 from jaxspec.models import init_params, tiny_config
@@ -17,7 +18,7 @@ from jaxspec.models.model import Model
 from jaxspec.sampling import Sampling
 from jaxspec.decoding.rejection import acceptance
 from jaxspec.api import speculative_generate
-from helpers import assert_first_tokens_follow, chi2_critical, exact_joint
+from helpers import CPU_LIKE, assert_first_tokens_follow, chi2_critical, exact_joint
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7]]
 N_NEW = 24
@@ -270,8 +271,10 @@ def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, 
 # Reproducibility: a row's randomness is a function of (key, row, position).
 
 
-# n-gram with k = 5 under -m slow: k = 2 and "auto" (k changing between steps) keep it.
-@pytest.mark.parametrize("name", ["ngram k=2", pytest.param("ngram k=5", marks=pytest.mark.slow),
+# n-gram with k = 2 and 5 under -m slow: "ngram auto" (k changing between steps) and the oracle
+# at a fixed k = 4 keep them (the same coupled rule).
+@pytest.mark.parametrize("name", [pytest.param("ngram k=2", marks=pytest.mark.slow),
+                                  pytest.param("ngram k=5", marks=pytest.mark.slow),
                                   "ngram auto", "oracle k=4"])
 def test_sampled_text_is_generates_with_deterministic_drafters(tiny_target, name):
   """A deterministic drafter (n-gram, the oracle) takes the coupled form of the rule: the
@@ -309,16 +312,22 @@ def test_coupled_draft_model_gives_generates_text(tiny_target, poor_draft):
   and its drafts are really accepted."""
   sp = Sampling(temperature=1.0, top_k=30)
   ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, sampling=sp, key=5, stop_ids=())
+  # "auto" over k in {0, 1, 2} with a given CPU-like cost model (nothing timed): the self-draft
+  # starts at k = 1 and goes to 2 (with the poor draft, or with costs timed on this tiny model,
+  # the controller chooses plain steps only and the case would check nothing).
   for drafter, k in ((DraftModel(tiny_target, coupled=True), 3),
                      (DraftModel(poor_draft, coupled=True), 2),
-                     (DraftModel(poor_draft, coupled=True), "auto")):
+                     (DraftModel(tiny_target, coupled=True), "auto")):
     out = speculative_generate(tiny_target, drafter, PROMPTS, max_new_tokens=N_NEW, sampling=sp,
-                               key=5, num_draft_tokens=k, stop_ids=())
+                               key=5, num_draft_tokens=k, stop_ids=(),
+                               **({} if k != "auto" else dict(auto=AutoK(k_max=2), cost=CPU_LIKE)))
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     if drafter.model is tiny_target:  # the target drafting for itself: every draft accepted
       assert out.stats["acceptance_rate"] == 1.0
     elif k == 2:  # both paths of the rule ran, so a wrong correction token changes the text
       assert 0 < out.stats["acceptance_rate"] < 1, out.stats["acceptance_rate"]
+    if k == "auto":  # k changed between steps
+      assert len(set(out.stats["k_per_step"]) - {0}) > 1, out.stats["k_per_step"]
   assert DraftModel(poor_draft, coupled=True) != DraftModel(poor_draft)
 
 

@@ -93,9 +93,9 @@ def test_speculative_batches_and_lengths_share_one_program_per_bucket(tiny_targe
   for k in SPEC_STATS:
     assert first.stats[k] == ref.stats[k], k
   assert first.stats["batch_size"] == 3 and len(first.stats["drafted_per_row"]) == 3
-  # Greedy speculation equals plain greedy decoding, bucketed as well.
-  plain = exact.generate(tiny_target, PROMPTS[:4], max_new_tokens=20, stop_ids=())
-  np.testing.assert_array_equal(again.tokens, plain.tokens)
+  # The longer call's rows begin with the exact batch's (greedy: the same tokens, bucketed or
+  # not; that greedy speculation equals plain decoding is every drafter's own test).
+  np.testing.assert_array_equal(again.tokens[:3, :17], ref.tokens)
   # Seeded sampling: the same text per row, and the same statistics, as the exact batch.
   sp = dict(SPEC, sampling=Sampling(temperature=1.0), key=11, max_new_tokens=17)
   sampled = engine.speculative_generate(tiny_target, NGram(), PROMPTS[:3], **sp)
@@ -109,9 +109,8 @@ def test_speculative_batches_and_lengths_share_one_program_per_bucket(tiny_targe
   engine.speculative_generate(tiny_target, NGram(), PROMPTS[:4],
                               **dict(sp, sampling=Sampling(temperature=(0.5, 0.0, 2.0, 1.0))))
   assert len(engine.programs) == n + 2
-  five = engine.speculative_generate(tiny_target, NGram(), PROMPTS, max_new_tokens=17, **SPEC)
-  assert len(engine.programs) == n + 4  # the bucket of 8 rows
-  np.testing.assert_array_equal(five.tokens[:3], ref.tokens)
+  # (Five rows take the bucket of 8, new programs: the plain test above checks it; the rows'
+  # bucket is io.bucket_rows for both.)
 
 
 @pytest.mark.parametrize("buckets", [True, False])

@@ -273,16 +273,19 @@ def test_eagle_deferred_commits_equal_eager_ones(tiny_target, reference, trained
   assert drafter.defer_commit
   eager = EagerEagle(**{f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)})
   schedule = [(0, 6), (3, 1), (0, 2), (3, 1), (0, 1), (3, None)]  # a full buffer of 4 at step 3
-  for sp in (None, Sampling(temperature=1.0)):
-    runs = [forced_run(tiny_target, d, PROMPTS, schedule, k_max=3, n_new=N_NEW, sampling=sp,
-                       key=5) for d in (drafter, eager)]
-    (tok, st), (tok_eager, st_eager) = runs
-    np.testing.assert_array_equal(tok, tok_eager)
-    if sp is None:
-      np.testing.assert_array_equal(tok, reference.tokens)
-    assert st["k_per_step"] == st_eager["k_per_step"]
-    assert st["accepted_per_row"] == st_eager["accepted_per_row"]
-    assert 0 < sum(st["accepted_per_row"]) < sum(st["drafted_per_row"])
+  # Greedy, the deferring drafter alone gives plain decoding's tokens (the eager one's greedy
+  # run was the weaker half of the sampled comparison below, which runs the same catch-up).
+  tok, st = forced_run(tiny_target, drafter, PROMPTS, schedule, k_max=3, n_new=N_NEW, key=5)
+  np.testing.assert_array_equal(tok, reference.tokens)
+  assert 0 < sum(st["accepted_per_row"]) < sum(st["drafted_per_row"])
+  sp = Sampling(temperature=1.0)
+  (tok, st), (tok_eager, st_eager) = [
+      forced_run(tiny_target, d, PROMPTS, schedule, k_max=3, n_new=N_NEW, sampling=sp, key=5)
+      for d in (drafter, eager)]
+  np.testing.assert_array_equal(tok, tok_eager)
+  assert st["k_per_step"] == st_eager["k_per_step"]
+  assert st["accepted_per_row"] == st_eager["accepted_per_row"]
+  assert 0 < sum(st["accepted_per_row"]) < sum(st["drafted_per_row"])
 
 
 def _eqns(jaxpr, name):
