@@ -345,8 +345,8 @@ def test_sampled_drafts_distribution_at_later_positions(small_vocab):
   toks, rate = run(SuffixDecoding(**options, sample_drafts=True), 4000)  # as the chain test
   assert 0.1 < rate < 0.95, rate  # both paths of the rejection rule
   assert_tokens_4_5_follow(toks, tables)
-  _, rate_one_hot = run(SuffixDecoding(**options), 2000)
-  assert rate > rate_one_hot + 0.05, (rate, rate_one_hot)
+  _, rate_one_hot = run(SuffixDecoding(**options), 1000)
+  assert rate > rate_one_hot + 0.05, (rate, rate_one_hot)  # 0.49 against 0.38 here
 
 
 # -- bad input ------------------------------------------------------------------------------------
