@@ -373,6 +373,24 @@ def test_packed_rows_keep_conversations_apart(chat_target):
       at += n
 
 
+def _check_two_epochs(data, full, bs, seed):
+  """Two epochs of `data`'s batches equal the rows built from `full` (every shard's arrays in
+  memory) in the epoch's order; an epoch reads each shard once, and at most shuffle_window
+  shards are held at a time."""
+  per = data.steps_per_epoch(bs)
+  for step in range(2 * per):
+    got = data.train_batch(step, bs, seed=seed)
+    assert len(data._cached) <= data.shuffle_window
+    epoch, pos = divmod(step, per)
+    pairs = data.epoch_order(epoch, seed)[pos * bs:(pos + 1) * bs]
+    want = [pack_rows(full[s]["tokens"], full[s]["loss_mask"], full[s]["offsets"],
+                      [data.train_rows[s][r]], data.seq_len) for s, r in pairs]
+    for k in ("tokens", "loss_mask", "segment_ids", "positions"):
+      np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in want]))
+    if step == per - 1:
+      assert data.loads <= len(full)  # one read per shard in an epoch
+
+
 def test_streaming_reader_equals_in_memory_reader_one_shard_at_a_time(tmp_path):
   """Batches read shard by shard equal the batches built from the whole corpus held in memory,
   over two epochs; an epoch reads each shard once; and the reader's memory stays far below the
@@ -387,16 +405,7 @@ def test_streaming_reader_equals_in_memory_reader_one_shard_at_a_time(tmp_path):
   per = data.steps_per_epoch(bs)
   assert per == data.num_train_rows // bs and data.num_eval_rows > 0
   tracemalloc.start()
-  for step in range(2 * per):
-    got = data.train_batch(step, bs, seed=3)
-    epoch, pos = divmod(step, per)
-    pairs = data.epoch_order(epoch, 3)[pos * bs:(pos + 1) * bs]
-    want = [pack_rows(full[s]["tokens"], full[s]["loss_mask"], full[s]["offsets"],
-                      [data.train_rows[s][r]], 128) for s, r in pairs]
-    for k in ("tokens", "loss_mask", "segment_ids", "positions"):
-      np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in want]))
-    if step == per - 1:
-      assert data.loads <= corpus.num_shards  # one read per shard in an epoch
+  _check_two_epochs(data, full, bs, seed=3)
   tracemalloc.stop()
   # Every training conversation appears exactly once in an epoch's rows, none held out.
   rows = data.epoch_order(0, 3)
@@ -452,17 +461,7 @@ def test_shuffle_window_mixes_shards_and_keeps_epochs_exact(tmp_path):
     return np.mean([len(set(o[i * bs:(i + 1) * bs, 0].tolist())) for i in range(per)])
   assert shards_per_batch(one) < 1.3 and shards_per_batch(mixed) > 3.0
   full = [corpus.load_shard(s) for s in range(corpus.num_shards)]
-  for step in range(2 * per):
-    got = mixed.train_batch(step, bs, seed=3)
-    assert len(mixed._cached) <= 4
-    epoch, pos = divmod(step, per)
-    pairs = mixed.epoch_order(epoch, 3)[pos * bs:(pos + 1) * bs]
-    ref = [pack_rows(full[s]["tokens"], full[s]["loss_mask"], full[s]["offsets"],
-                     [mixed.train_rows[s][r]], 128) for s, r in pairs]
-    for k in ("tokens", "loss_mask", "segment_ids", "positions"):
-      np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in ref]))
-    if step == per - 1:
-      assert mixed.loads <= corpus.num_shards  # one read per shard in an epoch
+  _check_two_epochs(mixed, full, bs, seed=3)
   fresh = PackedCorpus(path, 128, eval_fraction=0.1, shuffle_window=4)
   for k, v in fresh.train_batch(per + 3, bs, seed=3).items():
     np.testing.assert_array_equal(v, mixed.train_batch(per + 3, bs, seed=3)[k])
