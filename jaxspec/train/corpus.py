@@ -33,8 +33,9 @@ A corpus directory:
                         temperature [C] float32, turns [C] int16: answers in the conversation
 
 `Corpus` opens a directory; `PackedCorpus` reads it as training batches, never holding more than
-one shard's arrays (or `shuffle_window` shards', whose rows it mixes): conversations are packed (first-fit decreasing, per shard) into rows of
-`seq_len` tokens, and a batch is a dict of numpy arrays
+one shard's arrays (or `shuffle_window` shards', whose rows it mixes): conversations are packed
+(first-fit decreasing, per shard) into rows of `seq_len` tokens, and a batch is a dict of numpy
+arrays
 
   tokens [B, T] int32          conversations side by side, 0-padded
   loss_mask [B, T] float32     the stored loss mask (0 on padding)
@@ -905,8 +906,8 @@ class PackedCorpus:
   rows of each window are shuffled together (`default_rng([seed, e, _WINDOW_STREAM,
   window]).permutation`), so a batch mixes rows of W shards: of corpora written one after the
   other, or of a corpus's greedy, sampled and Magpie batches, which lie in different shards. Up
-  to W shards are held in memory; an epoch still reads each shard once (a batch that straddles
-  two windows may read a shard twice).
+  to W shards are held in memory (the least recently used goes first), and an epoch still reads
+  each shard once.
   """
 
   def __init__(self, corpus: Corpus | str | os.PathLike, seq_len: int, *, pack: bool = True,
