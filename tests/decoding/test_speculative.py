@@ -271,10 +271,10 @@ def test_kept_cache_buffers_change_no_token(tiny_target, poor_draft, reference, 
 # Reproducibility: a row's randomness is a function of (key, row, position).
 
 
-# n-gram with k = 2 and 5 under -m slow: "ngram auto" (k changing between steps) and the oracle
-# at a fixed k = 4 keep them (the same coupled rule).
-@pytest.mark.parametrize("name", [pytest.param("ngram k=2", marks=pytest.mark.slow),
-                                  pytest.param("ngram k=5", marks=pytest.mark.slow),
+# n-gram with k = 5 under -m slow: k = 2 keeps it. "ngram auto" drafts nothing on this tiny
+# model (the controller chooses plain steps, whether its costs are timed or helpers.CPU_LIKE is
+# given): it checks only that "auto" leaves the text alone.
+@pytest.mark.parametrize("name", ["ngram k=2", pytest.param("ngram k=5", marks=pytest.mark.slow),
                                   "ngram auto", "oracle k=4"])
 def test_sampled_text_is_generates_with_deterministic_drafters(tiny_target, name):
   """A deterministic drafter (n-gram, the oracle) takes the coupled form of the rule: the
@@ -290,6 +290,8 @@ def test_sampled_text_is_generates_with_deterministic_drafters(tiny_target, name
   out = speculative_generate(tiny_target, drafter, PROMPTS, max_new_tokens=N_NEW, sampling=sp,
                              key=7, num_draft_tokens=k, stop_ids=())
   np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=name)
+  if k != "auto":
+    assert sum(out.stats["drafted_per_row"]) > 0, name  # the rule really ran
   if name == "oracle k=4":
     assert out.stats["acceptance_rate"] > 0.3  # drafts were really accepted
 
