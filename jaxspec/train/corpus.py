@@ -979,7 +979,7 @@ class PackedCorpus:
     for s in np.random.default_rng([seed, epoch]).permutation(self.corpus.num_shards):
       n = len(self.train_rows[s])
       rows = np.random.default_rng([seed, epoch, int(s)]).permutation(n)
-      parts.append(np.stack([np.full(n, s), rows], axis=1).reshape(-1, 2))
+      parts.append(np.stack([np.full(n, s), rows], axis=1))
     if self.shuffle_window > 1:
       w = self.shuffle_window
       parts = [np.concatenate(parts[i:i + w]) for i in range(0, len(parts), w)]
