@@ -333,7 +333,7 @@ def test_nnx_model_as_target_and_as_draft_model(target):
 # Bad input: clear errors before tracing.
 
 
-def test_bad_input_is_refused_before_tracing(target):
+def test_bad_input_is_refused_before_tracing(target, no_compile):
   ids, lens, _ = _padded(target, PROMPTS)
   key = jax.random.key(0)
   call = lambda **kw: speculative_decode(**{**dict(

@@ -72,10 +72,14 @@ def test_greedy_equals_generate_batch1(tiny_target, poor_draft, reference, name)
 
 
 def test_stop_inside_accepted_run(tiny_target, reference):
-  stop = int(reference.tokens[0, 6])
-  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=[stop])
+  """The target drafting for itself (every draft accepted) at k = 8: row 0's stop token first
+  occurs at its new token j >= 4, inside the first step's accepted run, which is cut there."""
+  row = reference.row(0)
+  j = next(j for j in range(4, 8) if row[j] not in row[:j])
+  ref = generate(tiny_target, PROMPTS, max_new_tokens=N_NEW, stop_ids=[row[j]])
+  assert ref.lengths[0] == j + 1
   out = speculative_generate(tiny_target, DraftModel(tiny_target), PROMPTS, max_new_tokens=N_NEW,
-                             num_draft_tokens=8, stop_ids=[stop])
+                             num_draft_tokens=8, stop_ids=[row[j]])
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.lengths, ref.lengths)
 

@@ -111,7 +111,8 @@ def test_greedy_tree_equals_generate(tiny_target, reference, which):
   np.testing.assert_array_equal(out.tokens, reference.tokens)
   np.testing.assert_array_equal(out.lengths, reference.lengths)
   assert out.stats["tree_nodes"] == drafter.tree.num_nodes - 1
-  assert out.stats["tau"] >= 1.0
+  # Untrained heads, yet some nodes are accepted (1-6 per row): accepted paths were committed.
+  assert sum(out.stats["accepted_per_row"]) > 0 and out.stats["tau"] > 1.0
 
 
 def test_dynamic_tree_is_a_valid_tree(tiny_target):
@@ -244,7 +245,7 @@ def test_sampled_head_chains_are_coupled_under_auto(tiny_target):
                              key=6, num_draft_tokens="auto", auto=AutoK(k_max=3), cost=cost,
                              stop_ids=())
   np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=eagle.name)
-  assert max(out.stats["k_per_step"]) > 0  # drafts were made
+  assert sum(out.stats["drafted_per_row"]) > 0  # drafts were made (and counted)
   out = speculative_generate(tiny_target, dataclasses.replace(medusa, coupled=True), PROMPTS,
                              max_new_tokens=N_NEW, sampling=sp, key=6, num_draft_tokens=2,
                              stop_ids=())

@@ -69,6 +69,13 @@ def test_eagle_head_and_distilled_draft_on_a_gemma3_target():
   out = speculative_generate(model, drafter, PROMPTS, max_new_tokens=8, num_draft_tokens=2,
                              stop_ids=())
   np.testing.assert_array_equal(out.tokens, reference.tokens)
+  # Greedy text is the target's whatever the head proposes: the layer it runs says the rest.
+  switches = ("sliding_window", "layer_types", "attn_softcap", "final_softcap", "qk_norm",
+              "post_norms", "embed_scale")
+  on = [n for n in switches if getattr(model.cfg, n) not in (None, False)]
+  assert len(on) >= 5, on  # Gemma 3's switches, which the head's layer must not take
+  default = {f.name: f.default for f in dataclasses.fields(eagle.layer_cfg)}
+  assert {n: getattr(eagle.layer_cfg, n) for n in on} == {n: default[n] for n in on}
   for n, kinds in ((2, (None, 4)), (1, (None, 4))):
     draft = draft_from_target(model, n)
     assert (draft.cfg.layer_types, draft.cfg.sliding_window) == kinds  # both slide: uniform

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import decode
+from jaxspec.decoding import decode, functional
 from jaxspec.models import forward, init_cache, init_params, llama, tiny_config
 from jaxspec.models.model import Model
 from helpers import FAMILIES
@@ -148,6 +148,9 @@ def test_greedy_decode_with_a_long_prompt_unchanged(family, monkeypatch):
 
   def run(block):
     monkeypatch.setattr(llama, "ATTENTION_BLOCK", block)
+    # The block is read while tracing, and decode's program is cached by its arguments alone:
+    # without this the second run would reuse the first's program.
+    functional._decode_jit.clear_cache()
     return np.asarray(decode(model, prompt, lens, 0, max_new_tokens=24, stop_ids=()).tokens)
 
   blocked, dense = run(16), run(DENSE)
