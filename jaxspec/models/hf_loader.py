@@ -346,6 +346,27 @@ def _family(config: Mapping[str, Any], where: str) -> Family:
   return family
 
 
+_REQUIRED = object()
+
+
+def _int_field(config: Mapping[str, Any], name: str, where: str, default: Any = _REQUIRED, *,
+               zero_is_unset: bool = False) -> int:
+  """config[name] as an int; a CheckpointError naming the field for anything but an integer (an
+  integral float too is taken). Absent or null (or 0, with `zero_is_unset`: as transformers
+  reads `head_dim` and `num_key_value_heads`) takes `default`; without one the field is
+  required."""
+  value = config.get(name)
+  if default is not _REQUIRED and (value is None or (zero_is_unset and value == 0)):
+    return default
+  if name not in config:
+    raise CheckpointError(f"{where}: required field {name!r} is missing")
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)
+  if not is_int(value, numpy=False):
+    raise CheckpointError(f"{where}: {name} must be an integer, got {value!r}")
+  return value
+
+
 def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaConfig:
   family = _family(config, where)
   act_name = family.hf_activation(config)
@@ -354,16 +375,13 @@ def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaCon
                           f" {', '.join(_ACTIVATIONS)})")
   if config.get("mlp_bias"):
     raise CheckpointError(f"{where}: mlp_bias is true; jaxspec's MLP has no biases")
-  try:
-    d = int(config["hidden_size"])
-    n_heads = int(config["num_attention_heads"])
-    n_layers = int(config["num_hidden_layers"])
-    ff = int(config["intermediate_size"])
-    vocab = int(config["vocab_size"])
-  except KeyError as e:
-    raise CheckpointError(f"{where}: required field {e.args[0]!r} is missing") from e
-  head_dim = int(config.get("head_dim") or d // n_heads)
-  n_kv = int(config.get("num_key_value_heads") or n_heads)
+  d = _int_field(config, "hidden_size", where)
+  n_heads = _int_field(config, "num_attention_heads", where)
+  n_layers = _int_field(config, "num_hidden_layers", where)
+  ff = _int_field(config, "intermediate_size", where)
+  vocab = _int_field(config, "vocab_size", where)
+  head_dim = _int_field(config, "head_dim", where, d // max(n_heads, 1), zero_is_unset=True)
+  n_kv = _int_field(config, "num_key_value_heads", where, n_heads, zero_is_unset=True)
 
   # Rotary parameters: transformers 5 keeps them in rope_parameters (Gemma 3: one dict per
   # layer kind), 4.x in rope_theta + rope_scaling (Gemma 3: rope_local_base_freq, read by its
@@ -409,8 +427,8 @@ def _parse_config(config: Mapping[str, Any], dtype: str, where: str) -> LlamaCon
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rope_theta=theta,
         rope_scaling=scaling, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=tie, attention_bias=attention_bias,
-        sliding_window=None if window is None else int(window),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        sliding_window=None if window is None else _int_field(config, "sliding_window", where),
+        max_position_embeddings=_int_field(config, "max_position_embeddings", where, 2048),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos) if eos else LlamaConfig.__dataclass_fields__[
             "eos_token_ids"].default,

@@ -104,4 +104,5 @@ def test_fuzz_config_values(tmp_path):
     (src / "config.json").write_text(json.dumps(base | {field: value}))
     with pytest.raises(CheckpointError) as e:
       load(src)
-    assert field.split("_")[0] in str(e.value) or "malformed" in str(e.value), (field, e.value)
+    named = {"num_hidden_layers": "num_layers"}.get(field, field)  # LlamaConfig's name
+    assert named in str(e.value), (field, e.value)
