@@ -15,8 +15,11 @@ from helpers import CPU_LIKE
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3], [7],
            [1, 2, 3, 1, 2, 3, 1, 2]]
 # "auto" with a given cost model: the controller reads every live row, so a pad row that took
-# part in the choice of k would show in k_per_step and tau.
+# part in the choice of k would show in k_per_step and tau. Prompts on which the tiny target
+# repeats itself, so that every row has an n-gram match at some steps and "auto" drafts (on
+# PROMPTS some row has none at almost every step, and k stays 0).
 SPEC = dict(num_draft_tokens="auto", auto=AutoK(k_max=4), cost=CPU_LIKE, stop_ids=())
+SPEC_PROMPTS = [[23, 23], [65] * 6, [40] * 8, [104] * 8]
 SPEC_STATS = ("tau", "acceptance_rate", "acceptance_per_position",
               "conditional_acceptance_per_position", "drafted_per_row", "accepted_per_row",
               "target_passes", "plain_steps", "k_per_step", "mean_k", "batch_size")
@@ -81,32 +84,35 @@ def test_plain_stream_shares_its_programs_across_lengths(tiny_target):
 
 def test_speculative_batches_and_lengths_share_one_program_per_bucket(tiny_target):
   engine, exact = Engine(), Engine(buckets=False)
-  first = engine.speculative_generate(tiny_target, NGram(), PROMPTS[:3], max_new_tokens=17, **SPEC)
+  first = engine.speculative_generate(tiny_target, NGram(), SPEC_PROMPTS[:3], max_new_tokens=17, **SPEC)
   n = len(engine.programs)
   assert n == 2 and first.stats["compile_seconds"] > 0  # the prefill and the loop
-  again = engine.speculative_generate(tiny_target, NGram(), PROMPTS[:4], max_new_tokens=20, **SPEC)
+  again = engine.speculative_generate(tiny_target, NGram(), SPEC_PROMPTS[:4], max_new_tokens=20, **SPEC)
   assert len(engine.programs) == n and again.stats["compile_seconds"] == 0.0
   assert again.tokens.shape == (4, 20)
-  ref = exact.speculative_generate(tiny_target, NGram(), PROMPTS[:3], max_new_tokens=17, **SPEC)
+  ref = exact.speculative_generate(tiny_target, NGram(), SPEC_PROMPTS[:3], max_new_tokens=17, **SPEC)
   assert ref.stats["compile_seconds"] > 0
   _same(first, ref)
   for k in SPEC_STATS:
     assert first.stats[k] == ref.stats[k], k
   assert first.stats["batch_size"] == 3 and len(first.stats["drafted_per_row"]) == 3
+  assert sum(first.stats["accepted_per_row"]) > 0 and 0 < first.stats["plain_steps"] < len(
+      first.stats["k_per_step"])  # it drafted at some steps, and not at others
   # The longer call's rows begin with the exact batch's (greedy: the same tokens, bucketed or
   # not; that greedy speculation equals plain decoding is every drafter's own test).
   np.testing.assert_array_equal(again.tokens[:3, :17], ref.tokens)
-  # Seeded sampling: the same text per row, and the same statistics, as the exact batch.
+  # Seeded sampling: the same text per row, and the same statistics, as the exact batch (at
+  # these temperatures the tiny target no longer repeats itself: plain steps only).
   sp = dict(SPEC, sampling=Sampling(temperature=1.0), key=11, max_new_tokens=17)
-  sampled = engine.speculative_generate(tiny_target, NGram(), PROMPTS[:3], **sp)
-  sampled_ref = exact.speculative_generate(tiny_target, NGram(), PROMPTS[:3], **sp)
+  sampled = engine.speculative_generate(tiny_target, NGram(), SPEC_PROMPTS[:3], **sp)
+  sampled_ref = exact.speculative_generate(tiny_target, NGram(), SPEC_PROMPTS[:3], **sp)
   _same(sampled, sampled_ref)
   for k in SPEC_STATS:
     assert sampled.stats[k] == sampled_ref.stats[k], k
   # A call that samples has programs of its own (an all-greedy one compiles no sampling); other
   # temperatures, batches and lengths share them.
   assert len(engine.programs) == n + 2
-  engine.speculative_generate(tiny_target, NGram(), PROMPTS[:4],
+  engine.speculative_generate(tiny_target, NGram(), SPEC_PROMPTS[:4],
                               **dict(sp, sampling=Sampling(temperature=(0.5, 0.0, 2.0, 1.0))))
   assert len(engine.programs) == n + 2
   # (Five rows take the bucket of 8, new programs: the plain test above checks it; the rows'
@@ -128,6 +134,6 @@ def test_a_batch_that_does_not_fit_padded_runs_unpadded(tiny_target, monkeypatch
     return real(model, batch, max_len, **kw)
 
   monkeypatch.setattr(io, "check_cache_fits", fits_three_rows)
-  prep = io.prepare_prompts(tiny_target, PROMPTS[:3], 17, bucket=buckets)
+  prep = io.prepare_prompts(tiny_target, SPEC_PROMPTS[:3], 17, bucket=buckets)
   assert prep.tokens.shape[0] == prep.rows == 3 and prep.capacity == 17
   assert seen == ([4, 3] if buckets else [3])

@@ -39,12 +39,14 @@ def test_token_by_token_equals_full_forward(variant):
 
 
 def test_rollback_is_complete():
+  """Entries written past the length and rolled back are never read: 8 junk tokens, rolled
+  back, then 4 real ones (positions 10-13 still hold junk keys and values)."""
   cfg, params = _model()
   toks = jax.random.randint(jax.random.key(3), (1, 10), 0, cfg.vocab_size)
-  junk = jax.random.randint(jax.random.key(4), (1, 4), 0, cfg.vocab_size)
+  junk = jax.random.randint(jax.random.key(4), (1, 8), 0, cfg.vocab_size)
   _, _, c = fwd(params, toks[:, :6], init_cache(cfg, 1, 32), cfg)
   _, _, c_junk = fwd(params, junk, c, cfg)  # written past...
-  c_back = dataclasses.replace(c_junk, length=c_junk.length - 4)  # ...and rolled back
+  c_back = dataclasses.replace(c_junk, length=c_junk.length - 8)  # ...and rolled back
   l_back, _, _ = fwd(params, toks[:, 6:], c_back, cfg)
   l_ref, _, _ = fwd(params, toks[:, 6:], c, cfg)
   np.testing.assert_allclose(l_back, l_ref, atol=1e-6)

@@ -208,6 +208,22 @@ def test_sampled_conversations_follow_their_keys_phase_by_phase(chat_target, tmp
   assert checked >= 12 and any(len(_spans(m)) == 2 for *_, m in _conversations(s.path))
 
 
+def _written_batches(monkeypatch):
+  """The indices of the batches `ConversationWriter.next` hands back from now on (what a
+  `write_corpus` call generates): a rerun that continues must not write a batch again."""
+  import jaxspec.train.corpus as corpus_mod
+  real, done = corpus_mod.ConversationWriter.next, []
+
+  def spy(self, *a, **k):
+    out = real(self, *a, **k)
+    if out is not None:
+      done.append(out[0].index)
+    return out
+
+  monkeypatch.setattr(corpus_mod.ConversationWriter, "next", spy)
+  return done
+
+
 def _conversations(path):
   corpus = Corpus(path)
   out = []
@@ -220,7 +236,7 @@ def _conversations(path):
   return out
 
 
-def test_resume_continues_without_duplicates(chat_target, whole, tmp_path):
+def test_resume_continues_without_duplicates(chat_target, whole, tmp_path, monkeypatch):
   """A run stopped after 3 batches and rerun to the budget writes exactly the conversations of
   an uninterrupted run (same order, no repeats); a leftover temporary file of a write killed
   midway is removed; a rerun with other settings is refused."""
@@ -229,8 +245,10 @@ def test_resume_continues_without_duplicates(chat_target, whole, tmp_path):
                       max_batches=3, progress=False)
   assert part.next_batch == 3 and part.loss_tokens < budget
   (tmp_path / "part" / "shard-00009.npz.tmp.npz").write_bytes(b"torn")
+  written = _written_batches(monkeypatch)
   again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=budget,
                        progress=False)
+  assert written == list(range(3, whole.next_batch)), written  # batches 0-2 not written again
   assert not list((tmp_path / "part").glob("*.tmp*"))
   assert again.next_batch == whole.next_batch and again.loss_tokens == whole.loss_tokens
   a, b = _conversations(tmp_path / "part"), _conversations(whole.path)
@@ -721,8 +739,10 @@ def test_interrupt_keeps_finished_batches(chat_target, whole, tmp_path, monkeypa
   index = json.loads((tmp_path / "part" / "index.json").read_text())
   assert index["next_batch"] == 3 and len(index["shards"]) == 1
   monkeypatch.setattr(corpus_mod.ConversationWriter, "next", real)
+  written = _written_batches(monkeypatch)
   again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=WHOLE_BUDGET,
                        progress=False)
+  assert written == list(range(3, whole.next_batch)), written
   assert again.next_batch == whole.next_batch
   assert _conversations(tmp_path / "part") == _conversations(whole.path)
 
@@ -815,8 +835,10 @@ def test_time_limit_starts_no_batch_past_it(chat_target, whole, tmp_path, monkey
                       time_limit=25.0, progress=False)
   monkeypatch.undo()
   assert part.next_batch == 2 < whole.next_batch and part.loss_tokens < budget
+  written = _written_batches(monkeypatch)
   again = write_corpus(chat_target, PROMPTS, tmp_path / "part", CFG, token_budget=budget,
                        progress=False)
+  assert written == list(range(2, whole.next_batch)), written
   assert _conversations(tmp_path / "part") == _conversations(whole.path)
   assert again.next_batch == whole.next_batch
   for bad in (0, -5, float("nan"), float("inf"), True, "60"):

@@ -228,8 +228,10 @@ def test_a_resumed_generator_is_skipped_to_its_step(tiny_target, tmp_path):
 
   with pytest.raises(Stop):
     train_head(tiny_target, "medusa", random_batches(v), out_dir=tmp_path, callbacks=[stop], **kw)
+  ran = []
   resumed = train_head(tiny_target, "medusa", random_batches(v), out_dir=tmp_path, resume=True,
-                       **kw)
+                       callbacks=[lambda step, record: ran.append(step)], **kw)
+  assert ran == [4, 5, 6]  # from the checkpoint of step 3, not from scratch
   jax.tree.map(np.testing.assert_array_equal, _params(straight.model), _params(resumed.model))
 
 
@@ -433,6 +435,9 @@ def test_mesh_resume_is_bit_identical(tiny_target, tmp_path):
   with pytest.raises(Stop):
     train_head(tiny_target, "eagle", batches, out_dir=tmp_path, callbacks=[stop], **kw)
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
-  resumed = train_head(tiny_target, "eagle", batches, out_dir=tmp_path, resume=True, **kw)
+  ran = []
+  resumed = train_head(tiny_target, "eagle", batches, out_dir=tmp_path, resume=True,
+                       callbacks=[lambda step, record: ran.append(step)], **kw)
+  assert ran == [4, 5, 6]  # from the checkpoint of step 3, not from scratch
   assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
   jax.tree.map(np.testing.assert_array_equal, _params(straight.model), _params(resumed.model))

@@ -137,12 +137,15 @@ if mode == "die-in-save":
 cfg = tiny_config()
 target_params = init_params(cfg, jax.random.key(0), scale=0.2)
 head = T.make_head(cfg.hidden_size, cfg.vocab_size)
+ran = []  # the steps this process trains (every step is logged)
 head, hist = train(head, T.toy_loss, Dataset(data_dir), T.RUN_CFG, out_dir,
-                   frozen=target_params, resume=(mode == "resume"), progress=False)
+                   frozen=target_params, resume=(mode == "resume"), progress=False,
+                   on_step=lambda step, record: ran.append(step))
 np.savez(os.path.join(out_dir, "final.npz"),
          **{{jax.tree_util.keystr(k): np.asarray(v) for k, v in
             jax.tree_util.tree_flatten_with_path(T._params(head))[0]}})
 print("first step", hist[0]["step"] if hist else None)
+print("ran", ran)
 """
 
 
@@ -172,8 +175,9 @@ def test_killed_mid_save_resumes_to_the_same_params(tiny_target, data_dir, tmp_p
   r = _run(script, "resume", data_dir, killed)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "first step 1" in r.stdout  # history up to the checkpoint is kept ...
+  assert f"ran {list(range(5, 13))}" in r.stdout, r.stdout  # ... and only steps 5-12 rerun
   hist_resumed = _history(killed)
-  assert [h["step"] for h in hist_resumed] == list(range(1, 13))  # ... and steps 5-12 rerun
+  assert [h["step"] for h in hist_resumed] == list(range(1, 13))
   assert sorted(p.name for p in ckpts.iterdir()) == ["12", "4", "8"]  # temp dir cleaned up
 
   # The uninterrupted run, in this process.
@@ -216,9 +220,12 @@ def test_time_limit_stops_saves_and_resumes_to_the_same_params(tiny_target, data
   assert hist[-1]["stopped"] == "time_limit" and "eval_loss" in hist[-1]
   assert sorted(int(p.name) for p in (tmp_path / "cut" / "checkpoints").iterdir()
                 if p.name.isdigit()) == [1]
+  ran = []
   resumed, hist2 = train(make_head(d, v), toy_loss, ds,
                          dataclasses.replace(RUN_CFG, time_limit=3600.0), tmp_path / "cut",
-                         frozen=tiny_target.params, resume=True, progress=False)
+                         frozen=tiny_target.params, resume=True, progress=False,
+                         on_step=lambda step, record: ran.append(step))
+  assert ran == list(range(2, RUN_CFG.steps + 1))  # from the checkpoint, not from scratch
   assert [h["step"] for h in hist2] == list(range(1, RUN_CFG.steps + 1))
   assert "stopped" not in hist2[-1]
   jax.tree.map(np.testing.assert_array_equal, _params(whole), _params(resumed))
