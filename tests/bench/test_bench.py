@@ -70,6 +70,8 @@ def test_report_schema(report):
     assert spec["predicted_speedup"] > 0 and spec["tau"] >= 1
     assert sum(spec["k_histogram"].values()) == spec["target_passes"]
     # Acceptance is known where drafts were verified (k_max 2 positions), None where none were.
+    # (On this tiny model "auto", timing its costs at -O0, may choose plain steps throughout; it
+    # did for the copying prompt when checked, so the None branch is the one this run takes.)
     drafted = spec["target_passes"] > spec["plain_steps"]
     assert (len(spec["acceptance_per_position"]) == 2) if drafted else (
         spec["acceptance_per_position"] is None)

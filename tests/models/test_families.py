@@ -345,6 +345,7 @@ def test_speculative_equals_plain(case, model, plain):
                                      max_new_tokens=N_NEW, num_draft_tokens=K, stop_ids=[])
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.tokens, case.ref["greedy"])
+  assert sum(out.stats["drafted_per_row"]) > 0  # verify steps ran
 
 
 # Gemma 3 (sliding and global layers, q/k norms, two rope bases) and Mistral (a sliding window in
@@ -401,6 +402,7 @@ def test_ring_cache_past_the_window(name, cases):
   spec = speculative_decode(target, NGram(), ids, lens, jax.random.key(0),
                             max_new_tokens=N_NEW, num_draft_tokens=K, stop_ids=())
   np.testing.assert_array_equal(spec.tokens, case.ref["greedy"])
+  assert int(spec.stats.drafted.sum()) > 0  # verify steps wrote k + 1 tokens into the ring
 
 
 # -- LongRoPE past the original context -----------------------------------------------------------

@@ -22,6 +22,7 @@ import pytest
 import jaxspec
 from jaxspec.models import forward, init_cache, tiny_config
 from jaxspec.models.errors import CheckpointError
+from jaxspec.models import gguf_loader
 from jaxspec.models.gguf_loader import OWN_TYPES, dequantize, load_gguf, supported_types
 from jaxspec.models.hf_loader import params_from_hf
 from jaxspec.models.llama import stacked_layers
@@ -186,9 +187,11 @@ def test_bfloat16_load_casts_gguf_values(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [t for t in supported_types() if t not in OWN_TYPES])
-def test_dequantize_matches_gguf_for_every_supported_type(qtype):
-  """`dequantize` of random bytes (any f16 scale, NaN and inf included) is gguf's result."""
+def test_dequantize_matches_gguf_for_every_supported_type(qtype, monkeypatch):
+  """`dequantize` of random bytes (any f16 scale, NaN and inf included) is gguf's result, also
+  decoded in slices (of 4 blocks here: the 6 blocks take a short last slice)."""
   block, block_bytes = SIZES[T[qtype]]
+  monkeypatch.setattr(gguf_loader, "_GGUF_CHUNK_ELEMENTS", 4 * block)
   rng = np.random.default_rng(3)
   raw = rng.integers(0, 256, (3, 2 * block_bytes), dtype=np.uint8)  # 3 rows of 2 blocks
   with np.errstate(all="ignore"):
