@@ -163,19 +163,27 @@ def json_lines(path: Path, expected: str, error: type[Exception] | None = None):
   """(where, parsed object) for every non-blank line of a JSON-lines file, where = "path:line".
 
   Raises:
-    `error` (default DataError): a line is not valid JSON (the message names it and ends with
-    `expected`).
+    `error` (default DataError): a line is not UTF-8 or not valid JSON (nested too deeply to
+    parse included); the message names it (and ends with `expected` for JSON).
   """
   error = DataError if error is None else error
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  with open(path, "rb") as f:  # line by line, so that a decoding error names its line
+    for lineno, raw in enumerate(f, 1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line): save"
+                    " the file as UTF-8") from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         obj = json.loads(line)
       except json.JSONDecodeError as e:
         raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {expected}")\
+            from None
+      except RecursionError:
+        raise error(f"{where}: not valid JSON (nested too deeply to parse): {expected}")\
             from None
       yield where, obj
 

@@ -29,25 +29,29 @@ def test_console_script_errors_are_one_line_exit_2(tmp_path, capsys):
   deep.write_text("[" * 100000 + "]" * 100000 + "\n")
   badutf = tmp_path / "bad.jsonl"
   badutf.write_bytes(b'{"turns": ["\xff\xfe"]}\n')
-  cases = {
-      "missing model": ["generate", "hi", "--model", str(tmp_path / "nope.gguf")],
-      "truncated gguf": ["generate", "hi", "--model", str(cut)],
-      "no tokenizer": ["generate", "hi", "--model", str(no_tok)],
-      "huge seed": ["generate", "hi", "--model", str(gguf), "--seed", str(10**30),
-                    "--max-new-tokens", "2"],
-      "deep json": ["bench", "--model", str(gguf), "--prompts", str(deep), "--out",
-                    str(tmp_path / "b1")],
-      "invalid utf-8": ["bench", "--model", str(gguf), "--prompts", str(badutf), "--out",
-                        str(tmp_path / "b2")],
-      "prompt and --prompts": ["generate", "hi", "--model", str(gguf), "--prompts", str(deep)],
-      "missing --prompts file": ["generate", "--model", str(gguf), "--prompts",
-                                 str(tmp_path / "nope.txt")],
-      "malformed --prompts file": ["generate", "--model", str(gguf), "--prompts", str(badutf)],
+  cases = {  # name: (argv, what the error line must say)
+      "missing model": (["generate", "hi", "--model", str(tmp_path / "nope.gguf")],
+                        "nope.gguf does not exist"),
+      "truncated gguf": (["generate", "hi", "--model", str(cut)],
+                         "cut.gguf is truncated or corrupt"),
+      "no tokenizer": (["generate", "hi", "--model", str(no_tok)], "has no tokenizer"),
+      "huge seed": (["generate", "hi", "--model", str(gguf), "--seed", str(10**30),
+                     "--max-new-tokens", "2"], "--seed: key must be"),
+      "deep json": (["bench", "--model", str(gguf), "--prompts", str(deep), "--out",
+                     str(tmp_path / "b1")], "deep.jsonl:1: not valid JSON (nested too deeply"),
+      "invalid utf-8": (["bench", "--model", str(gguf), "--prompts", str(badutf), "--out",
+                         str(tmp_path / "b2")], "bad.jsonl:1: not UTF-8 text"),
+      "prompt and --prompts": (["generate", "hi", "--model", str(gguf), "--prompts", str(deep)],
+                               "got both a prompt"),
+      "missing --prompts file": (["generate", "--model", str(gguf), "--prompts",
+                                  str(tmp_path / "nope.txt")], "nope.txt does not exist"),
+      "malformed --prompts file": (["generate", "--model", str(gguf), "--prompts", str(badutf)],
+                                   "bad.jsonl:1: not UTF-8 text"),
   }
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
       "JAXSPEC_COMPILE_CACHE": "none"}
   own_process = ("truncated gguf", "deep json")
-  for name, argv in cases.items():
+  for name, (argv, says) in cases.items():
     if name in own_process:
       out = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=300, env=env)
       code, err = out.returncode, out.stderr
@@ -57,3 +61,4 @@ def test_console_script_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "Traceback" not in err, (name, err[-1500:])
     assert [ln for ln in err.splitlines() if "error:" in ln] == [err.splitlines()[-1]], (
         name, err[-500:])  # one error line, the last
+    assert says in err.splitlines()[-1], (name, says, err[-500:])

@@ -193,6 +193,16 @@ def test_bad_prompt_files_name_file_and_line(tmp_path, lines, match):
     read_prompt_file(f)
 
 
+def test_prompt_files_not_utf8_or_nested_too_deeply_name_the_line(tmp_path):
+  f = tmp_path / "bad.jsonl"
+  f.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+  with pytest.raises(DataError, match=r"bad\.jsonl:2: not UTF-8 text \(invalid continuation"):
+    read_prompt_file(f)
+  f.write_text('{"prompt": "ok"}\n' + "[" * 100000 + "]" * 100000 + "\n")
+  with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON \(nested too deeply"):
+    read_prompt_file(f)
+
+
 def test_missing_file_and_evaluation_set(tmp_path):
   with pytest.raises(DataError, match=r"nope\.jsonl does not exist"):
     read_prompts([tmp_path / "nope.jsonl"])
