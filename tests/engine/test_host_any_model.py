@@ -243,7 +243,7 @@ def _raises(fn, match):
     (lambda t: jaxspec.generate(t, ["HI"], tokenizer=CharTokenizer(), chat=True), "chat=False"),
     (lambda t: jaxspec.generate(t, PROMPTS, n=0), "n must be"),
     (lambda t: jaxspec.speculative_generate(t, NGram(), PROMPTS, n=1.5), "n must be"),
-    (lambda t: jaxspec.generate(t, PROMPTS, n=2, key=[1, 2, 3]), "key"),
+    (lambda t: jaxspec.generate(t, PROMPTS, n=2, key=[1, 2, 3]), "key holds 3 per-row keys"),
     (lambda t: jaxspec.generate(t, PROMPTS, n=2, sampling=Sampling(temperature=(1.0,) * 4)),
      "2 rows"),
     (lambda t: jaxspec.speculative_generate(t, NGram(), PROMPTS, cost={"0": 1.0}),
