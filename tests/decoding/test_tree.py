@@ -155,7 +155,7 @@ def test_tree_sampling_distribution():
   prompt = [1, 2, 3, 4]
   joint = exact_joint(target, prompt, sp)
   drafter = _eagle(target, seed=5).with_tree(DynamicTree(depth=2, topk=3, total_tokens=7))
-  out = speculative_generate(target, drafter, [prompt] * 3000, max_new_tokens=3, sampling=sp,
+  out = speculative_generate(target, drafter, [prompt] * 20000, max_new_tokens=3, sampling=sp,
                              key=99, max_len=16)
   assert_first_tokens_follow(out.tokens[:, :3], joint, "top-k")
   assert 0.05 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]

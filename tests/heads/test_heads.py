@@ -443,7 +443,7 @@ def test_sampling_distribution_with_eagle():
   drafter = heads.HEADS["eagle"].drafter(model, target)
   sp = Sampling(temperature=0.9, top_k=6)
   prompt = [1, 2, 3, 4]
-  n = 3000
+  n = 20000
   out = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=3, sampling=sp,
                              num_draft_tokens=2, key=99, max_len=16)
   assert_first_tokens_follow(out.tokens[:, :3], exact_joint(target, prompt, sp), "top-k")
