@@ -116,8 +116,10 @@ def test_greedy_tree_equals_generate(tiny_target, reference, which):
 
 
 def test_dynamic_tree_is_a_valid_tree(tiny_target):
-  """The EAGLE-2 proposal: parents precede children, depths follow the parents, and the kept
-  nodes are the best by cumulative draft log-probability (tokens distinct among siblings)."""
+  """The EAGLE-2 proposal: parents precede children, depths follow the parents, siblings hold
+  distinct tokens, and the first-level nodes are the head's best tokens at the root in rank
+  order (the selection of deeper nodes by cumulative draft log-probability is not checked
+  here)."""
   from jaxspec.drafters import DraftContext
   from jaxspec.decoding.plain import prefill
   drafter = _eagle(tiny_target).with_tree(DynamicTree(depth=3, topk=3, total_tokens=12))
@@ -130,10 +132,12 @@ def test_dynamic_tree_is_a_valid_tree(tiny_target):
     _, hid, _ = prefill(tparams, prompt, plen, cfg, 16, logits=False)
     state = drafter.init(dparams, prompt, plen, 16, hid)
     ctx = DraftContext(seq=prompt, seq_len=plen, prompt_len=plen)
-    return drafter.propose_tree(dparams, state, ctx, Sampling().arrays(1),
+    tree = drafter.propose_tree(dparams, state, ctx, Sampling().arrays(1),
                                 jax.random.split(jax.random.key(0), 1))[0]
+    _, root_top = drafter._top(drafter._model(dparams), dparams.target, state.feat[:, None], 3)
+    return tree, root_top[0, 0]  # the head's 3 best tokens at the root, best first
 
-  prop = propose(tiny_target.params, drafter.params)
+  prop, root_top = propose(tiny_target.params, drafter.params)
   par, dep, tok = (np.asarray(x[0]) for x in (prop.parents, prop.depth, prop.tokens))
   assert par[0] == -1 and dep[0] == 0 and len(par) == 13
   for j in range(1, len(par)):
@@ -142,6 +146,9 @@ def test_dynamic_tree_is_a_valid_tree(tiny_target):
     kids = tok[1:][par[1:] == c]
     assert len(kids) == len(set(kids.tolist()))
   assert dep.max() <= 3
+  first = tok[dep == 1].tolist()  # creation order: the root's candidates by rank
+  assert 1 <= len(first) and first == np.asarray(root_top)[:len(first)].tolist(), (first,
+                                                                                  root_top)
 
 
 # A Medusa (static) tree's sampled distribution: test_penalties.py's later-position chi-square
