@@ -207,8 +207,12 @@ def pard_loss(model, batch, frozen, *, objective: PardObjective):
   logq = jax.nn.log_softmax(q_logits, axis=-1)
   valid = lay.valid.astype(jnp.float32)
   if objective.labels == "target":
-    # The target's distribution of the label token: its output one position before it.
-    h = take(batch["hidden_final"], lay.label - 1).astype(frozen.final_norm.dtype)
+    # The target's distribution of the label token: its output one position before it. A slot
+    # whose label lies past the row (an anchor near a row's end: not valid) reads the last
+    # position instead, whose loss is dropped: jnp.take_along_axis fills out-of-range reads
+    # with NaN, and NaN * 0 would still be NaN.
+    at = jnp.minimum(lay.label - 1, tokens.shape[1] - 1)
+    h = take(batch["hidden_final"], at).astype(frozen.final_norm.dtype)
     p_logits = softcap(logits_from_hidden(frozen, h), cfg.final_softcap)
     logp = jax.nn.log_softmax(p_logits, axis=-1)
     per = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)  # [B, E]
@@ -216,7 +220,7 @@ def pard_loss(model, batch, frozen, *, objective: PardObjective):
   else:
     want = jnp.take_along_axis(tokens, jnp.minimum(lay.label, tokens.shape[1] - 1), axis=1)
     per = -jnp.take_along_axis(logq, want[:, :, None], axis=2)[:, :, 0]
-  loss = jnp.sum(per * valid) / jnp.maximum(valid.sum(), 1.0)
+  loss = jnp.sum(jnp.where(valid > 0, per, 0.0)) / jnp.maximum(valid.sum(), 1.0)
   agree = (jnp.argmax(q_logits, -1) == want).astype(jnp.float32) * valid
   metrics = {}
   for d in range(1, objective.k + 1):

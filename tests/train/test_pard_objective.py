@@ -119,6 +119,41 @@ def test_every_slot_sees_what_decoding_sees(tiny_target):
   assert set(metrics) == {"top1_d1", "top1_d2", "top1_d3"}
 
 
+def test_target_labels_near_the_rows_end_keep_the_loss_finite(tiny_target):
+  """labels="target" on rows that end inside a response: the slots anchored at the last
+  positions have labels past the row (not valid), and the loss stays finite (their NaN reads
+  once made it NaN) and equals the loss over the valid entries alone."""
+  from jaxspec.models.llama import logits_from_hidden
+  draft = draft_from_target(tiny_target, 1)
+  t = 6
+  tokens = jax.random.randint(jax.random.key(4), (2, t), 4, draft.cfg.vocab_size, jnp.int32)
+  loss_mask = jnp.asarray([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+  hidden = jax.random.normal(jax.random.key(5), (2, t, draft.cfg.hidden_size))
+  obj = PardObjective(mask_id=3, k=3, anchors=t, labels="target")
+  lay = pard_layout(tokens, loss_mask, obj)
+  assert int(jnp.max(lay.label)) >= t  # some slot's label is past the row
+  batch = {"tokens": tokens, "loss_mask": loss_mask, "hidden_final": hidden}
+  loss, _ = pard_loss(DraftLM(draft.cfg, draft.params), batch, tiny_target.params,
+                      objective=obj)
+  assert np.isfinite(float(loss))
+  # By hand over the valid entries: KL(p || q) with p from the target's hidden state one
+  # position before the label.
+  n = lay.tokens.shape[1]
+  _, hid, _ = forward(draft.params, lay.tokens, init_cache(draft.cfg, 2, n), draft.cfg,
+                      logits=False, positions=lay.positions, block_mask=lay.mask)
+  total, count = 0.0, 0
+  for b in range(2):
+    for e in range(lay.read.shape[1]):
+      if not bool(lay.valid[b, e]):
+        continue
+      lq = jax.nn.log_softmax(logits_from_hidden(draft.params, hid.final[b, lay.read[b, e]]))
+      lp = jax.nn.log_softmax(logits_from_hidden(tiny_target.params,
+                                                 hidden[b, lay.label[b, e] - 1]))
+      total += float(jnp.sum(jnp.exp(lp) * (lp - lq)))
+      count += 1
+  np.testing.assert_allclose(float(loss), total / count, rtol=1e-4)
+
+
 def test_distill_with_the_pard_objective_writes_a_pard_checkpoint(tiny_target, tmp_path):
   rng = np.random.default_rng(0)
   tokens = rng.integers(4, 128, (4, 24)).astype(np.int32)
