@@ -20,6 +20,7 @@ and the `Drafter` / saving helpers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -179,11 +180,33 @@ def train_head(target, kind: str, data: TrainData | Iterable[dict[str, Any]], *,
   if hasattr(data, "check_target") and hidden != "online":  # stored states: this target's
     offline = hidden == "offline"
     data.check_target(target, layers=layers if offline else (), hidden=offline)
+    data = _reading_layers(data, layers)
   model, history = train(model, loss, data, cfg, out_dir, frozen=frozen, resume=resume,
                          progress=progress, optimizer=optimizer, callbacks=callbacks,
                          eval_data=eval_data, put_batch=put, mesh=mesh)
   saved = {k: v for k, v in opts.items() if k not in ("token_counts", "draft_vocab")}
   return TrainedHead(kind=kind, model=model, options=saved, history=history)
+
+
+def _reading_layers(data, layers: tuple[int, ...]):
+  """A stored dataset that hands the head its own layers, in its order: a `Dataset` opened
+  without `layers=` gives every stored layer in stored order, which an EAGLE head's fc would
+  read as other layers (or fail on their count). Stored without some of them (hidden="auto"):
+  no stored layers, so the step computes them all. One opened with other layers is refused."""
+  if not layers or not hasattr(data, "hidden_layers") or not hasattr(data, "layers"):
+    return data
+  if data.layers is not None:
+    if tuple(data.layers) != layers:
+      raise ValueError(f"the data was opened with layers={tuple(data.layers)} but the head reads"
+                       f" target layers {layers}: open it with layers={layers} (or without"
+                       " layers=)")
+    return data
+  stored = tuple(data.hidden_layers)
+  if stored == layers:
+    return data
+  view = copy.copy(data)  # shares the memory-mapped arrays
+  view.layers = layers if set(layers) <= set(stored) else ()
+  return view
 
 
 __all__ = ["TrainedHead", "train_head"]

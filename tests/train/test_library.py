@@ -235,6 +235,21 @@ def test_a_resumed_generator_is_skipped_to_its_step(tiny_target, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, _params(straight.model), _params(resumed.model))
 
 
+def test_a_stored_dataset_hands_the_head_its_own_layers(tiny_target, stored):
+  """A `Dataset` opened without layers= holds the stored layers (0, 1); an EAGLE head reading
+  (0, 1, 1) trains on exactly what `Dataset(layers=(0, 1, 1))` gives it, offline and "auto";
+  a dataset opened with other layers is refused, naming both."""
+  kw = dict(options=EAGLE3, steps=2, optimizer=optax.sgd(1e-3), seed=0)
+  want = train_head(tiny_target, "eagle", Dataset(stored, layers=(0, 1, 1)), hidden="offline",
+                    **kw)
+  for hidden in ("offline", "auto"):
+    got = train_head(tiny_target, "eagle", Dataset(stored), hidden=hidden, **kw)
+    assert [h["loss"] for h in got.history] == [h["loss"] for h in want.history], hidden
+  with pytest.raises(ValueError, match=r"opened with layers=\(0, 1\) but the head reads target"
+                                       r" layers \(0, 1, 1\)"):
+    train_head(tiny_target, "eagle", Dataset(stored, layers=(0, 1)), hidden="offline", **kw)
+
+
 @pytest.mark.parametrize("kind,options", [("eagle", EAGLE3), ("medusa", dict(num_heads=2)),
                                           ("mlp", dict(n_predict=2))])
 def test_online_hidden_states_give_the_stored_loss(tiny_target, stored, kind, options):
