@@ -176,6 +176,7 @@ class EagleHead(nnx.Module):
     self.cfg = cfg
     self.layer_cfg = lc
     self.target_dims = target_dims(target_cfg)
+    self.target_softcap = target_cfg.final_softcap  # the soft targets' cap (Gemma 2)
     self.eps = target_cfg.rms_norm_eps
     std = 0.02
     n_fc = len(cfg.layers) * d if v3 else 2 * d

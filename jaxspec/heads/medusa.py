@@ -45,6 +45,7 @@ class MedusaHeads(nnx.Module):
     d, v, k, n = target_cfg.hidden_size, target_cfg.vocab_size, cfg.num_heads, cfg.num_layers
     self.cfg = cfg
     self.target_dims = target_dims(target_cfg)
+    self.target_softcap = target_cfg.final_softcap  # the soft targets' cap (Gemma 2)
     self.w = nnx.Param(jnp.zeros((k, n, d, d), F32))  # [K, layers, D_in, D_out]
     self.b = nnx.Param(jnp.zeros((k, n, d), F32))  # [K, layers, D]
     # [K, D, V]; filled by an import (Medusa checkpoints train a copy of the LM head per head).

@@ -80,6 +80,7 @@ class MLPSpeculator(nnx.Module):
                        f" must equal the target's hidden size {d}, got {i}: set inner_dim=0")
     self.cfg = cfg
     self.target_dims = target_dims(target_cfg)
+    self.target_softcap = target_cfg.final_softcap  # the soft targets' cap (Gemma 2)
     ns = 1 if cfg.tie_stages else n
     std = 1 / math.sqrt(i)
     if cfg.tie_to_target:

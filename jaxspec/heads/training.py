@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxspec.heads.common import F32, same_segment_ahead, shift
 from jaxspec.heads.eagle import EagleHead
-from jaxspec.models.llama import Params, lm_head_weight, logits_from_hidden
+from jaxspec.models.llama import Params, lm_head_weight, logits_from_hidden, softcap
 
 
 def draft_ids(model) -> jax.Array | None:
@@ -102,6 +102,8 @@ def _token_loss(model, logits, batch, frozen, soft: bool, decay: float, loss: st
     # renormalised over it, from the head rows of those ids only (a 4096-token draft vocabulary
     # runs a twelfth of SmolLM2's 49k-row head on every training position)
     t_logits = target_logits_over(frozen, batch["hidden_final"].astype(F32), ids)
+    # The distribution the target samples from: its logits soft-capped where it caps them.
+    t_logits = softcap(t_logits, getattr(model, "target_softcap", None))
   if ids is not None:
     t2d = jnp.full((v,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
   total = jnp.zeros((), F32)

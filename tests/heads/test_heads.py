@@ -121,6 +121,33 @@ def test_training_steps_lower_the_loss(trained, name):
   assert tau1 > tau0, (tau0, tau1)  # fitting the target's own continuations lengthens the runs
 
 
+def test_soft_targets_are_the_capped_distribution_the_target_samples(tiny_target):
+  """On a target that soft-caps its logits (Gemma 2), the KL target is softmax(cap * tanh(l /
+  cap)), the distribution it samples from: step 0's loss equals KL(p_{t+1} || q_t) by hand."""
+  from jaxspec.models.llama import logits_from_hidden, softcap
+  cap = 2.0
+  cfg = tiny_config(final_softcap=cap)
+  params = init_params(cfg, jax.random.key(1), scale=0.5)
+  spec = heads.HEADS["medusa"]
+  model = spec.create(cfg, rngs=nnx.Rngs(0), num_heads=1)
+  assert model.target_softcap == cap
+  rng = np.random.default_rng(0)
+  b, t = 2, 8
+  mask = np.zeros((b, t), np.float32)
+  mask[:, 3:] = 1
+  batch = {"tokens": jnp.asarray(rng.integers(3, 128, (b, t)), jnp.int32),
+           "loss_mask": jnp.asarray(mask),
+           "hidden_final": jnp.asarray(rng.normal(size=(b, t, cfg.hidden_size)), jnp.float32)}
+  _, metrics = heads.head_loss(spec, model, batch, params,
+                               objective=heads.Objective(loss="kl", depth=1))
+  q = jax.nn.log_softmax(spec.predict(model, batch, params, 1)[0][:, :, 0], axis=-1)
+  p = jax.nn.log_softmax(softcap(logits_from_hidden(params, batch["hidden_final"]), cap), -1)
+  kl = np.asarray(jnp.sum(jnp.exp(p[:, 1:]) * (p[:, 1:] - q[:, :-1]), axis=-1))  # [B, T-1]
+  w = mask[:, 2:]  # step 0 at position s predicts x_{s+2}
+  want = float((kl[:, :t - 2] * w).sum() / w.sum())
+  np.testing.assert_allclose(float(metrics["loss_0"]), want, rtol=1e-5)
+
+
 def test_required_layers_and_options(tiny_target):
   cfg = tiny_config(num_layers=32)
   assert heads.HEADS["eagle"].required_layers(cfg, dict(version=3)) == (1, 15, 28)
