@@ -409,14 +409,19 @@ def import_medusa(directory: str | os.PathLike, target, *, rtol: float = 1e-2) -
     k, nl = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
   except (KeyError, TypeError, ValueError) as e:
     raise CheckpointError(f"{cfg_path} has no valid medusa_num_heads ({e})") from e
+  if k < 1 or nl < 1:
+    raise CheckpointError(f"{cfg_path}: medusa_num_heads ({k}) and medusa_num_layers ({nl})"
+                          " must be at least 1")
   _check_dims(where, {"hidden_size": config.get("hidden_size"),
                       "vocab_size": config.get("vocab_size")}, target)
   t = read_safetensors(weights)
   d, v = target.cfg.hidden_size, target.cfg.vocab_size
+  read = set()
 
   def get(name, shape):
     if name not in t:
       raise CheckpointError(f"{weights} has no tensor {name!r}")
+    read.add(name)
     a = _np32(t[name])
     if a.shape != shape:
       raise CheckpointError(f"{weights}: {name!r} has shape {a.shape}, expected {shape} for a"
@@ -428,6 +433,11 @@ def import_medusa(directory: str | os.PathLike, target, *, rtol: float = 1e-2) -
   b = np.stack([np.stack([get(f"{i}.{j}.linear.bias", (d,)) for j in range(nl)])
                 for i in range(k)])
   heads_lm = np.stack([get(f"{i}.{nl}.weight", (v, d)).T for i in range(k)])  # [K, D, V]
+  extra = sorted(set(t) - read)
+  if extra:  # an LM-head bias, more heads or layers than the config says: another function
+    raise CheckpointError(f"{where} holds tensors {extra} that jaxspec's Medusa heads do not"
+                          f" read (with medusa_num_heads={k}, medusa_num_layers={nl}): it would"
+                          " draft another function than the one trained")
   shared = _np32(lm_head_weight(target.params))
   own = not all(np.allclose(x, shared, rtol=rtol, atol=rtol * np.abs(shared).max())
                 for x in heads_lm)

@@ -112,6 +112,26 @@ def test_medusa_roundtrip(tmp_path, tiny_target, own_lm_head):
   _same_drafts("medusa", model, back, tiny_target, 3, (), True)
 
 
+def test_medusa_import_refuses_what_it_does_not_read(tmp_path, tiny_target):
+  """An LM-head bias, or heads and layers past the config's counts, are tensors jaxspec's
+  Medusa would not read: a CheckpointError naming them; zero heads or layers too."""
+  from jaxspec.models.hf_loader import write_safetensors
+  model = heads.HEADS["medusa"].create(tiny_target.cfg, rngs=nnx.Rngs(0), num_heads=2)
+  out = export.export_medusa(tmp_path / "m", model, tiny_target, dtype="float32")
+  t = read_safetensors(out / export.MEDUSA_WEIGHTS)
+  v = tiny_target.cfg.vocab_size
+  for name, extra in (("1.1.bias", np.zeros((v,), np.float32)),
+                      ("2.0.linear.bias", t["0.0.linear.bias"])):
+    write_safetensors(out / export.MEDUSA_WEIGHTS, {**t, name: extra})
+    with pytest.raises(CheckpointError, match=rf"tensors \['{name}'\] that jaxspec's Medusa"):
+      export.import_medusa(out, tiny_target)
+  write_safetensors(out / export.MEDUSA_WEIGHTS, t)
+  config = json.loads((out / "config.json").read_text())
+  (out / "config.json").write_text(json.dumps(dict(config, medusa_num_layers=0)))
+  with pytest.raises(CheckpointError, match="must be at least 1"):
+    export.import_medusa(out, tiny_target)
+
+
 def test_import_errors(tmp_path, tiny_target):
   cfg = tiny_target.cfg
   model = heads.HEADS["medusa"].create(cfg, rngs=nnx.Rngs(0), num_heads=2)
