@@ -206,11 +206,32 @@ def _checkpoint_manager(path: Path, keep: int):
   return ocp.CheckpointManager(path, options=options)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+  """Writes the file whole or not at all (a temporary file renamed over it)."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text, encoding="utf-8")
+  os.replace(tmp, path)
+
+
 def _read_history(path: Path, upto: int) -> list[dict[str, Any]]:
+  """The history's records up to step `upto`. A last line cut short (the process killed while
+  writing it, before that step's checkpoint) is dropped; any other unreadable line is a
+  ValueError naming the file."""
   if not path.is_file():
     return []
-  rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-          if line.strip()]
+  lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+           if line.strip()]
+  rows = []
+  for i, line in enumerate(lines):
+    try:
+      row = json.loads(line)
+      step = row["step"]
+    except (json.JSONDecodeError, TypeError, KeyError):
+      if i == len(lines) - 1:
+        break
+      raise ValueError(f"{path} line {i + 1} is not a history record: repair or delete the"
+                       " file to resume (the checkpoints do not need it)") from None
+    rows.append(row)
   return [r for r in rows if r["step"] <= upto]
 
 
@@ -379,8 +400,7 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
       _check_resumable(out, cfg, optimizer is not None)
     out.mkdir(parents=True, exist_ok=True)
     saved = dict(cfg.to_json(), optimizer="given" if optimizer is not None else "built-in")
-    (out / "train_config.json").write_text(json.dumps(saved, indent=2) + "\n",
-                                           encoding="utf-8")
+    _write_atomic(out / "train_config.json", json.dumps(saved, indent=2) + "\n")
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params, rest = _copy(params), _copy(rest)
@@ -415,7 +435,7 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
     if out is not None:
       history_file = out / "history.jsonl"
       history = _read_history(history_file, start)
-      history_file.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+      _write_atomic(history_file, "".join(json.dumps(r) + "\n" for r in history))
       hist = open(history_file, "a", encoding="utf-8")
 
     train_step, eval_step = _make_steps(graphdef, tx, loss_fn, eval_fn)
@@ -464,6 +484,9 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
             info += f"  eval {record['eval_loss']:.4f}"
           bar.update(task, completed=done, info=info)
         if mngr is not None and (done % cfg.save_every == 0 or last):
+          if not logged and not math.isfinite(float(metrics["loss"])):  # never save NaN weights
+            raise FloatingPointError(f"loss became {float(metrics['loss'])} at step {done}:"
+                                     " lower --lr or check the data")
           mngr.save(done, force=True, args=ocp.args.Composite(
               state=ocp.args.StandardSave(dict(params=params, rest=rest, opt_state=opt_state)),
               meta=ocp.args.JsonSave({"step": done, "config": cfg.to_json()})))

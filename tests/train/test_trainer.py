@@ -193,6 +193,51 @@ def test_killed_mid_save_resumes_to_the_same_params(tiny_target, data_dir, tmp_p
     np.testing.assert_array_equal(final[jax.tree_util.keystr(k)], v)
 
 
+def test_a_torn_history_line_does_not_block_resume(tiny_target, data_dir, tmp_path):
+  """A run killed while writing a history line leaves it cut short: resume drops it (it is
+  newer than any checkpoint); an unreadable line before the last is a ValueError naming the
+  file."""
+  ds = Dataset(data_dir)
+  cfg = TrainConfig(steps=4, batch_size=4, warmup_steps=0, save_every=2)
+  d, v = tiny_target.cfg.hidden_size, tiny_target.cfg.vocab_size
+  run = lambda **kw: train(make_head(d, v), toy_loss, ds, cfg, tmp_path,
+                           frozen=tiny_target.params, progress=False, **kw)
+
+  def die(step, record):
+    if step == 3:  # after checkpoint 2 and history line 3
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    run(callbacks=[die])
+  with open(tmp_path / "history.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 4, "lo')  # step 4's line, cut short
+  _, hist = run(resume=True)
+  assert [h["step"] for h in hist] == [1, 2, 3, 4] and "loss" in hist[3]
+  lines = (tmp_path / "history.jsonl").read_text().splitlines()
+  (tmp_path / "history.jsonl").write_text("\n".join(["not json"] + lines[1:]) + "\n")
+  with pytest.raises(ValueError, match=r"history\.jsonl line 1 is not a history record"):
+    run(resume=True)
+
+
+def test_a_nan_loss_is_never_saved(tiny_target, tmp_path):
+  """A loss that turns NaN on a step that is not logged stops the run at the next save, before
+  that checkpoint is written: the last one kept is the last finite one."""
+  d, v = tiny_target.cfg.hidden_size, tiny_target.cfg.vocab_size
+  rng = np.random.default_rng(0)
+  batches = []
+  for i in range(8):
+    h = rng.normal(size=(2, 6, d)).astype(np.float32)
+    if i >= 4:  # from step 5 on the data poisons the weights
+      h[:] = np.nan
+    batches.append({"hidden_final": h, "loss_mask": np.ones((2, 6), np.float32)})
+  cfg = TrainConfig(steps=8, batch_size=2, warmup_steps=0, save_every=3, log_every=100,
+                    keep_last_n=1)
+  with pytest.raises(FloatingPointError, match="at step 6"):
+    train(make_head(d, v), toy_loss, batches, cfg, tmp_path, frozen=tiny_target.params,
+          progress=False)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+
+
 def test_resume_after_completion_changes_nothing(tiny_target, data_dir, tmp_path):
   ds = Dataset(data_dir)
   cfg = TrainConfig(steps=3, batch_size=4, warmup_steps=0, save_every=3)
