@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.checks import check_int
 from jaxspec.models.config import LlamaConfig
 
 F32 = jnp.float32
@@ -69,6 +70,12 @@ def target_dims(cfg: LlamaConfig) -> tuple[int, int, int]:
   """(hidden size, vocabulary, layers) of a target: what a head is built for and checked
   against."""
   return (cfg.hidden_size, cfg.vocab_size, cfg.num_layers)
+
+
+def check_config_ints(cfg, lows: Mapping[str, int]) -> None:
+  """Raises ValueError naming `Config.field` unless each field is an int >= its low bound."""
+  for name, lo in lows.items():
+    check_int(f"{type(cfg).__name__}.{name}", getattr(cfg, name), lo, numpy=False)
 
 
 def make_config(cls, options: Mapping[str, Any]):

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.heads.common import (Buffer, F32, make_config, normal_init, packed_attention_mask,
-                                  shift, target_dims)
+from jaxspec.heads.common import (Buffer, F32, check_config_ints, make_config, normal_init,
+                                  packed_attention_mask, shift, target_dims)
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (Params, apply_rope, attention, embed_tokens, lm_head_weight,
                                   logits_from_hidden, rms_norm, rope_inv_freq, write_cache)
@@ -79,6 +79,11 @@ class EagleConfig:
   fc_norm: bool = False
   norm_output: bool = False
   norm_before_residual: bool = False
+
+  def __post_init__(self):
+    # 0 for the geometry: the target's.
+    check_config_ints(self, dict(num_heads=0, num_kv_heads=0, head_dim=0, intermediate_size=0,
+                                 draft_vocab_size=0, ttt_steps=1))
 
 
 LM_HEAD_INITS = ("random", "target")
@@ -200,6 +205,11 @@ class EagleHead(nnx.Module):
       ids = np.arange(v) if draft_vocab is None else np.asarray(draft_vocab)
       if ids.shape != (n,):
         raise ValueError(f"draft vocabulary has {ids.shape} ids, the config says {n}")
+      if not np.issubdtype(ids.dtype, np.integer) or (n and not 0 <= ids.min() <= ids.max() < v):
+        raise ValueError(f"draft_vocab must hold target token ids in [0, {v}), got"
+                         f" {ids.dtype} ids in [{ids.min()}, {ids.max()}]")
+      if len(np.unique(ids)) != n:
+        raise ValueError("draft_vocab holds a token id twice: give each target id once")
       self.draft_ids = Buffer(jnp.asarray(ids, jnp.int32))  # [N] target id of every draft id
     else:
       self.input_norm = self.hidden_norm = self.norm = self.lm_head = self.draft_ids = None

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.heads.common import F32, make_config, target_dims
+from jaxspec.heads.common import F32, check_config_ints, make_config, target_dims
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import Params, logits_from_hidden
 
@@ -31,6 +31,9 @@ class MedusaConfig:
   own_lm_head: bool = False
   soft: bool = False
   loss_decay: float = 0.8
+
+  def __post_init__(self):
+    check_config_ints(self, dict(num_heads=1, num_layers=1))
 
 
 class MedusaHeads(nnx.Module):

@@ -159,6 +159,20 @@ def test_required_layers_and_options(tiny_target):
     heads.HEADS["eagle"].create(cfg, rngs=nnx.Rngs(0), version=3, draft_vocab_size=8)
   with pytest.raises(ValueError, match="version=3"):
     heads.HEADS["eagle"].create(cfg, rngs=nnx.Rngs(0), draft_vocab_size=8)
+  # Out-of-range values of the configs and the draft vocabulary: a ValueError naming them.
+  eagle3 = lambda **kw: heads.HEADS["eagle"].create(cfg, rngs=nnx.Rngs(0), version=3, **kw)
+  for make, match in [
+      (lambda: heads.HEADS["medusa"].create(cfg, rngs=nnx.Rngs(0), num_heads=0),
+       r"MedusaConfig\.num_heads must be an integer >= 1, got 0"),
+      (lambda: heads.HEADS["medusa"].create(cfg, rngs=nnx.Rngs(0), num_layers=0),
+       r"MedusaConfig\.num_layers must be an integer >= 1, got 0"),
+      (lambda: eagle3(ttt_steps=0), r"EagleConfig\.ttt_steps must be an integer >= 1, got 0"),
+      (lambda: eagle3(num_heads=-1), r"EagleConfig\.num_heads must be an integer >= 0"),
+      (lambda: eagle3(draft_vocab=np.array([1, 2, 128])), r"target token ids in \[0, 128\)"),
+      (lambda: eagle3(draft_vocab=np.array([1.0, 2.0])), r"target token ids in \[0, 128\)"),
+      (lambda: eagle3(draft_vocab=np.array([1, 2, 2])), "a token id twice")]:
+    with pytest.raises(ValueError, match=match):
+      make()
 
 
 @pytest.mark.parametrize("tied", [False, True])
