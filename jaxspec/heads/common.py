@@ -58,9 +58,12 @@ def same_segment_ahead(segment_ids, d: int):
   """[B, T] bool: position t + d exists and is in t's conversation (not padding): where a label
   d tokens ahead may train position t. Works on numpy and jax arrays alike."""
   t = segment_ids.shape[-1]
+  if d >= t:  # no position has a label that far ahead
+    none = np.zeros(segment_ids.shape, bool)
+    return none if isinstance(segment_ids, np.ndarray) else jnp.asarray(none)
   ahead = segment_ids[..., d:]
   ok = (ahead == segment_ids[..., : t - d]) & (ahead > 0)
-  pad = np.zeros(segment_ids.shape[:-1] + (min(d, t),), bool)
+  pad = np.zeros(segment_ids.shape[:-1] + (d,), bool)
   if isinstance(segment_ids, np.ndarray):
     return np.concatenate([ok, pad], axis=-1)
   return jnp.concatenate([ok, jnp.asarray(pad)], axis=-1)

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 
 from jaxspec.checks import check_int
+from jaxspec.heads.common import packed_attention_mask, same_segment_ahead
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_scanned,
                                   logits_from_hidden, softcap, stacked_layers)
@@ -96,21 +97,28 @@ class DraftLM(nnx.Module):
                   lm_head=value(self.lm_head))
 
 
-def response_positions(loss_mask: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
-  """Positions whose next token is a response token: r per row, from the last prompt token.
+def response_positions(loss_mask: jax.Array, r: int, segment_ids: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+  """The first r positions of each row whose next token is a response token (of every answer
+  of a multi-turn row, and in the same conversation of a packed row).
 
   Args:
     loss_mask: [B, T] 1 on response tokens.
-    r: positions per row (the longest response).
+    r: positions per row (at most T; the responses' tokens per row).
+    segment_ids: [B, T] conversations of packed rows (optional).
   Returns:
-    (idx [B, r] int32 positions t, valid [B, r] float32: loss_mask[t + 1] == 1).
+    (idx [B, r] int32 positions t, valid [B, r] float32: loss_mask[t + 1] == 1, t + 1 in t's
+    conversation; the invalid entries, past a row's response positions, are other positions).
   """
   b, t = loss_mask.shape
-  first = jnp.argmax(loss_mask > 0, axis=1)  # [B] first response token
-  idx = first[:, None] - 1 + jnp.arange(r)[None, :]  # [B, r]
-  nxt = jnp.take_along_axis(loss_mask, jnp.clip(idx + 1, 0, t - 1), axis=1)
-  valid = (nxt > 0) & (idx + 1 < t) & (idx >= 0)
-  return jnp.clip(idx, 0, t - 1).astype(jnp.int32), valid.astype(jnp.float32)
+  r = min(r, t)
+  ok = jnp.concatenate([loss_mask[:, 1:] > 0, jnp.zeros((b, 1), bool)], axis=1)  # [B, T]
+  if segment_ids is not None:
+    ok = ok & same_segment_ahead(segment_ids, 1)
+  pos = jnp.arange(t)[None, :]
+  _, idx = jax.lax.top_k(jnp.where(ok, t - pos, -pos), r)  # the valid first, earliest first
+  valid = jnp.take_along_axis(ok, idx, axis=1)
+  return idx.astype(jnp.int32), valid.astype(jnp.float32)
 
 
 def distill_loss(model: DraftLM, batch: dict[str, jax.Array], frozen: Params, *,
@@ -133,8 +141,11 @@ def distill_loss(model: DraftLM, batch: dict[str, jax.Array], frozen: Params, *,
   tokens = batch["tokens"]
   b, t = tokens.shape
   r = min(positions, t)
-  _, hidden, _ = forward(params, tokens, init_cache(cfg, b, t), cfg, logits=False, fresh=True)
-  idx, valid = response_positions(batch["loss_mask"], r)
+  seg = batch.get("segment_ids")  # packed rows: each conversation attends to itself only
+  mask = None if seg is None else packed_attention_mask(seg)
+  _, hidden, _ = forward(params, tokens, init_cache(cfg, b, t), cfg, logits=False, fresh=True,
+                         block_mask=mask, positions=batch.get("positions"))
+  idx, valid = response_positions(batch["loss_mask"], r, seg)
   take = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
   # Both through the final soft-cap (Gemma 2), the distributions the models sample from.
   q_logits = softcap(logits_from_hidden(params, take(hidden.final)), cfg.final_softcap)
@@ -205,8 +216,9 @@ def distill(target: Model, data, out_dir: str | os.PathLike, cfg: TrainConfig | 
   check_savable(draft.cfg)  # the draft is saved as a Hugging Face checkpoint after training
   out = Path(out_dir)
   module = DraftLM(draft.cfg, draft.params)
-  if positions is None:
-    positions = getattr(data, "max_new_tokens", None) or 1 << 30
+  if positions is None:  # every answer's tokens: a multi-turn row holds `turns` of them
+    turns = int(getattr(data, "meta", {}).get("generation", {}).get("turns", 1) or 1)
+    positions = (getattr(data, "max_new_tokens", None) or 1 << 30) * turns
   if not pard:
     loss = with_hidden_states(functools.partial(distill_loss, positions=positions), target.cfg,
                               mode=hidden)

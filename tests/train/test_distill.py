@@ -46,10 +46,52 @@ def test_draft_is_the_targets_first_layers(tiny_target):
 
 
 def test_response_positions():
-  mask = jnp.array([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]], jnp.float32)
-  idx, valid = response_positions(mask, 4)
-  np.testing.assert_array_equal(idx, [[1, 2, 3, 4], [0, 1, 2, 3]])
-  np.testing.assert_array_equal(valid, [[1, 1, 1, 0], [1, 1, 0, 0]])
+  """The first r positions whose next token is a response token: of every answer of a
+  multi-turn row (row 2), and only inside a conversation of a packed row (row 3, segment_ids)."""
+  mask = jnp.array([[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0],
+                    [0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 1, 1, 0, 1, 1, 0]], jnp.float32)
+  seg = jnp.array([[1] * 8, [1] * 8, [1] * 8, [1, 1, 1, 2, 2, 2, 2, 0]])
+  idx, valid = response_positions(mask, 4, seg)
+  got = [sorted(int(i) for i, v in zip(row_i, row_v) if v) for row_i, row_v in zip(idx, valid)]
+  assert got == [[1, 2, 3], [0, 1], [0, 1, 4, 5], [0, 1, 4, 5]]
+  assert idx.shape == valid.shape == (4, 4)
+  from jaxspec.heads.common import same_segment_ahead
+  assert not np.asarray(same_segment_ahead(seg[:, :3], 5)).any()  # past the row: no label
+  assert same_segment_ahead(np.asarray(seg[:, :3]), 3).shape == (4, 3)
+  idx, valid = response_positions(mask[:1], 2)  # r cuts a row's positions: the first ones
+  assert np.asarray(idx).tolist() == [[1, 2]] and np.asarray(valid).tolist() == [[1, 1]]
+
+
+def test_loss_of_a_packed_row_is_its_conversations_apart(tiny_target):
+  """distill_loss on two conversations packed in one row (segment_ids, positions restarting)
+  equals the loss of each conversation alone, weighted by its response positions."""
+  rng = np.random.default_rng(5)
+  a, b = rng.integers(3, 128, 7).tolist(), rng.integers(3, 128, 6).tolist()
+  ma, mb = [0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]
+  cut = draft_from_target(tiny_target, 1)
+  model = DraftLM(cut.cfg, cut.params)
+  loss_fn = jax.jit(functools.partial(distill_loss, positions=1 << 30))
+
+  def hidden(tokens):
+    from jaxspec.train.online import target_hidden
+    return target_hidden(tiny_target.params, jnp.asarray([tokens], jnp.int32), tiny_target.cfg)[0]
+
+  alone = []
+  for toks, m in ((a, ma), (b, mb)):
+    batch = {"tokens": jnp.asarray([toks], jnp.int32), "loss_mask": jnp.asarray([m], jnp.float32),
+             "hidden_final": hidden(toks)}
+    alone.append((float(loss_fn(model, batch, tiny_target.params)[0]), sum(m)))  # positions
+  packed = {"tokens": jnp.asarray([a + b], jnp.int32),
+            "loss_mask": jnp.asarray([ma + mb], jnp.float32),
+            "segment_ids": jnp.asarray([[1] * 7 + [2] * 6], jnp.int32),
+            "positions": jnp.asarray([list(range(7)) + list(range(6))], jnp.int32)}
+  from jaxspec.train.online import target_hidden
+  packed["hidden_final"] = target_hidden(tiny_target.params, packed["tokens"], tiny_target.cfg,
+                                         segment_ids=packed["segment_ids"],
+                                         positions=packed["positions"])[0]
+  got = float(loss_fn(model, packed, tiny_target.params)[0])
+  want = sum(l * n for l, n in alone) / sum(n for _, n in alone)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_loss_is_the_kl_to_the_target(tiny_target, data):
