@@ -76,6 +76,11 @@ class TrainedHead:
 
 
 def _config(config: TrainConfig | None, settings: dict[str, Any]) -> TrainConfig:
+  known = {f.name for f in dataclasses.fields(TrainConfig)}
+  unknown = sorted(set(settings) - known)
+  if unknown:  # a mistyped keyword would otherwise be TrainConfig's TypeError
+    raise ValueError(f"unknown training settings {unknown}: train_head and distill take"
+                     f" TrainConfig's fields as keywords ({', '.join(sorted(known))})")
   if config is not None:
     if settings:
       return dataclasses.replace(config, **settings)

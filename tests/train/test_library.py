@@ -176,6 +176,8 @@ def test_plain_iterables_are_checked(tiny_target):
                options=dict(version=3, draft_vocab_size=16))
   with pytest.raises(ValueError, match="hidden must be one of"):
     train_head(tiny_target, "medusa", random_batches(v), steps=5, hidden="disk")
+  with pytest.raises(ValueError, match=r"unknown training settings \['step'\]"):
+    train_head(tiny_target, "medusa", random_batches(v), step=5)  # a mistyped keyword
 
 
 def test_seed_sets_the_batch_order_and_the_initialisation(tiny_target):
