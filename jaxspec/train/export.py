@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -239,10 +240,14 @@ def _check_eagle3_config(config: dict, layer: dict, target, where: str) -> None:
     if key in layer and layer[key] is not None and not np.isclose(float(layer[key]), mine):
       raise CheckpointError(f"{where}: transformer_layer_config has {key}={layer[key]} but the"
                             f" target has {key}={mine}; jaxspec's head uses the target's")
-  if not _is_off(layer.get("rope_scaling")) and target.cfg.rope_scaling is None:
-    raise CheckpointError(f"{where}: transformer_layer_config has rope_scaling="
-                          f"{layer['rope_scaling']!r} but the target has none; jaxspec's head"
-                          " uses the target's rotary embedding")
+  mine, theirs = target.cfg.rope_scaling, layer.get("rope_scaling")
+  if _is_off(theirs) != (mine is None) or (mine is not None and (
+      (theirs.get("rope_type", theirs.get("type")) if isinstance(theirs, dict) else None)
+      != mine.rope_type or not np.isclose(float(theirs.get("factor", 0.0)), mine.factor))):
+    said = "none" if mine is None else f"{mine.rope_type} x{mine.factor:g}"
+    raise CheckpointError(f"{where}: transformer_layer_config has rope_scaling={theirs!r} but"
+                          f" the target's is {said}; jaxspec's head uses the target's rotary"
+                          " embedding, so it would draft another function")
 
 
 def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
@@ -290,11 +295,18 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
   t = _speculators_tensors(path)
   n = int(config.get("draft_vocab_size") or target.cfg.vocab_size)
   if "d2t" in t:
-    ids = np.arange(n, dtype=np.int64) + np.asarray(t["d2t"]).astype(np.int64)
+    d2t = np.asarray(t["d2t"]).astype(np.int64)
+    if d2t.shape != (n,):
+      raise CheckpointError(f"{where}: d2t has shape {d2t.shape} but draft_vocab_size is {n}")
+    ids = np.arange(n, dtype=np.int64) + d2t
   else:
     ids = np.arange(n, dtype=np.int64)
   if ids.shape != (n,) or ids.min() < 0 or ids.max() >= target.cfg.vocab_size:
     raise CheckpointError(f"{where}: d2t does not map {n} draft ids into the target vocabulary")
+  missing = [k for k in ("num_attention_heads", "intermediate_size") if not layer.get(k)]
+  if missing:
+    raise CheckpointError(f"{where}: transformer_layer_config has no {missing}: the draft"
+                          " layer's geometry is unknown")
   switches = {name: bool(config.get(name)) for name in heads_lib.EAGLE3_SWITCHES}
   options = dict(version=3, layers=layers, num_heads=layer["num_attention_heads"],
                  num_kv_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
@@ -316,15 +328,22 @@ def import_eagle3(directory: str | os.PathLike, target) -> EagleHead:
     read.add(name)
     return _np32(t[name])
 
+  def shaped(name, *shape):  # a [out, in] matrix as the head's [in, heads, head_dim] or so
+    a = get(name).T
+    if a.size != math.prod(shape):
+      raise CheckpointError(f"{where}: tensor {name!r} has shape {a.T.shape}, which the"
+                            f" config's geometry cannot read as {shape}")
+    return a.reshape(shape)
+
   mine = {
       "fc": get("fc.weight").T,
       "input_norm": get(p + "input_layernorm.weight"),
       "hidden_norm": get(p + "hidden_norm.weight"),
       "mlp_norm": get(p + "post_attention_layernorm.weight"),
-      "wq": get(p + "self_attn.q_proj.weight").T.reshape(2 * d, h, k),
-      "wk": get(p + "self_attn.k_proj.weight").T.reshape(2 * d, g, k),
-      "wv": get(p + "self_attn.v_proj.weight").T.reshape(2 * d, g, k),
-      "wo": get(p + "self_attn.o_proj.weight").T.reshape(h, k, d),
+      "wq": shaped(p + "self_attn.q_proj.weight", 2 * d, h, k),
+      "wk": shaped(p + "self_attn.k_proj.weight", 2 * d, g, k),
+      "wv": shaped(p + "self_attn.v_proj.weight", 2 * d, g, k),
+      "wo": shaped(p + "self_attn.o_proj.weight", h, k, d),
       "w_gate": get(p + "mlp.gate_proj.weight").T,
       "w_up": get(p + "mlp.up_proj.weight").T,
       "w_down": get(p + "mlp.down_proj.weight").T,

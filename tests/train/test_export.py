@@ -328,6 +328,10 @@ def test_import_eagle3_refuses_every_unknown_setting_and_tensor(tmp_path, tiny_t
        r"tensors \['extra.scale', 'layers.0.self_attn.q_norm.weight'\]"),
       (dict(add={"embed_tokens.weight": np.ones((cfg.vocab_size, d), np.float32)}),
        "embed_tokens.weight that differs"),
+      (dict(layer={"num_attention_heads": 0}), r"has no \['num_attention_heads'\]"),
+      (dict(add={"layers.0.self_attn.q_proj.weight": np.ones((5, 2 * d), np.float32)}),
+       r"'layers.0.self_attn.q_proj.weight' has shape \(5, 128\), which the config's"),
+      (dict(add={"d2t": np.zeros(5, np.int64)}), r"d2t has shape \(5,\) but draft_vocab_size"),
   ]
   for i, (edit, match) in enumerate(cases):
     bad = _edit_checkpoint(src, tmp_path / f"bad{i}", **edit)
@@ -338,6 +342,20 @@ def test_import_eagle3_refuses_every_unknown_setting_and_tensor(tmp_path, tiny_t
                         add={"embed_tokens.weight": np.asarray(tiny_target.params.embed),
                              "verifier_norm.weight": np.ones(d, np.float32)})
   export.import_eagle3(ok, tiny_target)
+  # The rotary scaling must be the target's, both ways: the head uses the target's.
+  import dataclasses as dc
+  from jaxspec.models.config import RopeScaling
+  scaled = Model(dc.replace(cfg, rope_scaling=RopeScaling(rope_type="linear", factor=2.0)),
+                 tiny_target.params)
+  with pytest.raises(CheckpointError, match="rope_scaling=None but the target's is linear x2"):
+    export.import_eagle3(src, scaled)
+  same = _edit_checkpoint(src, tmp_path / "linear2",
+                          layer={"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+  export.import_eagle3(same, scaled)
+  other = _edit_checkpoint(src, tmp_path / "linear4",
+                           layer={"rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+  with pytest.raises(CheckpointError, match="the target's is linear x2"):
+    export.import_eagle3(other, scaled)
 
 
 # ---------------------------------------------------------------------------------------------
