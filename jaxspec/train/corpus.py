@@ -965,6 +965,13 @@ class PackedCorpus:
     self.loads += 1
     return self._cached[s]
 
+  def signature(self) -> dict[str, Any]:
+    """What decides the batches beside the seed (`TrainData`): a resume checks it (a corpus
+    that gained shards since the run started reads other batches)."""
+    return dict(kind="PackedCorpus", shards=self.corpus.num_shards,
+                train_rows=self.num_train_rows, eval_rows=self.num_eval_rows,
+                seq_len=self.seq_len, pack=self.pack, shuffle_window=self.shuffle_window)
+
   def steps_per_epoch(self, batch_size: int) -> int:
     n = self.num_train_rows
     if batch_size > n:

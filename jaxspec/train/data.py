@@ -945,6 +945,12 @@ class Dataset:
       batch["hidden_layers"] = arr.astype(np.float32)
     return batch
 
+  def signature(self) -> dict[str, Any]:
+    """What decides the batches beside the seed (`TrainData`): a resume checks it."""
+    return dict(kind="Dataset", rows=len(self), train_rows=len(self.train_indices),
+                eval_rows=len(self.eval_indices), seq_len=self.seq_len, window=self.window,
+                layers=None if self.layers is None else list(self.layers))
+
   def steps_per_epoch(self, batch_size: int) -> int:
     n = len(self.train_indices)
     if batch_size > n:

@@ -51,7 +51,9 @@ LossFn = Callable[[nnx.Module, dict[str, jax.Array], Any], tuple[jax.Array, dict
 
 
 class TrainData(Protocol):
-  """What `train` reads from its data (`jaxspec.train.data.Dataset` is one)."""
+  """What `train` reads from its data (`jaxspec.train.data.Dataset` is one). A `signature()`
+  method (optional) returns a JSON-able dict of what decides its batches; `train` stores it and
+  refuses to resume on data whose signature changed (a corpus that grew, another window)."""
 
   def steps_per_epoch(self, batch_size: int) -> int: ...
 
@@ -235,11 +237,27 @@ def _read_history(path: Path, upto: int) -> list[dict[str, Any]]:
   return [r for r in rows if r["step"] <= upto]
 
 
-def _check_resumable(out: Path, cfg: TrainConfig, own_optimizer: bool) -> None:
+def _data_signature(data) -> dict[str, Any] | None:
+  """What decides a `TrainData`'s batches beside the seed (its rows, split, crop or packing),
+  when it says (`signature()`): a resumed run must read the data it started with."""
+  sig = getattr(data, "signature", None)
+  return None if sig is None else json.loads(json.dumps(sig()))
+
+
+def _check_resumable(out: Path, cfg: TrainConfig, own_optimizer: bool,
+                     data_signature: dict[str, Any] | None = None) -> None:
   saved_file = out / "train_config.json"
   if not saved_file.is_file():
     return
   saved = json.loads(saved_file.read_text(encoding="utf-8"))
+  before = saved.get("data")
+  if before is not None and data_signature is not None and before != data_signature:
+    what = ", ".join(f"{k} {before.get(k)!r} (now {data_signature.get(k)!r})"
+                     for k in sorted(set(before) | set(data_signature))
+                     if before.get(k) != data_signature.get(k))
+    raise ValueError(f"{out} was trained on other data ({what}): its batches would differ from"
+                     " the run's; resume with the data it started with, or train into a new"
+                     " --out")
   now = dict(cfg.to_json(), optimizer="given" if own_optimizer else "built-in")
   diff = {k: (saved.get(k, "built-in" if k == "optimizer" else None), now[k]) for k in now
           if k not in TrainConfig._BOOKKEEPING
@@ -396,10 +414,13 @@ def train(model: nnx.Module, loss_fn: LossFn, data: TrainData | Iterable[dict[st
     if existing and not resume:
       raise ValueError(f"{out} already holds checkpoints: pass resume=True (--resume) to"
                        " continue that run, or choose a new output directory")
+    signature = _data_signature(data)
     if resume:
-      _check_resumable(out, cfg, optimizer is not None)
+      _check_resumable(out, cfg, optimizer is not None, signature)
     out.mkdir(parents=True, exist_ok=True)
     saved = dict(cfg.to_json(), optimizer="given" if optimizer is not None else "built-in")
+    if signature is not None:
+      saved["data"] = signature
     _write_atomic(out / "train_config.json", json.dumps(saved, indent=2) + "\n")
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

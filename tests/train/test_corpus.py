@@ -485,6 +485,9 @@ def test_shuffle_window_mixes_shards_and_keeps_epochs_exact(tmp_path):
     np.testing.assert_array_equal(v, mixed.train_batch(per + 3, bs, seed=3)[k])
   with pytest.raises(DataError, match="shuffle_window"):
     PackedCorpus(path, 128, shuffle_window=0)
+  # What a resumed run checks (`train`): the window and the shards decide the batches.
+  assert one.signature() == dict(mixed.signature(), shuffle_window=1)
+  assert one.signature()["shards"] == 8 and fresh.signature() == mixed.signature()
 
 
 def test_unpacked_rows_and_eval_batches(tmp_path):

@@ -219,6 +219,28 @@ def test_a_torn_history_line_does_not_block_resume(tiny_target, data_dir, tmp_pa
     run(resume=True)
 
 
+def test_resume_refuses_other_data(tiny_target, data_dir, tmp_path):
+  """The data's signature (rows, split, crop) is stored with the run: resuming on data that
+  would give other batches (here another crop window) is a ValueError naming what changed."""
+  cfg = TrainConfig(steps=4, batch_size=4, warmup_steps=0, save_every=2)
+  d, v = tiny_target.cfg.hidden_size, tiny_target.cfg.vocab_size
+  run = lambda data, **kw: train(make_head(d, v), toy_loss, data, cfg, tmp_path,
+                                 frozen=tiny_target.params, progress=False, **kw)
+
+  def stop(step, record):
+    if step == 3:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    run(Dataset(data_dir), callbacks=[stop])
+  saved = json.loads((tmp_path / "train_config.json").read_text())
+  assert saved["data"] == Dataset(data_dir).signature() and saved["data"]["window"] is None
+  with pytest.raises(ValueError, match=r"trained on other data \(window None \(now 8\)\)"):
+    run(Dataset(data_dir, window=8), resume=True)
+  _, hist = run(Dataset(data_dir), resume=True)  # the same data resumes
+  assert [h["step"] for h in hist] == [1, 2, 3, 4]
+
+
 def test_a_nan_loss_is_never_saved(tiny_target, tmp_path):
   """A loss that turns NaN on a step that is not logged stops the run at the next save, before
   that checkpoint is written: the last one kept is the last finite one."""
