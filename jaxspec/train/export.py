@@ -241,9 +241,15 @@ def _check_eagle3_config(config: dict, layer: dict, target, where: str) -> None:
       raise CheckpointError(f"{where}: transformer_layer_config has {key}={layer[key]} but the"
                             f" target has {key}={mine}; jaxspec's head uses the target's")
   mine, theirs = target.cfg.rope_scaling, layer.get("rope_scaling")
+  kind, factor = None, float("nan")
+  if isinstance(theirs, dict):
+    kind = theirs.get("rope_type", theirs.get("type"))
+    try:
+      factor = float(theirs.get("factor", "nan"))
+    except (TypeError, ValueError):
+      pass
   if _is_off(theirs) != (mine is None) or (mine is not None and (
-      (theirs.get("rope_type", theirs.get("type")) if isinstance(theirs, dict) else None)
-      != mine.rope_type or not np.isclose(float(theirs.get("factor", 0.0)), mine.factor))):
+      kind != mine.rope_type or not np.isclose(factor, mine.factor))):
     said = "none" if mine is None else f"{mine.rope_type} x{mine.factor:g}"
     raise CheckpointError(f"{where}: transformer_layer_config has rope_scaling={theirs!r} but"
                           f" the target's is {said}; jaxspec's head uses the target's rotary"

@@ -227,8 +227,9 @@ def _read_history(path: Path, upto: int) -> list[dict[str, Any]]:
   for i, line in enumerate(lines):
     try:
       row = json.loads(line)
-      step = row["step"]
-    except (json.JSONDecodeError, TypeError, KeyError):
+    except json.JSONDecodeError:
+      row = None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
       if i == len(lines) - 1:
         break
       raise ValueError(f"{path} line {i + 1} is not a history record: repair or delete the"
