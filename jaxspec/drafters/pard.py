@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxspec import sampling as sampling_lib
 from jaxspec.checks import check_int, is_int
@@ -125,6 +126,17 @@ class ParallelDraft(DraftModel):
       n_valid = jnp.sum(jnp.cumprod(conf >= self.p_min, axis=1), axis=1).astype(jnp.int32)
     return Proposal(tokens=drafts.astype(jnp.int32), q=None if self.coupled else q,
                     n_valid=n_valid), DraftModelState(cache)
+
+  def commit(self, params, state: DraftModelState, ctx) -> DraftModelState:
+    """Moves the draft cache to [0, seq_len - 2). The pass kept [0, s) (s the length before
+    the step), so a step that accepted a drafts leaves it a - 1 tokens behind, the masks'
+    entries in their place (a DraftModel drafts token by token and is behind by one at most):
+    it runs the missing tokens one at a time until every row holds them (a row already there
+    writes a real token past its kept length, which the length then drops)."""
+    want = jnp.maximum(ctx.seq_len - 2, 0)
+    cache = lax.while_loop(lambda c: jnp.any(c.length < want),
+                           lambda c: self._advance(params, c, ctx.seq, 1), state.cache)
+    return DraftModelState(protocol.with_length(cache, want))
 
 
 def pard_config(path: str | os.PathLike) -> dict:

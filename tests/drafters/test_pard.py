@@ -68,6 +68,30 @@ def test_one_pass_reads_the_context_then_the_masks(tiny_target):
   np.testing.assert_array_equal(np.asarray(prop_g.tokens), np.asarray(prop.q).argmax(-1))
 
 
+def test_commit_after_several_accepted_drafts_holds_the_real_tokens(tiny_target):
+  """After a pass of k = 4 the cache keeps [0, s); a commit after a accepted drafts (3, 0 and 2
+  for the three rows, plus each step's bonus token) holds exactly what a fresh prefill of the
+  longer rows holds on [0, seq_len - 2): no mask entry left where an accepted token belongs."""
+  d = ParallelDraft(tiny_target, mask_id=MASK)
+  rows = [[5, 6, 7, 8, 9], [10, 11], [4]]
+  ids, lens = padded(rows, 16)
+  params = d.params
+  state = d.init(params, ids, lens, 16)
+  ctx = DraftContext(seq=ids, seq_len=lens, prompt_len=lens)
+  _, state = d.propose(params, state, ctx, 4, Sampling(temperature=0.0).arrays(3),
+                       jax.random.split(jax.random.key(0), 3))
+  longer = [r + new for r, new in zip(rows, ([21, 22, 23, 24], [25], [26, 27, 28]))]
+  ids2, lens2 = padded(longer, 16)
+  got = d.commit(params, state, DraftContext(seq=ids2, seq_len=lens2, prompt_len=lens)).cache
+  want = d.init(params, ids2, lens2, 16).cache
+  np.testing.assert_array_equal(np.asarray(got.length), np.asarray(want.length))
+  for b, n in enumerate(np.asarray(want.length)):
+    np.testing.assert_allclose(np.asarray(got.k)[:, b, :, :n], np.asarray(want.k)[:, b, :, :n],
+                               atol=2e-5, err_msg=f"row {b}")
+    np.testing.assert_allclose(np.asarray(got.v)[:, b, :, :n], np.asarray(want.v)[:, b, :, :n],
+                               atol=2e-5, err_msg=f"row {b}")
+
+
 def test_p_min_stops_at_the_first_unconfident_position(tiny_target):
   d = ParallelDraft(tiny_target, mask_id=MASK)
   ids, lens = padded([[5, 6, 7, 8, 9], [10, 11]], 12)
