@@ -359,6 +359,7 @@ class Engine:
     the stream's programs run in chunks of `STOP_CHECK_STEPS`). `model`: a jaxspec `Model` or a
     `Target` of an own `CausalLM`."""
     tgt = io.as_host_target(model)
+    io.check_prompt_logprobs(prompt_logprobs)
     tok = io.tokenizer_of(model, tokenizer)
     if temperature is not None:
       sampling = dataclasses.replace(resolve_sampling(sampling), temperature=temperature)
@@ -423,6 +424,7 @@ class Engine:
     sp_user = resolve_sampling(sampling)
     chunk = io.check_chunk(chunk)
     tgt = io.as_host_target(model)
+    io.check_prompt_logprobs(prompt_logprobs)
     keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     tok = io.tokenizer_of(model, tokenizer)
     stopper = _stopper(tok, stop)
@@ -463,6 +465,7 @@ class Engine:
     (with stop strings, in chunks of `STOP_CHECK_PASSES` verify steps). `options` are
     `io.prepare_spec`'s."""
     io.as_host_target(target)  # the documented ValueError before the tokenizer is read
+    io.check_prompt_logprobs(prompt_logprobs)
     tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
     stopper = _stopper(tok, stop)
     # Bucketed in the fused loop; a two-mesh run compiles for the exact sizes.
@@ -494,6 +497,7 @@ class Engine:
     yielding every row's new tokens. `options` are `io.prepare_spec`'s."""
     chunk = io.check_chunk(chunk)
     io.as_host_target(target)
+    io.check_prompt_logprobs(prompt_logprobs)
     tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
     stopper = _stopper(tok, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
@@ -677,7 +681,8 @@ def _chunks(step_fn: Callable, view: Callable[[Any], _Rows], with_done: Callable
     yield state, rows
     if rows.done.all():
       return
-    state = jax.block_until_ready(step_fn(state, jnp.int32(rows.steps + chunk)))
+    until = min(rows.steps + chunk, 2**31 - 1)  # a chunk past int32 runs to the end
+    state = jax.block_until_ready(step_fn(state, jnp.int32(until)))
 
 
 def _stream(chunks, t0: float):

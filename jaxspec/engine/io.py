@@ -324,6 +324,16 @@ def check_cache_fits(tgt: Target, batch: int, max_len: int, *, prompt_len: int =
   limits.check_working_set(ws, batch, max_len, "generating", held=held)
 
 
+def check_prompt_logprobs(prompt_logprobs) -> bool:
+  """`prompt_logprobs` is True or False: each prompt token's log-probability or none (vLLM's
+  top-N of prompt tokens is not implemented, so an int is refused rather than read as True)."""
+  if not isinstance(prompt_logprobs, (bool, np.bool_)):
+    raise ValueError(f"prompt_logprobs must be True or False (each prompt token's"
+                     f" log-probability; a top-N of prompt tokens is not implemented), got"
+                     f" {prompt_logprobs!r}")
+  return bool(prompt_logprobs)
+
+
 def check_chunk(chunk) -> int:
   """A stream's chunk: an integer >= 1 (0 would never advance)."""
   check_int("chunk", chunk, 1, why="steps between yields")

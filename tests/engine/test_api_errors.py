@@ -212,6 +212,15 @@ def test_seeded_fuzz_of_mutated_calls_ends_in_value_errors_or_valid_calls(tiny_t
 ROWS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]
 
 
+def test_a_chunk_past_int32_runs_to_the_end(tiny_target):
+  """A stream's chunk larger than int32 steps: one chunk to the end (the loop's bound is
+  clamped), not an OverflowError after the prefill."""
+  chunks = list(generate_stream(tiny_target, ROWS[0], max_new_tokens=6, chunk=2**40,
+                                stop_ids=()))
+  got = sum((new[0] for new, _ in chunks), [])
+  assert got == generate(tiny_target, [ROWS[0]], max_new_tokens=6, stop_ids=()).row(0)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda m: generate(m, ROWS, max_new_tokens=10**18), "max_new_tokens"),
     (lambda m: generate(m, ROWS, max_new_tokens=4, max_len=10**9), "max_len"),
@@ -221,6 +230,9 @@ ROWS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]
     (lambda m: NGram(max_ngram=100000), "max_ngram"),
     (lambda m: next(generate_stream(m, ROWS[0], chunk=0)), "chunk"),
     (lambda m: next(speculative_stream(m, "ngram", ROWS[0], chunk=-1)), "chunk"),
+    (lambda m: generate(m, ROWS, prompt_logprobs=5), "prompt_logprobs must be True or False"),
+    (lambda m: speculative_generate(m, "ngram", ROWS, prompt_logprobs="yes"),
+     "prompt_logprobs must be True or False"),
     (lambda m: generate(m, ROWS, key="abc"), "key must be an integer seed"),
     (lambda m: generate(m, ROWS, key=10**30), r"key must be a PRNG key or an integer seed in"),
     (lambda m: generate(m, ROWS, stop_ids=[2**40]), "stop_ids"),
