@@ -414,7 +414,7 @@ class SpecRequest:
   lm: Any  # the target's CausalLM (static in the compiled loop)
   tokenizer: Any  # what texts are decoded with; None: no texts
   drafter: Drafter  # resolved by name; coupled under "auto" where it samples its drafts
-  sampling: Sampling
+  sampling: Sampling  # one value or one per prompt (its n rows share it: `sampling_rows`)
   policy: Policy
   prep: PreparedPrompts
   stop_ids: tuple[int, ...]
@@ -467,12 +467,8 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
       raise ValueError(f"{e} (with num_draft_tokens=\"auto\" the cache also holds k_max ="
                        f" {policy.k_max} drafts: lower AutoK(k_max=...))") from None
     raise
-  if prep.n > 1:  # each prompt's settings for its n rows
-    # one value, or one per prompt (checked)
+  if prep.n > 1:  # one value, or one per prompt (checked here; `sampling_rows` repeats them)
     sp_user.arrays(prep.rows // prep.n, tgt.lm.vocab_size, max_new_tokens)
-    sp_user = dataclasses.replace(sp_user, **{
-        f.name: tuple(v for v in getattr(sp_user, f.name) for _ in range(prep.n))
-        for f in dataclasses.fields(sp_user) if isinstance(getattr(sp_user, f.name), tuple)})
   return SpecRequest(target=target, lm=tgt.lm, tokenizer=tokenizer_of(target, tokenizer),
                      drafter=drafter, sampling=sp_user, policy=policy, prep=prep,
                      stop_ids=stop_ids_for(target, stop_ids), max_new_tokens=int(max_new_tokens),

@@ -23,7 +23,7 @@ from jaxspec.decoding.functional import as_key
 from jaxspec.decoding.loop import SpecState, SpecStats, StepConfig, costs_array
 from jaxspec.engine.costs import (MIN_COST_SPAN, TIMED_STEPS, cost_key, load_cost, longest,
                                   measure_costs, save_cost, state_at_length)
-from jaxspec.engine.io import (SpecRequest, pad_rows, put_global, sharding_of,
+from jaxspec.engine.io import (SpecRequest, pad_rows, put_global, sampling_rows, sharding_of,
                                shardings_of, to_host)
 from jaxspec.models.llama import init_cache
 from jaxspec.models.model import Model
@@ -108,7 +108,8 @@ class SpecRun:
     """Compiles the fused prefill and loop; returns the seconds spent compiling."""
     target, prep, b = req.target, req.prep, self.batch
     sh = sharding_of(target)
-    self.sp = pad_rows(req.sampling.arrays(self.rows, req.lm.vocab_size, req.max_new_tokens), b)
+    # One value or one per prompt, each prompt's n samples sharing its settings.
+    self.sp = pad_rows(sampling_rows(req.sampling, prep, req.lm.vocab_size, req.max_new_tokens), b)
     self.tparams = target.params
     # Sharded, the drafter's weights are copied onto the target's mesh (once, by the engine).
     self.dparams = (req.drafter.params if sh is None else
@@ -343,7 +344,8 @@ class HostRun(SpecRun):
     self.dsh.check_batch(b)
     self.tparams = target.params
     self.dparams = place_drafter(drafter, self.dsh)
-    sp = req.sampling.arrays(b, target.cfg.vocab_size, req.max_new_tokens)
+    sp = pad_rows(sampling_rows(req.sampling, prep, target.cfg.vocab_size, req.max_new_tokens),
+                  b)
     self.sp_t = jax.device_put(sp, self.tsh.state(sp, b))
     self.sp_d = jax.device_put(sp, self.dsh.state(sp, b))
     self.cost_key += ("host", self.dsh)

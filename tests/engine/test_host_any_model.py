@@ -187,6 +187,20 @@ def test_texts_through_a_given_tokenizer(own):
     assert got.texts == [hf.decode(got.row(0), skip_special_tokens=True)]
 
 
+def test_per_prompt_settings_with_n_samples_on_the_speculative_path(tiny_target):
+  """n = 2 with settings per prompt (a logit bias on prompt 0 only, its own temperature list)
+  and prompt log-probabilities: speculative decoding gives `generate`'s rows (both greedy), each
+  prompt's two rows with its own settings."""
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
+  sp = Sampling(temperature=(0.0, 0.0), logit_bias=[{5: 30.0}, {}])
+  kw = dict(max_new_tokens=6, sampling=sp, n=2, prompt_logprobs=True, stop_ids=())
+  plain = jaxspec.generate(tiny_target, prompts, **kw)
+  spec = jaxspec.speculative_generate(tiny_target, NGram(), prompts, num_draft_tokens=2, **kw)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  assert set(plain.row(0)) == {5} and 5 not in plain.row(2)  # the bias is prompt 0's alone
+  np.testing.assert_allclose(spec.prompt_logprobs, plain.prompt_logprobs, atol=1e-5)
+
+
 def test_n_samples_rows_equal_the_functional_api_and_seeds(own):
   ids, lens, _ = _padded(own, PROMPTS, k=0)
   fn = decode(own, ids, lens, 5, max_new_tokens=N_NEW, sampling=SAMPLED, n=3)
