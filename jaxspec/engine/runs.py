@@ -238,9 +238,11 @@ class SpecRun:
         self.engine.report(None)
       self.cost_seconds = time.perf_counter() - t0
       self.cost_source = "measured"
-      # Timed over fewer steps than asked (rows with no room left): this call uses it, later
-      # calls of these shapes measure again.
-      if self.cost.steps is not None and self.cost.steps < TIMED_STEPS:
+      # Timed over fewer steps than asked (rows with no room left), or a drafter that failed
+      # while it was timed (the timings are of plain steps): this call uses it, later calls of
+      # these shapes measure again.
+      if (self.cost.steps is not None and self.cost.steps < TIMED_STEPS
+          or getattr(self, "failover", None) is not None):
         self.costs = costs_array(self.policy, self.cost)
         return
       if disk is not None:
