@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.checks import check_int
 from jaxspec.decoding import loop
 from jaxspec.decoding import plain
 from jaxspec.decoding.functional import as_key, check_logprobs
@@ -172,6 +173,12 @@ class Engine:
                buckets: bool = True, cost_cache: bool | str | os.PathLike = True):
     self.compiler_options = {b: dict(o) for b, o in (compiler_options or {}).items()}
     self.buckets = bool(buckets)
+    if cost_cache is None or (isinstance(cost_cache, str) and cost_cache.strip().lower() in (
+        "none", "off")):
+      cost_cache = False  # as $JAXSPEC_COST_CACHE reads "none" and "off"
+    if not isinstance(cost_cache, (bool, str, os.PathLike)) or cost_cache == "":
+      raise ValueError(f"cost_cache must be True (the default place), False or None (none), or"
+                       f" a directory, got {cost_cache!r}")
     self.cost_cache = cost_cache
     self.programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     self.buffers: dict[Any, tuple[jax.Array, jax.Array]] = {}
@@ -250,6 +257,7 @@ class Engine:
     """Drops all but the `keep` most recently used compiled programs, and JAX's own caches
     (which hold the same executables), so their memory and mappings are returned; a later call
     compiles again. Returns the number dropped."""
+    check_int("keep", keep, 0, why="the most recently used programs kept")
     n = max(len(self.programs) - keep, 0)
     self.released += n
     for _ in range(n):

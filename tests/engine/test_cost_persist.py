@@ -159,6 +159,13 @@ def test_the_directory_env_var_compile_cache_and_clearing(tmp_path, monkeypatch)
   assert cost_cache_dir() == tmp_path / "mine"
   assert Engine().cost_cache_dir() == tmp_path / "mine"
   assert Engine(cost_cache=tmp_path / "x").cost_cache_dir() == tmp_path / "x"
+  # None and "off" / "none" keep none, as the variable reads them (not a directory "./off").
+  assert all(Engine(cost_cache=v).cost_cache_dir() is None for v in (None, "off", "None", False))
+  for bad in (0, 1.5, ""):
+    with pytest.raises(ValueError, match="cost_cache must be True"):
+      Engine(cost_cache=bad)
+  with pytest.raises(ValueError, match="keep must be an integer"):
+    Engine().release_compiled(keep=-1)
   for off in ("none", "off", "NONE"):
     monkeypatch.setenv("JAXSPEC_COST_CACHE", off)
     assert cost_cache_dir() is None
