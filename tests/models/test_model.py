@@ -280,6 +280,18 @@ def test_unrolled_model_generates_like_scanned_and_quantizes():
                                 jaxspec.generate(q, prompts, max_new_tokens=6).tokens)
 
 
+def test_a_local_directory_named_like_the_bundled_model_is_loaded(tmp_path, monkeypatch):
+  """`load("SmolLM2-135M")` where a directory of that name is (a local download of the Hugging
+  Face repository) loads that directory, not the bundled GGUF."""
+  import jaxspec
+  from jaxspec.models.hf_loader import save_hf
+  from helpers import tiny_checkpoint
+  save_hf(tiny_checkpoint(), tmp_path / "SmolLM2-135M")
+  monkeypatch.chdir(tmp_path)
+  m = jaxspec.load("SmolLM2-135M")
+  assert m.cfg.vocab_size == tiny_checkpoint()[0].vocab_size != 49152
+
+
 def test_load_rejects_a_bad_scan_layers():
   import jaxspec
   with pytest.raises(ValueError, match="scan_layers must be True, False or None"):
