@@ -132,9 +132,8 @@ def _cut(row: Sequence[int], stop_ids: Sequence[int], limit: int) -> list[int]:
 
 def model_files(model_path: str | None) -> tuple[str, str | None]:
   """(directory, gguf file name or None) of the target for transformers' `from_pretrained`."""
-  from jaxspec.models.loading import BUNDLED_NAMES, bundled_gguf_path
-  if model_path is None or (str(model_path).lower() in BUNDLED_NAMES
-                            and not Path(model_path).expanduser().exists()):
+  from jaxspec.models.loading import bundled_gguf_path, is_bundled_name
+  if is_bundled_name(model_path):
     p = bundled_gguf_path()
     return str(p.parent), p.name
   p = Path(model_path).expanduser()

@@ -242,7 +242,7 @@ class SpecRun:
       # while it was timed (the timings are of plain steps): this call uses it, later calls of
       # these shapes measure again.
       if (self.cost.steps is not None and self.cost.steps < TIMED_STEPS
-          or getattr(self, "failover", None) is not None):
+          or self.failover is not None):
         self.costs = costs_array(self.policy, self.cost)
         return
       if disk is not None:

@@ -92,11 +92,16 @@ def with_compute_dtype(model: Model, compute_dtype: str | None) -> Model:
                                                             compute_dtype=compute_dtype))
 
 
+def is_bundled_name(name_or_path) -> bool:
+  """Whether `name_or_path` (None included) means the bundled model: a bundled name, unless a
+  file or directory of that name is there (a local download of the Hugging Face repository is
+  the user's model, not the bundled GGUF)."""
+  return name_or_path is None or (str(name_or_path).lower() in BUNDLED_NAMES
+                                  and not Path(name_or_path).expanduser().exists())
+
+
 def _load(name_or_path, kw) -> Model:
-  # A bundled name, unless a file or directory of that name is there (a local download of the
-  # Hugging Face repository is the user's model, not the bundled GGUF).
-  if name_or_path is None or (str(name_or_path).lower() in BUNDLED_NAMES
-                              and not Path(name_or_path).expanduser().exists()):
+  if is_bundled_name(name_or_path):
     from jaxspec.models.gguf_loader import load_gguf
     model = load_gguf(bundled_gguf_path(), **kw)
     model.name = "SmolLM2-135M-Instruct"

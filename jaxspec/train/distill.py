@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 from jaxspec.checks import check_int
-from jaxspec.heads.common import packed_attention_mask, same_segment_ahead
+from jaxspec.heads.common import packed_attention_mask, same_segment_ahead, shift
 from jaxspec.models.config import LlamaConfig
 from jaxspec.models.llama import (LayerParams, Params, forward, init_cache, is_scanned,
                                   logits_from_hidden, softcap, stacked_layers)
@@ -110,9 +110,9 @@ def response_positions(loss_mask: jax.Array, r: int, segment_ids: jax.Array | No
     (idx [B, r] int32 positions t, valid [B, r] float32: loss_mask[t + 1] == 1, t + 1 in t's
     conversation; the invalid entries, past a row's response positions, are other positions).
   """
-  b, t = loss_mask.shape
+  t = loss_mask.shape[1]
   r = min(r, t)
-  ok = jnp.concatenate([loss_mask[:, 1:] > 0, jnp.zeros((b, 1), bool)], axis=1)  # [B, T]
+  ok = shift(loss_mask > 0, 1, False)  # [B, T]
   if segment_ids is not None:
     ok = ok & same_segment_ahead(segment_ids, 1)
   pos = jnp.arange(t)[None, :]

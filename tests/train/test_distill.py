@@ -71,21 +71,17 @@ def test_loss_of_a_packed_row_is_its_conversations_apart(tiny_target):
   cut = draft_from_target(tiny_target, 1)
   model = DraftLM(cut.cfg, cut.params)
   loss_fn = jax.jit(functools.partial(distill_loss, positions=1 << 30))
-
-  def hidden(tokens):
-    from jaxspec.train.online import target_hidden
-    return target_hidden(tiny_target.params, jnp.asarray([tokens], jnp.int32), tiny_target.cfg)[0]
-
+  from jaxspec.train.online import target_hidden
   alone = []
   for toks, m in ((a, ma), (b, mb)):
-    batch = {"tokens": jnp.asarray([toks], jnp.int32), "loss_mask": jnp.asarray([m], jnp.float32),
-             "hidden_final": hidden(toks)}
+    tokens = jnp.asarray([toks], jnp.int32)
+    batch = {"tokens": tokens, "loss_mask": jnp.asarray([m], jnp.float32),
+             "hidden_final": target_hidden(tiny_target.params, tokens, tiny_target.cfg)[0]}
     alone.append((float(loss_fn(model, batch, tiny_target.params)[0]), sum(m)))  # positions
   packed = {"tokens": jnp.asarray([a + b], jnp.int32),
             "loss_mask": jnp.asarray([ma + mb], jnp.float32),
             "segment_ids": jnp.asarray([[1] * 7 + [2] * 6], jnp.int32),
             "positions": jnp.asarray([list(range(7)) + list(range(6))], jnp.int32)}
-  from jaxspec.train.online import target_hidden
   packed["hidden_final"] = target_hidden(tiny_target.params, packed["tokens"], tiny_target.cfg,
                                          segment_ids=packed["segment_ids"],
                                          positions=packed["positions"])[0]
