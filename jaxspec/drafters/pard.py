@@ -22,7 +22,6 @@ known, the largest k it was trained for as "pard_trained_k" (written by `jaxspec
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from jaxspec.decoding import protocol
 from jaxspec.decoding.drafter import Proposal, split_draft_keys
 from jaxspec.drafters.draft_model import DraftModel, DraftModelState
 from jaxspec.drafters.ngram import last_tokens
-from jaxspec.models.errors import CheckpointError
+from jaxspec.models.errors import CheckpointError, read_json
 from jaxspec.models.model import Model
 
 # config.json keys of a PARD checkpoint: the mask token (the PARD release's name) and the
@@ -148,11 +147,10 @@ def pard_config(path: str | os.PathLike) -> dict:
       a non-negative integer.
   """
   cfg_path = Path(path) / "config.json"
-  try:
-    raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-  except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{cfg_path}: cannot read the model's config.json ({e}): a PARD draft"
-                          " is a Hugging Face model directory") from None
+  if not cfg_path.is_file():
+    raise CheckpointError(f"{cfg_path} does not exist: a PARD draft is a Hugging Face model"
+                          " directory with its config.json")
+  raw = read_json(cfg_path)
   out = {}
   for key, name, lo in ((MASK_KEY, "mask_id", 0), (TRAINED_K_KEY, "trained_k", 1)):
     value = raw.get(key)
@@ -169,8 +167,8 @@ def is_pard_dir(path: str | os.PathLike) -> bool:
   if not cfg_path.is_file():
     return False
   try:
-    return MASK_KEY in json.loads(cfg_path.read_text(encoding="utf-8"))
-  except (OSError, json.JSONDecodeError):
+    return MASK_KEY in read_json(cfg_path)
+  except CheckpointError:  # not a PARD draft's config: whoever loads it says what is wrong
     return False
 
 

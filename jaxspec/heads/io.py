@@ -23,7 +23,7 @@ from jaxspec.checks import is_int
 from jaxspec.heads.common import F32, target_dims
 from jaxspec.heads.registry import HEADS, head_kind
 from jaxspec.models.config import LlamaConfig
-from jaxspec.models.errors import CheckpointError
+from jaxspec.models.errors import CheckpointError, read_json
 from jaxspec.models.llama import Params, is_scanned, lm_head_weight
 
 
@@ -188,12 +188,8 @@ def _read_config(path: Path) -> dict[str, Any]:
   if not cfg_path.exists():
     raise CheckpointError(f"{cfg_path} is missing: {path} is not a head written by"
                           " jaxspec.heads.save_head")
-  try:
-    config = json.loads(cfg_path.read_text(encoding="utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{cfg_path} is not valid JSON ({e}): the head is corrupted; save"
-                          " it again") from e
-  if not isinstance(config, dict) or config.get("format") != _FORMAT:
+  config = read_json(cfg_path)
+  if config.get("format") != _FORMAT:
     raise CheckpointError(f"{cfg_path} is not a jaxspec head config (no \"format\":"
                           f" \"{_FORMAT}\"); Medusa or speculators checkpoints load with"
                           " jaxspec.train.export.import_medusa / import_eagle3")

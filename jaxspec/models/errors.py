@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 class CheckpointError(ValueError):
   """A checkpoint (GGUF or Hugging Face directory) is missing, malformed or unsupported.
@@ -13,6 +16,24 @@ class CheckpointError(ValueError):
 class LayoutError(ValueError):
   """The weights being read do not fit the requested layout (a mesh axis that does not divide
   the heads, the MLP width or the vocabulary): the checkpoint is fine, the placement is not."""
+
+
+def read_json(path: str | Path) -> dict:
+  """The parsed JSON object of a checkpoint's file (config.json, an index); a file that cannot
+  be read, is not UTF-8 JSON, nests too deeply or holds something other than an object is a
+  CheckpointError naming it."""
+  try:
+    value = json.loads(Path(path).read_text(encoding="utf-8"))
+  except OSError as e:
+    raise CheckpointError(f"{path} cannot be read ({e.strerror or e})") from e
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+  except RecursionError as e:
+    raise CheckpointError(f"{path} is not valid JSON: nested too deeply") from e
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object"
+                          " ({...}): the file is corrupt or not this checkpoint's")
+  return value
 
 
 def malformed(path, e: BaseException) -> CheckpointError:

@@ -38,7 +38,7 @@ from jaxspec.checks import is_int
 from jaxspec.models import families
 from jaxspec.models.config import (LlamaConfig, RopeScaling, longrope_attention_factor,
                                    yarn_mscale)
-from jaxspec.models.errors import CheckpointError, read_checkpoint, refuse_nonfinite
+from jaxspec.models.errors import CheckpointError, read_checkpoint, read_json, refuse_nonfinite
 from jaxspec.models.families.base import Family, flag
 from jaxspec.models.llama import Params, stack_params, stacked_layers
 from jaxspec.models.model import Model
@@ -239,14 +239,6 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
 
 
 # -- config ---------------------------------------------------------------------------------------
-
-
-def read_json(path: Path) -> Any:
-  """The parsed JSON file; invalid JSON is a CheckpointError naming the file."""
-  try:
-    return json.loads(path.read_text(encoding="utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
 def _ids(value: Any) -> list[int]:

@@ -8,12 +8,16 @@ templates render the way `transformers` renders them (sandboxed jinja2, `trim_bl
 
 from __future__ import annotations
 
+import builtins
 import contextvars
 import datetime
 import functools
+import itertools
 import json
 import math
+import re
 import time
+from collections import abc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from jaxspec.models.errors import CheckpointError
+from jaxspec.models.errors import CheckpointError, read_json
 
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -95,6 +99,10 @@ def _spm_merges(pieces: Sequence[str], scores: Sequence[float],
 MAX_TEMPLATE_CHARS = 1 << 24  # characters of output, and of any string or list it builds
 MAX_TEMPLATE_STEPS = 1_000_000  # loop iterations and range() items, together
 MAX_TEMPLATE_SECONDS = 10.0  # wall-clock time of one rendering
+# Characters every {{ ... }} and piece of template text emit in one rendering, together: also
+# what set blocks, macros and call blocks build and may drop (macros count again where their
+# result is printed, so a few times the output limit).
+MAX_TEMPLATE_EMITTED = 4 * MAX_TEMPLATE_CHARS
 # The most tokens a tokenizer may hold, checked before a GGUF's tokens are read: real
 # vocabularies have at most 262,144, so four times that refuses only a corrupt or hostile file.
 MAX_VOCAB = 1 << 20
@@ -107,7 +115,7 @@ class _Budget:
   """What one rendering has spent: steps (loop iterations and range items) and time."""
 
   def __init__(self, source: str):
-    self.source, self.steps = source, 0
+    self.source, self.steps, self.emitted = source, 0, 0
     self.deadline = time.monotonic() + MAX_TEMPLATE_SECONDS
 
   def exceeded(self, what: str):
@@ -126,6 +134,13 @@ class _Budget:
     if n > MAX_TEMPLATE_CHARS:
       raise self.exceeded(f"the limit of {MAX_TEMPLATE_CHARS:,} characters or items per"
                           f" output, string or list ({what} of {n:,})")
+
+  def emit(self, n: int) -> None:
+    self.size(n, "a printed value")
+    self.emitted += n
+    if self.emitted > MAX_TEMPLATE_EMITTED:
+      raise self.exceeded(f"the limit of {MAX_TEMPLATE_EMITTED:,} characters printed per"
+                          " rendering (in all, set blocks and macros included)")
 
 
 # The budget of the rendering in progress (one per thread or task; None outside a rendering).
@@ -146,6 +161,119 @@ def _charged(iterable):
 
 def _length(x: Any) -> int | None:
   return len(x) if isinstance(x, (str, bytes, list, tuple)) else None
+
+
+_END = object()
+
+
+def _text_size(x: Any, indent: int = 0) -> int:
+  """An estimate, at least len(str(x)) and len(repr(x)) up to escapes (a factor of at most 6),
+  of the text that printing `x` makes: containers are walked, so that a list of many references
+  to one long string is measured before it is printed. `indent` adds what json's or pprint's
+  indentation adds per item. The walk stops once past MAX_TEMPLATE_CHARS (the value returned is
+  then past it too), and structures nested deeper than 256 levels count as past it."""
+  limit, total, stack = MAX_TEMPLATE_CHARS, 0, [iter((x,))]
+  while stack and total <= limit:
+    y = next(stack[-1], _END)
+    if y is _END:
+      stack.pop()
+      continue
+    depth = len(stack)
+    total += 2 + (indent * depth + 1 if indent else 0)  # a separator, a newline and its indent
+    if isinstance(y, (str, bytes)):
+      total += len(y)
+    elif isinstance(y, (bool, float)) or y is None:
+      total += 24
+    elif isinstance(y, int):
+      total += y.bit_length() // 3 + 2
+    elif depth > 256:
+      return limit + 1
+    elif isinstance(y, Mapping):
+      stack.append(itertools.chain.from_iterable(y.items()))
+    elif isinstance(y, (list, tuple, set, frozenset, abc.MappingView)):
+      stack.append(iter(y))
+    elif isinstance(y, jinja2_namespace()):
+      stack.append(itertools.chain.from_iterable(object.__getattribute__(
+          y, "_Namespace__attrs").items()))
+    else:  # another object (Undefined, a macro, a loop): its own short text
+      total += 64
+  return total
+
+
+@functools.cache
+def jinja2_namespace() -> type:
+  from jinja2.utils import Namespace
+  return Namespace
+
+
+# A printf conversion: %[(key)][flags][width][.precision][length]type
+_PRINTF = re.compile(r"%(?:\(([^)]*)\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.)", re.S)
+
+
+def _check_formatting(fmt: str, fields: Iterable[tuple[Any, str]], args: Sequence[Any],
+                      kwargs: Mapping[str, Any], what: str) -> None:
+  """Refuses a formatting whose result could pass MAX_TEMPLATE_CHARS, before it is built:
+  `fields` gives each replacement field's key (an int position, a str name, or None for the
+  next position) and its width and precision text. The bound: the format string, plus per
+  field its widths and the printed size of the value it reads (so one long value read by many
+  fields counts each time); a width taken from the values counts as the largest integer among
+  them."""
+  budget, sizes, auto = _budget(), {}, 0
+  total = len(fmt)
+  ints = [abs(v) for v in (*args, *kwargs.values()) if isinstance(v, int)
+          and not isinstance(v, bool)]
+  for key, spec in fields:
+    if key is None:
+      key, auto = auto, auto + 1
+    if key not in sizes:
+      value = (args[key] if isinstance(key, int) and 0 <= key < len(args)
+               else kwargs.get(key) if isinstance(key, str) else None)
+      sizes[key] = 0 if value is None else _text_size(value)
+    digits = re.findall(r"\d+", spec)
+    total += sizes[key] + sum(int(d) if len(d) < 12 else 10 ** 12 for d in digits)
+    if "*" in spec or "{" in spec:  # a width given by a value
+      total += max(ints, default=0)
+    if total > MAX_TEMPLATE_CHARS:
+      budget.size(total, what)
+
+
+def _replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
+  """len(s.replace(old, new, count)), counted without building it."""
+  s, old, new = (x if isinstance(x, (str, bytes)) else str(x) for x in (s, old, new))
+  if type(old) is not type(s):  # str.replace refuses it
+    return len(s)
+  n = s.count(old) if old else len(s) + 1
+  if isinstance(count, int) and count >= 0:
+    n = min(n, count)
+  return len(s) + n * max(len(new) - len(old), 0)
+
+
+def _printf_fields(fmt: str) -> Iterator[tuple[Any, str]]:
+  for m in _PRINTF.finditer(fmt):
+    if m.group(4) != "%":
+      yield m.group(1), (m.group(2) or "") + "." + (m.group(3) or "")
+      if "*" in ((m.group(2) or "") + (m.group(3) or "")):  # a width read from the values
+        yield None, ""
+
+
+def _check_printf(fmt: str, values: Any) -> None:
+  """`fmt % values` (the % operator on a string, the format filter)."""
+  if isinstance(values, Mapping):
+    # "%s" without a key prints the mapping itself (position 0 here)
+    _check_formatting(fmt, _printf_fields(fmt), (values,), values, "a % format")
+  else:
+    args = values if isinstance(values, tuple) else (values,)
+    _check_formatting(fmt, ((None, spec) for _, spec in _printf_fields(fmt)), args, {},
+                      "a % format")
+
+
+def _format_fields(fmt: str) -> Iterator[tuple[Any, str]]:
+  import string
+  for _, name, spec, _ in string.Formatter().parse(fmt):
+    if name is None:
+      continue
+    head = re.split(r"[.\[]", name, maxsplit=1)[0]
+    yield (None if head == "" else int(head) if head.isdigit() else head), spec or ""
 
 
 @functools.cache
@@ -171,8 +299,14 @@ def _bounded_environment_class():
       return nodes.Call(nodes.EnvironmentAttribute("_concat"), list(node.nodes), [], None, None,
                         lineno=node.lineno)
 
+    def visit_Output(self, node):  # every {{ ... }} and piece of text, wherever it is emitted
+      self.generic_visit(node)
+      node.nodes = [nodes.Call(nodes.EnvironmentAttribute("_emit"), [child], [], None, None,
+                               lineno=child.lineno) for child in node.nodes]
+      return node
+
   class BoundedEnvironment(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "+", "**"})
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
 
     def _parse(self, source, name, filename):
       tree = Bound().visit(super()._parse(source, name, filename))
@@ -181,36 +315,76 @@ def _bounded_environment_class():
 
     _charged = staticmethod(_charged)
 
+    def _emit(self, value):
+      _budget().emit(len(value) if isinstance(value, str) else _text_size(value))
+      return value
+
     def _concat(self, *parts):
       budget = _budget()
+      budget.size(sum(len(p) if isinstance(p, str) else _text_size(p) for p in parts),
+                  "a ~ concatenation")
       strs = [str(p) for p in parts]  # as jinja2's str_join
       budget.size(sum(map(len, strs)), "a ~ concatenation")
       return "".join(strs)
 
     def call_binop(self, context, operator, left, right):
       budget = _budget()
-      if operator == "*":
+      ints = (isinstance(left, int) and isinstance(right, int)
+              and not isinstance(left, bool) and not isinstance(right, bool))
+      if operator == "*" and ints:
+        if left.bit_length() + right.bit_length() > 4096:
+          raise budget.exceeded(f"the limit of 4096-bit integers (a product of"
+                                f" {left.bit_length()}- and {right.bit_length()}-bit integers)")
+      elif operator == "*":
         for seq, n in ((left, right), (right, left)):
           if _length(seq) is not None and isinstance(n, int):
             budget.size(_length(seq) * max(n, 0), "a repetition")
       elif operator == "+" and _length(left) is not None and _length(right) is not None:
         budget.size(_length(left) + _length(right), "a concatenation")
-      elif (operator == "**" and isinstance(left, int) and isinstance(right, int)
+      elif (operator == "**" and ints
             and abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > 4096):
         raise budget.exceeded(f"the limit of 4096-bit integers ({left} ** {right})")
+      elif operator == "%" and isinstance(left, str):
+        _check_printf(left, right)
       return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value):
+      wrapper = super().wrap_str_format(value)
+      if wrapper is None:
+        return None
+      fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+      def checked(*args, **kwargs):
+        mapping = args[0] if is_map and len(args) == 1 and isinstance(args[0], Mapping) else {}
+        _check_formatting(fmt, _format_fields(fmt), () if is_map else args,
+                          mapping if is_map else kwargs, f"str.{value.__name__}")
+        return wrapper(*args, **kwargs)
+      return functools.update_wrapper(checked, wrapper)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
       budget = _budget()
       method = getattr(__obj, "__name__", None)
-      if isinstance(getattr(__obj, "__self__", None), str):
+      owner = getattr(__obj, "__self__", None)
+      if isinstance(owner, (str, bytes)):
         if method in ("ljust", "rjust", "center", "zfill") and args and isinstance(args[0], int):
           budget.size(args[0], f"str.{method}")
-        elif method == "join" and args and isinstance(args[0], (list, tuple)):
-          budget.size(sum(len(x) for x in args[0] if isinstance(x, str)), "str.join")
+        elif method == "join" and args:
+          items = list(_charged(args[0]))  # read once here: it may be a generator
+          args = (items, *args[1:])
+          budget.size(sum(_length(x) or 0 for x in items) + len(owner) * len(items), "str.join")
         elif method == "expandtabs":
-          budget.size(len(__obj.__self__) * (args[0] if args and isinstance(args[0], int)
-                                             else 8), "str.expandtabs")
+          budget.size(len(owner) * (args[0] if args and isinstance(args[0], int)
+                                    else 8), "str.expandtabs")
+        elif method == "replace" and len(args) >= 2:
+          budget.size(_replaced_size(owner, *args[:3]), "str.replace")
+        elif method == "translate" and args and isinstance(args[0], Mapping):
+          longest = max((len(v) for v in args[0].values() if isinstance(v, (str, bytes))),
+                        default=1)
+          budget.size(len(owner) * max(longest, 1), "str.translate")
+      elif isinstance(owner, int) and method == "to_bytes":
+        length = args[0] if args else kwargs.get("length", 1)
+        if isinstance(length, int):
+          budget.size(length, "int.to_bytes")
       return super().call(__context, __obj, *args, **kwargs)
 
   return BoundedEnvironment
@@ -221,7 +395,10 @@ def _chat_environment():
   import jinja2
   from jinja2 import nodes, pass_eval_context
   from jinja2.ext import Extension
-  from jinja2.filters import do_center, do_indent, do_join
+  from jinja2 import pass_environment
+  from markupsafe import soft_str
+  from jinja2.filters import (do_batch, do_center, do_format, do_indent, do_join, do_pprint,
+                              do_replace, do_wordwrap, make_attrgetter, sync_do_slice)
 
   class GenerationTag(Extension):
     # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in
@@ -240,8 +417,63 @@ def _chat_environment():
     raise jinja2.exceptions.TemplateError(message)
 
   def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+    width = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
+    budget = _budget()
+    budget.size(_text_size(x, indent=max(width, 0) + 1 if indent is not None else 0) + (
+        sum(map(len, separators)) * _text_size(x) if separators else 0), "a tojson")
+    text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+    budget.size(len(text), "a tojson")  # escapes may make it longer than estimated
+    return text
+
+  # Filters whose result can be much larger than their input: each checks its size first.
+  def printf(value, *args, **kwargs):
+    _check_printf(str(value), kwargs or args)
+    return do_format(value, *args, **kwargs)
+
+  @pass_eval_context
+  def replace(eval_ctx, s, old, new, count=None):
+    _budget().size(_replaced_size(s, old, new, -1 if count is None else count), "a replace")
+    return do_replace(eval_ctx, s, old, new, count)
+
+  def pprint(value):
+    _budget().size(_text_size(value, indent=1), "a pprint")
+    return do_pprint(value)
+
+  def string(value):
+    _budget().size(_text_size(value), "a string")
+    return soft_str(value)
+
+  @pass_environment
+  def total(environment, iterable, attribute=None, start=0):
+    items = list(_charged(iterable))
+    if attribute is not None:
+      items = list(map(make_attrgetter(environment, attribute), items))
+    if isinstance(start, (str, bytes, list, tuple)):
+      _budget().size(sum(_length(x) or 0 for x in (start, *items)), "a sum")
+    return sum(items, start)
+
+  def batch(value, linecount, fill_with=None):
+    if fill_with is not None and isinstance(linecount, int):
+      _budget().size(linecount, "a batch")
+    return do_batch(value, linecount, fill_with)
+
+  def slice_(value, slices, fill_with=None):
+    if isinstance(slices, int):
+      _budget().charge(max(slices, 0))  # a list per slice
+    return sync_do_slice(value, slices, fill_with)
+
+  @pass_environment
+  def wordwrap(environment, s, width=79, break_long_words=True, wrapstring=None,
+               break_on_hyphens=True):
+    sep = environment.newline_sequence if wrapstring is None else str(wrapstring)
+    _budget().size(len(str(s)) + (len(str(s)) + 1) * len(sep), "a wordwrap")
+    return do_wordwrap(environment, s, width, break_long_words, wrapstring, break_on_hyphens)
+
+  def lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - jinja2's names
+    if all(isinstance(v, int) for v in (n, min, max)):  # words per paragraph at most max
+      _budget().charge(builtins.max(n, 0) * builtins.max(min, max, 1))
+    return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
 
   def strftime_now(fmt):
     return datetime.datetime.now().strftime(fmt)
@@ -258,8 +490,8 @@ def _chat_environment():
   @pass_eval_context
   def join(eval_ctx, value, d="", attribute=None):
     items = list(_charged(value))
-    _budget().size(sum(len(x) for x in items if isinstance(x, str)) + len(d) * len(items),
-                   "a join")
+    _budget().size(sum(len(x) if isinstance(x, str) else _text_size(x) for x in items)
+                   + len(str(d)) * len(items), "a join")
     return do_join(eval_ctx, items, d, attribute)
 
   def center(value, width=80):
@@ -274,8 +506,11 @@ def _chat_environment():
 
   env = _bounded_environment_class()(trim_blocks=True, lstrip_blocks=True,
                                      extensions=[GenerationTag, jinja2.ext.loopcontrols])
-  env.filters.update(tojson=tojson, join=join, center=center, indent=indent)
+  env.filters.update(tojson=tojson, join=join, center=center, indent=indent, format=printf,
+                     replace=replace, pprint=pprint, string=string, sum=total, batch=batch,
+                     slice=slice_, wordwrap=wordwrap)
   env.globals["range"] = bounded_range
+  env.globals["lipsum"] = lipsum
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
   return env
@@ -421,6 +656,8 @@ class Tokenizer:
       raise _chat_template_error(limit, _template_failed(limit)) from e
     except jinja2.TemplateError as e:  # a broken template, a limit, or its own raise_exception
       raise _chat_template_error(e, _template_failed(e)) from e
+    except Exception as e:  # noqa: BLE001 - Python's own errors inside it ({{ 1 + 'a' }})
+      raise _chat_template_error(jinja2.TemplateError(str(e)), _template_failed(e)) from e
     finally:
       _BUDGET.reset(token)
 
@@ -581,10 +818,7 @@ class Tokenizer:
     config = {}
     config_file = path / "tokenizer_config.json"
     if config_file.is_file():
-      try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+      config = read_json(config_file)
 
     def token_str(value):
       if isinstance(value, dict):

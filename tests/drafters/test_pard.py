@@ -245,3 +245,19 @@ def test_bad_input_is_an_error_before_compiling(tiny_target, tmp_path):
     load_pard(_hf_draft(tmp_path / "vocab", vocab=v + 8, pard_token=MASK), tiny_target)
   with pytest.raises(CheckpointError, match="pard_trained_k must be an integer >= 1"):
     load_pard(_hf_draft(tmp_path / "k", pard_token=MASK, pard_trained_k="8"), tiny_target)
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"caf\xe9", "is not valid JSON"), (b"[1, 2]", "holds a JSON list, not an object"),
+    (b"7", "holds a JSON int, not an object"), (b"[" * 100_000, "nested too deeply"),
+    (None, "does not exist")])
+def test_unreadable_configs_are_checkpoint_errors(tmp_path, content, match):
+  """A directory whose config.json is not UTF-8, not an object or too deep (was a raw
+  UnicodeDecodeError, AttributeError or RecursionError), or missing: a CheckpointError naming
+  the file, and `is_pard_dir` says no."""
+  from jaxspec.drafters.pard import is_pard_dir, pard_config
+  if content is not None:
+    (tmp_path / "config.json").write_bytes(content)
+  with pytest.raises(CheckpointError, match=rf"config\.json.*{match}"):
+    pard_config(tmp_path)
+  assert is_pard_dir(tmp_path) is False

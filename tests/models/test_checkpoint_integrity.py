@@ -370,6 +370,40 @@ HOSTILE_TEMPLATES = {
     "output size": ("{% for i in range(300) %}{{ 'a' * 100000 }}{% endfor %}", "the output"),
     "range past the limit": ("{{ range(10**12)|length }}", "loop iterations and range"),
     "endless recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    # Formatting, filters and methods whose result outgrows their input: each is refused before
+    # it is built (these would allocate gigabytes, or hundreds of terabytes).
+    "printf width": ("{{ '%1000000000s' % 'a' }}", "a % format"),
+    "printf width from the values": ("{{ '%*d' % (1000000000, 1) }}", "a % format"),
+    "printf fields reading one long value": (
+        "{{ ('%(a)s' * 1000000) % {'a': 'a' * 10000000} }}", "a % format"),
+    "format filter": ("{{ '%1000000000d'|format(1) }}", "a % format"),
+    "str.format width": ("{{ '{:>1000000000}'.format('a') }}", "str.format"),
+    "str.format width from the values": ("{{ '{:{w}}'.format('a', w=1000000000) }}",
+                                         "str.format"),
+    "str.format fields reading one long value": (
+        "{{ ('{0}' * 1000000).format('a' * 10000000) }}", "str.format"),
+    "str.format_map": ("{{ '{a:1000000000}'.format_map({'a': 1}) }}", "str.format_map"),
+    "replace filter": ("{{ 'aaaa'|replace('a', 'b' * 10000000) }}", "a replace"),
+    "str.replace": ("{{ 'aaaa'.replace('a', 'b' * 10000000) }}", "str.replace"),
+    "str.translate": ("{{ 'abc'.translate({97: 'x' * 10000000}) }}", "str.translate"),
+    "str.join separator": ("{{ ('b' * 10000000).join(['a'] * 1000) }}", "str.join"),
+    "tojson indent": ("{{ [1]|tojson(indent=1000000000) }}", "a tojson"),
+    "printed list of one string many times": ("{{ [('a' * 10000000)] * 10000000 }}",
+                                              "a printed value"),
+    "string filter": ("{{ ([('a' * 10000000)] * 10000000)|string }}", "a string"),
+    "pprint filter": ("{{ ([('a' * 10000000)] * 10000000)|pprint }}", "a pprint"),
+    "concatenated list": ("{{ ([('a' * 10000000)] * 10000000) ~ '' }}", "a ~ concatenation"),
+    "sum of lists": ("{{ ([['a'] * 10000000] * 100000)|sum(start=[]) }}", "a sum"),
+    "batch filled": ("{{ [1]|batch(10000000000, fill_with=0)|list }}", "a batch"),
+    "slice": ("{{ [1]|slice(100000000)|list }}", "loop iterations"),
+    "wordwrap": ("{{ 'a b'|wordwrap(1, wrapstring='c' * 10000000) }}", "a wordwrap"),
+    "bytes padding": ("{{ 'a'.encode().ljust(10000000000) }}", "str.ljust"),
+    "int.to_bytes": ("{{ (1).to_bytes(10000000000, 'big') }}", "int.to_bytes"),
+    "integer squaring": ("{% set ns = namespace(x=2 ** 4000) %}{% for i in range(40) %}"
+                         "{% set ns.x = ns.x * ns.x %}{% endfor %}", "4096-bit integers"),
+    "set block built and dropped": ("{% set x %}{% for i in range(100000) %}{{ 'a' * 10000000 }}"
+                                    "{% endfor %}{% endset %}", "characters printed per rendering"),
+    "lipsum": ("{{ lipsum(100000000) }}", "loop iterations"),
 }
 
 
@@ -383,6 +417,37 @@ def test_hostile_templates_end_in_a_documented_error_quickly(case):
   assert time.perf_counter() - start < 5.0
   import jinja2.sandbox
   assert isinstance(e.value, jinja2.sandbox.SecurityError)
+
+
+def test_python_errors_inside_a_template_are_value_errors():
+  """A template that fails in Python's own operations (not jinja2's) gives the documented
+  ValueError naming the failure, as a jinja2 TemplateError too."""
+  import jinja2
+  for template, message in (("{{ 1 + 'a' }}", "TypeError: unsupported operand"),
+                            ("{{ '%d' % 'a' }}", "TypeError: %d format"),
+                            ("{{ '{0}'.format() }}", "IndexError: "),
+                            ("{{ 1 // 0 }}", "ZeroDivisionError: ")):
+    with pytest.raises(ValueError, match=f"chat template failed: {message}") as e:
+      _tok(template).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert isinstance(e.value, jinja2.TemplateError)
+
+
+def test_template_limits_leave_formatting_alone():
+  """The size checks of formatting, filters and methods let ordinary uses through unchanged."""
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  template = ("{{ '%s: %5.2f%%' % ('rate', 12.345) }}|{{ '%(a)s-%(b)03d' % {'a': 'x', 'b': 7} }}|"
+              "{{ '{} {:>6} {name!r}'.format(1, 'ab', name='n') }}|{{ '{a}'.format_map({'a': 2}) }}|"
+              "{{ 'a-b-c'|replace('-', '+') }}|{{ 'a-b'.replace('-', '', 1) }}|"
+              "{{ messages|tojson(indent=2) }}|{{ messages|tojson }}|{{ [1, [2, 3]]|string }}|"
+              "{{ [[1], [2]]|sum(start=[]) }}|{{ [1, 2, 3]|batch(2, fill_with=0)|list }}|"
+              "{{ [1, 2, 3]|slice(2)|list }}|{{ 'ab cd ef'|wordwrap(2) }}|{{ ', '.join(['a', 'b']) }}|"
+              "{{ 'abc'.translate({97: 'xy'}) }}|{{ (258).to_bytes(2, 'big') }}|{{ 3 * 4 }}|"
+              "{{ {'k': [1, 'v']} }}|{{ 7 % 3 }}|{{ '%x' % 255 }}|{{ 'a' ~ [1] ~ none }}")
+  messages = [{"role": "user", "content": "hi"}]
+  text = _tok(template).apply_chat_template(messages, add_generation_prompt=False)
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+  assert text == env.from_string(template).render(messages=messages)
 
 
 def test_template_limits_leave_real_templates_alone():
@@ -512,3 +577,25 @@ def test_tokenizer_json_size_and_vocabulary_bounded(tmp_path, monkeypatch):
   monkeypatch.setattr(tokenizer_module, "MAX_VOCAB", 40)
   with pytest.raises(CheckpointError, match=r"tokenizer.json holds 41 tokens, past .* 40"):
     Tokenizer.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"[" * 100_000, b"\xff\xfe"])
+def test_checkpoint_json_files_that_are_not_objects_are_checkpoint_errors(tmp_path, content,
+                                                                          tiny_target):
+  """tokenizer_config.json and a head's config.json that are a list, nest too deeply or are not
+  UTF-8 (were AttributeError / RecursionError / UnicodeDecodeError): a CheckpointError naming
+  the file (`jaxspec.models.errors.read_json`, which every checkpoint JSON file is read by)."""
+  import tokenizers
+  from tokenizers import models
+  from jaxspec.heads import load_head
+  backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+  backend.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_bytes(content)
+  with pytest.raises(CheckpointError, match=r"tokenizer_config\.json (holds a JSON list|is not"
+                                            r" valid JSON)"):
+    Tokenizer.from_hf_dir(tmp_path)
+  (head := tmp_path / "head").mkdir()
+  (head / "config.json").write_bytes(content)
+  with pytest.raises(CheckpointError, match=r"head.config\.json (holds a JSON list|is not valid"
+                                            r" JSON)"):
+    load_head(tiny_target, head)
