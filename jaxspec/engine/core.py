@@ -113,6 +113,14 @@ def _over_pressure(usage: tuple[int, int] | None) -> bool:
 # one compiled program (`io.bucket_rows`, `io.bucket_new_tokens`).
 
 
+def _devices(tree):
+  """The devices of a pytree's first array (None without one)."""
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      return leaf.sharding.device_set
+  return None
+
+
 def generate_program(params, prompt, lengths, sp, key, budget, buffers=None, *, lm, max_len,
                      capacity, stop_ids, logprobs=False, top_logprobs=0):
   """`plain.generate_program` with per-row budgets [B] below a static `capacity`; the last
@@ -227,8 +235,11 @@ class Engine:
     """
     leaves, treedef = jax.tree.flatten(args)
     options = self.compiler_options.get(jax.default_backend(), {})
+    # An array's devices are part of the key: a program compiled for weights on one device
+    # refuses arrays on another (a model copied to a second device compiles its own).
     sig = (fn, key_extra, tuple(sorted(options.items())), treedef,
-           tuple((a.shape, str(a.dtype)) if hasattr(a, "shape") else a for a in leaves),
+           tuple((a.shape, str(a.dtype), a.sharding if isinstance(a, jax.Array) else None)
+                 if hasattr(a, "shape") else a for a in leaves),
            tuple(sorted(static.items())))
     try:
       hash(sig)
@@ -294,15 +305,18 @@ class Engine:
 
   # -- kept buffers and weights
 
-  def take_cache_buffers(self, cfg, batch_size: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+  def take_cache_buffers(self, cfg, batch_size: int, max_len: int, params=None
+                         ) -> tuple[jax.Array, jax.Array]:
     """(k, v) buffers [L, B, G, max_len, K] for a prefill to donate: the kept ones of the last
-    call when the shapes match, else `init_cache`'s zeros (the kept ones are freed first).
+    call when the shapes match and they are on the devices of `params` (the weights the
+    program reads, when given), else `init_cache`'s zeros (the kept ones are freed first).
     Where sliding-window layers keep rings (`jaxspec.models.llama.ring_size`), L counts the
     full-attention layers only; the window-sized rings are made fresh by
     `LlamaLM.cache_from_buffers`."""
     bufs = self.buffers.pop((cfg, batch_size, max_len, str(cfg.act_dtype)), None)
     self.buffers.clear()
-    if bufs is not None and not any(b.is_deleted() for b in bufs):
+    if (bufs is not None and not any(b.is_deleted() for b in bufs)
+        and _devices(params) in (None, bufs[0].sharding.device_set)):
       return bufs
     cache = init_cache(cfg, batch_size, max_len)
     return cache.k, cache.v
@@ -316,6 +330,16 @@ class Engine:
     """Bytes of the kept cache buffers: the next call reuses or frees them, so its memory check
     counts them as free."""
     return sum(a.nbytes for bufs in self.buffers.values() for a in bufs if not a.is_deleted())
+
+  def _held(self, model, reuses: bool = True) -> int:
+    """Bytes of kept cache buffers the next run's memory check may count as free: those it
+    reuses (an unsharded jaxspec Model's cache, `take_cache_buffers`); on runs that make their
+    own cache (streams of plain decoding, own models, sharded and two-mesh runs) they are freed
+    here instead, as counting them free while held would count that memory twice."""
+    if reuses and isinstance(model, Model) and io.sharding_of(model) is None:
+      return self.held_bytes()
+    self.release_cache_buffers()
+    return 0
 
   def release_cache_buffers(self) -> int:
     """Frees the kept cache buffers; returns the bytes released."""
@@ -381,7 +405,7 @@ class Engine:
     sh = io.sharding_of(model)
     keep_lp, top_n = check_logprobs(logprobs, tgt.lm.vocab_size)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
-                              held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
+                              held=self._held(model), tokenizer=tokenizer, chat=chat,
                               prompt_lengths=prompt_lengths, n=n, bucket=self.buckets,
                               rows_multiple=1 if sh is None else sh.data_size)
     stops = io.stop_ids_for(model, stop_ids)
@@ -393,7 +417,7 @@ class Engine:
     static = dict(lm=tgt.lm, max_len=prep.max_len, capacity=prep.capacity,
                   stop_ids=stops, logprobs=keep_lp, top_logprobs=top_n)
     if sh is None:  # a Model's cache in the previous call's buffers (`take_cache_buffers`)
-      args += (self.take_cache_buffers(model.cfg, b, prep.max_len)
+      args += (self.take_cache_buffers(model.cfg, b, prep.max_len, tgt.params)
                if isinstance(model, Model) else None,)
       exe, compile_s = self.compile(generate_jit, None, *args, **static)
     else:  # the weights' mesh: batch rows data-parallel, outputs batch-sharded
@@ -437,8 +461,9 @@ class Engine:
     tok = io.tokenizer_of(model, tokenizer)
     stopper = _stopper(tok, stop)
     prep = io.prepare_prompts(model, prompts, max_new_tokens, max_len=max_len,
-                              held=self.held_bytes(), tokenizer=tokenizer, chat=chat,
-                              prompt_lengths=prompt_lengths, n=n, bucket=self.buckets)
+                              held=self._held(model, reuses=False), tokenizer=tokenizer,
+                              chat=chat, prompt_lengths=prompt_lengths, n=n,
+                              bucket=self.buckets)
     stops = io.stop_ids_for(model, stop_ids)
     b, rows = prep.tokens.shape[0], prep.rows
     sp = io.pad_rows(io.sampling_rows(sp_user, prep, tgt.lm.vocab_size, max_new_tokens), b)
@@ -478,7 +503,8 @@ class Engine:
     stopper = _stopper(tok, stop)
     # Bucketed in the fused loop; a two-mesh run compiles for the exact sizes.
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
+                          num_draft_tokens=num_draft_tokens,
+                          held=self._held(target, reuses=placement is None),
                           bucket=self.buckets and placement is None, **options)
     run = SpecRun(self, req) if placement is None else placed_run(self, req, placement)
     prompt_lp = _prompt_logprobs(req.target, req.prep, req.sampling) if prompt_logprobs else None
@@ -509,7 +535,7 @@ class Engine:
     tok = io.tokenizer_of(target, options.get("tokenizer"))  # checked before the other options
     stopper = _stopper(tok, stop)
     req = io.prepare_spec(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                          num_draft_tokens=num_draft_tokens, held=self.held_bytes(),
+                          num_draft_tokens=num_draft_tokens, held=self._held(target),
                           bucket=self.buckets, **options)
     run = SpecRun(self, req)
     prompt_lp = _prompt_logprobs(req.target, req.prep, req.sampling) if prompt_logprobs else None
@@ -604,7 +630,7 @@ class _StopStrings:
     self.reasons: list[str | None] = []
 
   def _find(self, ids: list[int]) -> tuple[str, int, str] | None:
-    text = self.tokenizer.decode(ids)
+    text = io.decode_text(self.tokenizer, ids)  # as the output's text: no special tokens
     hits = [(text.find(s), i) for i, s in enumerate(self.stops) if s in text]
     if not hits:
       return None

@@ -156,7 +156,7 @@ class SpecRun:
     (kept by the engine per shapes), excluded from the generation time."""
     if self.pooled:
       state = self.init_exe(*self.init_args, self.engine.take_cache_buffers(
-          self.target.cfg, self.batch, self.prep.max_len))
+          self.target.cfg, self.batch, self.prep.max_len, self.init_args[0]))
     elif sharding_of(self.target) is None:  # an own model: compiled with no buffers
       state = self.init_exe(*self.init_args, None)
     else:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import generate
+from jaxspec import generate, generate_stream
 from jaxspec.decoding import functional as F
 from jaxspec.decoding import limits, protocol
 from jaxspec.decoding.loop import costs_array, resolve_policy
@@ -144,3 +144,26 @@ def test_host_check_counts_the_kept_cache_as_free(tiny_target, monkeypatch):
   DEFAULT.release_cache_buffers()
   with pytest.raises(ValueError, match="generating 4 rows.*GiB the device has free"):
     generate(tiny_target, prompts, max_new_tokens=8)
+
+
+def test_runs_that_make_their_own_cache_free_the_kept_one_first(tiny_target, monkeypatch):
+  """A stream and an own model's run allocate their own cache: the kept buffers of the last
+  call are freed before them, and their memory check does not count those bytes as free (it
+  did, while they stayed held: the same memory counted twice)."""
+  from jaxspec.decoding.protocol import as_target
+  from jaxspec.engine import DEFAULT
+  held_seen = []
+  check = limits.check_working_set
+  monkeypatch.setattr(limits, "check_working_set",
+                      lambda ws, *a, held=0, **kw: (held_seen.append(held),
+                                                    check(ws, *a, held=held, **kw))[1])
+  prompts = [[1, 2, 3]] * 4
+  for run in (lambda: list(generate_stream(tiny_target, prompts, max_new_tokens=8, chunk=4)),
+              lambda: generate(as_target(tiny_target), prompts, max_new_tokens=8)):
+    generate(tiny_target, prompts, max_new_tokens=8)
+    assert DEFAULT.held_bytes() > 0
+    run()
+    assert held_seen[-1] == 0 and DEFAULT.held_bytes() == 0
+  generate(tiny_target, prompts, max_new_tokens=8)  # reuses what it keeps: counted free
+  generate(tiny_target, prompts, max_new_tokens=8)
+  assert held_seen[-1] == DEFAULT.held_bytes() > 0

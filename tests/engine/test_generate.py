@@ -218,3 +218,25 @@ def test_a_cpu_call_traces_no_gpu_or_tpu_kernel(monkeypatch):
   spec = speculative_generate(model, NGram(), PROMPTS[:2], max_new_tokens=8, stop_ids=(),
                               num_draft_tokens=4)
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
+
+
+def test_the_same_model_on_another_device_runs_there(tiny_target):
+  """A model's weights copied to a second device: programs and kept cache buffers are keyed by
+  device, so the copy compiles its own, runs there, and the first device's calls still run
+  (JAX refused the device-0 program for device-1 weights: 'compiled for input shardings that
+  disagree')."""
+  from jaxspec.api import speculative_generate
+  from jaxspec.drafters import NGram
+  from jaxspec.models.model import Model
+  dev1 = jax.devices()[1]
+  moved = Model(tiny_target.cfg, jax.device_put(tiny_target.params, dev1), name="tiny-dev1")
+  prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 3]]
+  plain = [generate(m, prompts, max_new_tokens=8, stop_ids=()) for m in
+           (tiny_target, moved, tiny_target)]
+  spec = [speculative_generate(m, NGram(), prompts, max_new_tokens=8, num_draft_tokens=2)
+          for m in (tiny_target, moved, tiny_target)]
+  for outs in (plain, spec):
+    for out in outs[1:]:
+      np.testing.assert_array_equal(out.tokens, outs[0].tokens)
+  assert sum(spec[0].stats["drafted_per_row"]) > 0
+  np.testing.assert_array_equal(spec[0].tokens, plain[0].tokens)
