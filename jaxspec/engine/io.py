@@ -456,6 +456,11 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                      + (": wrap a dict of step times as CostModel.from_ratios(d), or what"
                         " CostModel.to_dict wrote as CostModel.from_dict(d)"
                         if isinstance(cost, dict) else ""))
+  if cost is not None and not policy.auto:
+    fixed = ("by the drafter's tree" if getattr(drafter, "tree", None) is not None
+             else f"num_draft_tokens={num_draft_tokens}")
+    raise ValueError(f"cost= is what num_draft_tokens=\"auto\" weighs to choose k, but k is"
+                     f" fixed ({fixed}): pass num_draft_tokens=\"auto\" or drop cost=")
   try:
     sh = sharding_of(target)
     prep = prepare_prompts(target, prompts, max_new_tokens, extra=policy.k_max + 1,
@@ -475,11 +480,16 @@ def prepare_spec(target, drafter, prompts, *, max_new_tokens: int, num_draft_tok
                      key=key_rows(key, prep), cost=cost)
 
 
-def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
-  """Each row's new text (special tokens, a stop token among them, skipped where the tokenizer
-  `tok`'s decode can skip them)."""
+def decode_text(tok, ids: list[int]) -> str:
+  """The text of `ids` as outputs show it: special tokens (a stop token among them) skipped
+  where the tokenizer `tok`'s decode can skip them. Stop strings are matched in this text."""
   kw = dict(skip_special_tokens=True) if _takes(tok.decode, "skip_special_tokens") else {}
-  return [tok.decode(tokens[b, : lengths[b]].tolist(), **kw) for b in range(len(lengths))]
+  return tok.decode(ids, **kw)
+
+
+def decode_texts(tok, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+  """Each row's new text (`decode_text`)."""
+  return [decode_text(tok, tokens[b, : lengths[b]].tolist()) for b in range(len(lengths))]
 
 
 def _takes(fn, name: str) -> bool:

@@ -15,6 +15,7 @@ import pytest
 
 import jaxspec
 from jaxspec import AutoK, DraftModel, NGram, Sampling, generate, speculative_generate
+from jaxspec.decoding.adaptive import CostModel
 from jaxspec.api import generate_stream, speculative_stream
 from jaxspec.decoding import decode, functional, speculative_decode
 from jaxspec.sampling import row_keys
@@ -228,6 +229,10 @@ def test_a_chunk_past_int32_runs_to_the_end(tiny_target):
     (lambda m: speculative_generate(m, "ngram", ROWS, num_draft_tokens=10**6), "num_draft"),
     (lambda m: speculative_generate(m, "ngram", ROWS, auto=AutoK(k_max=10**6)), "k_max"),
     (lambda m: NGram(max_ngram=100000), "max_ngram"),
+    # a cost model with a fixed k (nothing would read it)
+    (lambda m: speculative_generate(m, "ngram", ROWS, num_draft_tokens=2,
+                                    cost=CostModel.from_ratios({0: 1.0, 2: 1.3})),
+     r"cost= is what num_draft_tokens=\"auto\" weighs .* fixed \(num_draft_tokens=2\)"),
     (lambda m: next(generate_stream(m, ROWS[0], chunk=0)), "chunk"),
     (lambda m: next(speculative_stream(m, "ngram", ROWS[0], chunk=-1)), "chunk"),
     (lambda m: generate(m, ROWS, prompt_logprobs=5), "prompt_logprobs must be True or False"),

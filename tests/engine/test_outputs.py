@@ -97,6 +97,29 @@ def test_loop_ends_early_once_every_row_has_stopped(model, reference):
   assert spec.stats["target_passes"] <= core.STOP_CHECK_PASSES
 
 
+class SpecialPieceTokenizer(PieceTokenizer):
+  """PieceTokenizer whose ids 6, 22, ... ("hij") are special tokens: kept in the text unless
+  decode is told to skip them, as Hugging Face's decode does."""
+
+  def decode(self, ids, skip_special_tokens=False):
+    return super().decode([i for i in ids if not (skip_special_tokens and i % 16 == 6)])
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_stop_strings_are_matched_in_the_outputs_text(tiny_target, spec):
+  """A stop string that only a special token's text holds does not stop a row: it is matched
+  in the text the output shows (special tokens skipped), not in the raw decoding."""
+  model = dataclasses.replace(tiny_target, tokenizer=SpecialPieceTokenizer(), name="tiny-special")
+  run = (lambda **kw: speculative_generate(model, "ngram", PROMPTS, num_draft_tokens=3, **kw)
+         ) if spec else (lambda **kw: generate(model, PROMPTS, **kw))
+  free = run(max_new_tokens=N_NEW, stop_ids=())
+  assert any(t % 16 == 6 for b in range(3) for t in free.row(b))  # a special token was made
+  out = run(max_new_tokens=N_NEW, stop_ids=(), stop=["hij"])
+  np.testing.assert_array_equal(out.tokens, free.tokens)
+  assert out.stop_reasons == [None] * 3 and out.texts == free.texts
+  assert all("hij" not in t for t in out.texts)
+
+
 @pytest.mark.parametrize("stop,match", [
     ([""], "non-empty"), (["ok", 3], "a string or a list of strings"), (7, "stop_ids")])
 def test_bad_stop_strings(model, stop, match):
