@@ -68,13 +68,19 @@ def add_compile_cache(p: argparse.ArgumentParser, *, on: bool = True) -> None:
 def enable_compile_cache(spec: str | None) -> str | None:
   """Turns on JAX's persistent compilation cache for this process; returns the directory (None
   when off). Call before the first compilation. A directory the user already gave JAX
-  (JAX_COMPILATION_CACHE_DIR, jax.config) wins over the default."""
+  (JAX_COMPILATION_CACHE_DIR, jax.config) wins over the default; `spec` 'none' turns that one
+  off too."""
   import jax
   current = jax.config.jax_compilation_cache_dir
   if spec is None and current:
     return current
+  given = spec is not None
   spec = default_compile_cache() if spec is None else spec
   if spec.lower() in ("none", "off", ""):
+    if given and current:  # --compile-cache none: also JAX_COMPILATION_CACHE_DIR's directory
+      from jax._src import compilation_cache
+      jax.config.update("jax_compilation_cache_dir", None)
+      compilation_cache.reset_cache()
     return None
   path = Path(spec).expanduser()
   try:

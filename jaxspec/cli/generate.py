@@ -10,6 +10,7 @@ message go to stderr.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 import time
@@ -287,6 +288,11 @@ def peak_memory_bytes() -> int:
 
 def _generate(args, prompts, sampling, status) -> int:
   from jaxspec.models.loading import load
+  if args.k_max is not None and (args.draft == "none" or args.num_draft_tokens != "auto"):
+    raise SystemExit("error: --k-max is the most drafts per step of --num-draft-tokens auto, but"
+                     + (" --draft none drafts nothing" if args.draft == "none" else
+                        f" --num-draft-tokens is {args.num_draft_tokens}")
+                     + ": drop --k-max, or use --num-draft-tokens auto with a drafter")
   t_load = time.perf_counter()
   status.phase("loading the model")
   model = load(args.model, dtype=args.dtype, scan_layers=command_layout(args.scan_layers))
@@ -343,7 +349,13 @@ def _generate(args, prompts, sampling, status) -> int:
         rows, info, spec = _run_batch(model, drafter, ids[start:start + size],
                                       dict(common, key=keys[start:start + size]), spec_kw)
     except ValueError as e:
-      raise SystemExit(f"error: {e}")
+      if args.prompts is None:
+        raise SystemExit(f"error: {e}")
+      # The library numbers a batch's prompts from 0; the file's are numbered from 1, as the
+      # headers printed for them (the batches before this one are printed already).
+      msg = re.sub(r"\bprompt (\d+)\b", lambda m: f"prompt {start + int(m.group(1)) + 1}",
+                   str(e))
+      raise SystemExit(f"error: --prompts {args.prompts}: {msg}")
     runs.append(run_stats(info, spec, sum(len(r) for r, _ in rows), load_s=load_s,
                           peak_bytes=peak_memory_bytes(),
                           model=model.name, drafter=label,

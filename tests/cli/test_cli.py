@@ -18,8 +18,8 @@ def test_generate_prints_text_and_stats(smollm2, capsys, draft):
   from jaxspec.cli.generate import peak_memory_bytes
   before = peak_memory_bytes() / 2**30  # this worker's peak so far (earlier tests' included)
   # --k-max 2: "auto" (the default) compiles and times 3 draft widths, not 7 (none: no drafts).
-  assert main(["generate", "What is 2+2?", "--max-new-tokens", "8", "--draft", draft,
-               "--k-max", "2"]) == 0
+  assert main(["generate", "What is 2+2?", "--max-new-tokens", "8", "--draft", draft]
+              + (["--k-max", "2"] if draft != "none" else [])) == 0
   out, err = capsys.readouterr()
   last = err.strip().splitlines()[-1]  # the stats line goes to stderr, the text alone to stdout
   assert re.match(r"\[jaxspec\] \d+ new tokens, [\d.]+ tokens/s, compile [\d.]+ s", last), last
@@ -44,7 +44,12 @@ def test_generate_prints_text_and_stats(smollm2, capsys, draft):
                                          (["--draft", "no/such/model"], "--draft"),
                                          # the bundled Medusa head has 4 heads
                                          (["--draft", "medusa", "--k-max", "5"],
-                                          r"AutoK\(k_max=4\)")])
+                                          r"AutoK\(k_max=4\)"),
+                                         # --k-max where nothing reads it (was ignored)
+                                         (["--draft", "none", "--k-max", "2"],
+                                          r"--k-max .* but --draft none drafts nothing"),
+                                         (["--num-draft-tokens", "3", "--k-max", "2"],
+                                          r"--k-max .* but --num-draft-tokens is 3")])
 def test_bad_flags_exit_with_a_message(smollm2, flags, match):
   with pytest.raises(SystemExit, match=match):
     main(["generate", "hi", "--max-new-tokens", "4"] + flags)

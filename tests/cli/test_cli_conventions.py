@@ -141,6 +141,22 @@ def test_a_prompts_sample_depends_on_seed_and_index_not_on_batch_size(capsys, tm
   assert ids("--seed", "4", "--batch-size", "6") != by6
 
 
+def test_a_failing_batch_names_the_files_prompt_and_keeps_the_printed_ones(capsys, tmp_path):
+  """A prompt refused in the third batch of a --prompts file: the error numbers it as the file
+  does (prompt 3, not the batch's prompt 0), and the two results printed before it stay."""
+  from helpers import tiny_checkpoint, write_tiny_gguf
+  gguf = tmp_path / "tiny.gguf"
+  write_tiny_gguf(gguf, *tiny_checkpoint())
+  jsonl = tmp_path / "ids.jsonl"
+  jsonl.write_text("\n".join(json.dumps({"prompt_ids": ids})
+                             for ids in ([5, 6, 7], [8, 9], [10, 10 ** 6], [11])) + "\n")
+  with pytest.raises(SystemExit, match=rf"error: --prompts {re.escape(str(jsonl))}: prompt 3 has"
+                                       r" token id 1000000 outside the vocabulary"):
+    main(["generate", "--model", str(gguf), "--prompts", str(jsonl), "--max-new-tokens", "4",
+          "--draft", "none", "--json", "--batch-size", "1"])
+  assert [r["prompt"] for r in _records(capsys.readouterr().out)] == [[5, 6, 7], [8, 9]]
+
+
 def test_speculative_json_stats_and_exact_text(bundled, capsys):
   (plain,) = _records(_generate(capsys, P1, *PLAIN, "--json").out)
   res = _generate(capsys, P1, "--max-new-tokens", "8", "--draft", "ngram",

@@ -53,8 +53,11 @@ def test_default_directory_none_and_a_file_refused(tiny_gguf, tmp_path, capsys):
   _run(tiny_gguf, env=home, cwd=tmp_path)  # no flag: $XDG_CACHE_HOME/jaxspec/xla
   assert any((tmp_path / "home-cache" / "jaxspec" / "xla").iterdir())
   (work := tmp_path / "work").mkdir()
+  # 'none' also turns off a directory JAX was given in its own variable (it used to fill it).
   *_, loaded, written = _run(tiny_gguf, "--compile-cache", "none",
-                             env={"XDG_CACHE_HOME": str(work / "c")}, cwd=work)
+                             env={"XDG_CACHE_HOME": str(work / "c"),
+                                  "JAX_COMPILATION_CACHE_DIR": str(work / "jax"),
+                                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}, cwd=work)
   assert (loaded, written) == (None, None)  # the stats line says nothing of a cache
   assert not any(work.iterdir())  # no cache anywhere (not even a directory called "none")
   blocker = tmp_path / "a-file"
