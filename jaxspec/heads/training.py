@@ -204,7 +204,7 @@ def _chain_sums(model, batch, frozen, *, predict, k: int):
 def offline_chain_tau(spec, model, batch, frozen, k: int) -> float:
   """1 + the mean accepted greedy run of k drafts over a batch's positions (`chain_lengths`);
   `spec` is the head's `HeadSpec`."""
-  batch = {key: batch[key] for key in ("tokens", "loss_mask", "hidden_final", "hidden_layers")
-           if key in batch}
+  batch = {key: batch[key] for key in ("tokens", "loss_mask", "hidden_final", "hidden_layers",
+                                       "segment_ids", "positions") if key in batch}
   total, n = _chain_sums(model, batch, frozen, predict=spec.predict, k=int(k))
   return float(1.0 + total / max(int(n), 1))

@@ -162,6 +162,52 @@ def test_packed_row_trains_as_its_conversations_apart(tiny_target, kind, options
     np.testing.assert_allclose(got[1][name], want[1][name], rtol=2e-5, atol=1e-6, err_msg=name)
 
 
+def test_offline_chain_tau_of_a_packed_row_is_that_of_its_conversations(tiny_target):
+  """A Medusa head fitted to two greedy conversations: its offline chain tau over the two packed
+  into one row (segment_ids, positions) equals that over the two as rows apart. It dropped
+  segment_ids, so labels across the boundary counted (a lower tau)."""
+  from jaxspec import generate
+  spec = heads.HEADS["medusa"]
+  cfg, frozen = tiny_target.cfg, tiny_target.params
+  prompts = [[5, 6, 7], [9]]  # the second answer begins one token in: labels cross the boundary
+  out = generate(tiny_target, prompts, max_new_tokens=7, stop_ids=())
+  convs = [np.asarray(p + out.row(b), np.int32) for b, p in enumerate(prompts)]
+  t = 20
+  packed = {k: np.zeros((1, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32),
+                                                ("segment_ids", np.int32), ("positions", np.int32))}
+  apart = {k: np.zeros((2, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32))}
+  at = 0
+  for i, c in enumerate(convs):
+    n, p = len(c), len(prompts[i])
+    packed["tokens"][0, at:at + n] = c
+    packed["loss_mask"][0, at + p:at + n] = 1  # the generated answer
+    packed["segment_ids"][0, at:at + n] = i + 1
+    packed["positions"][0, at:at + n] = np.arange(n)
+    apart["tokens"][i, :n] = c
+    apart["loss_mask"][i, p:n] = 1
+    at += n
+  for batch in (packed, apart):
+    final, _ = target_hidden(frozen, jnp.asarray(batch["tokens"]), cfg,
+                             segment_ids=None if "segment_ids" not in batch
+                             else jnp.asarray(batch["segment_ids"]),
+                             positions=batch.get("positions"))
+    batch["hidden_final"] = np.asarray(final)
+  model = spec.create(cfg, rngs=nnx.Rngs(0), num_heads=2)
+  opt = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
+  train_batch = jax.tree.map(jnp.asarray, apart)
+
+  @nnx.jit
+  def step(model, opt):
+    grads = nnx.grad(lambda m: spec.loss(m, train_batch, frozen)[0])(model)
+    opt.update(model, grads)
+  for _ in range(80):
+    step(model, opt)
+  taus = [spec.offline_chain_tau(model, jax.tree.map(jnp.asarray, b), frozen, 2)
+          for b in (packed, apart)]
+  assert taus[1] > 2.0, taus  # it learned the two answers
+  assert taus[0] == pytest.approx(taus[1], abs=1e-6), taus
+
+
 def test_plain_iterables_are_checked(tiny_target):
   v = tiny_target.cfg.vocab_size
   with pytest.raises(ValueError, match="ran out after 2 batches, before steps=5"):
