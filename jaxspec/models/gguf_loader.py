@@ -411,9 +411,11 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
           f" {data_start + offset + n_bytes} ({n_bytes} bytes of {sizes[type_id][0]}, shape"
           f" {list(dims)}) but the file has {size}: it is cut short, or the tensor's type, shape"
           " or offset is wrong; re-download or re-convert it")
-  by_start = sorted(infos, key=lambda t: (t[3], t[4]))
+  # Sorted by start, the first overlap is between neighbours; empty tensors hold no bytes and are
+  # left out (one between two overlapping tensors hid their overlap).
+  by_start = sorted((t for t in infos if t[4]), key=lambda t: (t[3], t[4]))
   for a, b in zip(by_start, by_start[1:]):
-    if a[3] + a[4] > b[3] and a[4] and b[4]:
+    if a[3] + a[4] > b[3]:
       raise CheckpointError(
           f"{path}: tensor {a[0]!r} ({sizes[a[2]][0]}, {a[4]} bytes from data offset {a[3]})"
           f" overlaps tensor {b[0]!r} (from data offset {b[3]}): a tensor's type or offset is"

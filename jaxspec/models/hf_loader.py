@@ -120,6 +120,13 @@ def _check_safetensors(path: Path) -> list[str]:
   header.pop("__metadata__", None)
   start = 8 + n
   for name, info in header.items():
+    if isinstance(info, dict) and isinstance(info.get("dtype"), str) and (
+        info["dtype"] not in _ST_DTYPES):
+      what = " (FP8)" if info["dtype"].startswith("F8") else ""
+      raise CheckpointError(
+          f"{path}: tensor {name!r} is stored as {info['dtype']}{what}, which jaxspec does not"
+          f" read (it reads {', '.join(_ST_DTYPES)}): use the checkpoint's bfloat16, float16 or"
+          " float32 release, or dequantize it first (a quantized model also loads as a GGUF)")
     try:
       dtype = _ST_DTYPES[info["dtype"]]
       shape = tuple(int(s) for s in info["shape"])

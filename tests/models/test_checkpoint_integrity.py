@@ -153,6 +153,24 @@ def test_overlap_and_alignment_messages(tmp_path):
     load_gguf(_patched(src, tmp_path / "c.gguf", {fields[last][1]: ("<Q", 1 << 20)}))
 
 
+def test_an_empty_tensor_between_overlapping_ones_hides_nothing(tmp_path):
+  """Two tensors overlap with an empty one (a zero dimension) starting between them: the overlap
+  is still found (neighbours were compared, and a pair with an empty tensor skipped)."""
+  src = _tiny_gguf(tmp_path / "ok.gguf")
+  fields = _tensor_fields(src)
+  cases = dict((c, (e, t)) for c, e, t in _corruptions(fields))
+  edits, first = cases["a tensor overlapping the next by half"]
+  ((pos, (_, half)),) = edits.items()
+  assert half - fields[first][3] >= 64
+  empty = sorted(fields, key=lambda n: fields[n][3])[2]
+  n_dims = next(len(t.shape) for t in gguf.GGUFReader(src).tensors if t.name == empty)
+  edits = dict(edits)
+  edits[fields[empty][0] - 8 * n_dims] = ("<Q", 0)  # its first dimension: 0 elements
+  edits[fields[empty][1]] = ("<Q", fields[first][3] + 32)  # inside `first`, before `half`
+  with pytest.raises(CheckpointError, match=rf"tensor '{first}' .* overlaps tensor '"):
+    load_gguf(_patched(src, tmp_path / "e.gguf", edits))
+
+
 def test_general_alignment_is_honoured(tmp_path):
   """A file written with general.alignment 64 loads; an offset that is a multiple of 32 but not
   of 64 is refused, naming 64."""

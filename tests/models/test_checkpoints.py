@@ -324,6 +324,13 @@ def test_truncated_and_malformed_safetensors(tmp_path):
   st.write_bytes(b"abc")
   with pytest.raises(CheckpointError, match="not a safetensors file"):
     load_hf(tmp_path)
+  # An FP8 checkpoint: the dtype named as unsupported (was "a malformed header entry").
+  header = json.dumps({"model.norm.weight": {"dtype": "F8_E4M3", "shape": [4],
+                                             "data_offsets": [0, 4]}}).encode()
+  st.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+  with pytest.raises(CheckpointError, match=r"'model.norm.weight' is stored as F8_E4M3 \(FP8\),"
+                                            r" which jaxspec does not read"):
+    load_hf(tmp_path)
 
 
 def test_hf_unsupported_architecture_and_missing_files(tmp_path):
