@@ -80,8 +80,18 @@ def _spm_merges(pieces: Sequence[str], scores: Sequence[float],
   """BPE merges that reproduce SentencePiece's score-ordered merging of a piece vocabulary.
 
   Every piece that splits into two known pieces yields a merge ranked by the piece's score
-  (higher first), which is how `transformers` converts SentencePiece models.
+  (higher first), which is how `transformers` converts SentencePiece models. That tries every
+  split of every piece, time quadratic in a piece's length: past `MAX_SPM_SPLIT_WORK` (the sum
+  of the pieces' squared lengths; real vocabularies stay below a hundredth of it) it is a
+  CheckpointError instead of minutes of work.
   """
+  work = sum(len(p) ** 2 for p in pieces)
+  if work > MAX_SPM_SPLIT_WORK:
+    longest = max(pieces, key=len)
+    raise CheckpointError(
+        f"'tokenizer.ggml.tokens' holds pieces too long to convert (the longest has"
+        f" {len(longest):,} characters; the sum of squared lengths is {work:,}, past jaxspec's"
+        f" limit of {MAX_SPM_SPLIT_WORK:,}): the file is corrupt; re-download or re-convert it")
   ranked = []
   for piece, score in zip(pieces, scores):
     local = [(piece[:i], piece[i:]) for i in range(1, len(piece))
@@ -106,6 +116,10 @@ MAX_TEMPLATE_EMITTED = 4 * MAX_TEMPLATE_CHARS
 # The most tokens a tokenizer may hold, checked before a GGUF's tokens are read: real
 # vocabularies have at most 262,144, so four times that refuses only a corrupt or hostile file.
 MAX_VOCAB = 1 << 20
+# The most work building SentencePiece merges may take: the sum of the pieces' squared lengths
+# (`_spm_merges` tries every split of every piece): 262,144 pieces of 10 characters sum to about
+# 3 * 10^7; 10^10 takes about a second.
+MAX_SPM_SPLIT_WORK = 10 ** 10
 # The largest tokenizer.json read, checked before it is parsed (a parse holds several times the
 # file): real ones are at most a few tens of MB (Gemma 3's 262,144 tokens: 33 MB).
 MAX_TOKENIZER_JSON_BYTES = 128 << 20
@@ -716,10 +730,11 @@ class Tokenizer:
       raise CheckpointError(f"{source or 'GGUF tokenizer'}: {len(tokens)} tokens, more than"
                             f" jaxspec's vocabulary limit of {MAX_VOCAB}; the file is corrupt")
     types = _field_value(fields, "tokenizer.ggml.token_type")
-    types = [_NORMAL] * len(tokens) if types is None else _as_list(types)
-    if len(types) != len(tokens):
+    # Lengths compared before a numeric array (a view into the file) becomes a list.
+    if types is not None and len(types) != len(tokens):
       raise CheckpointError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token"
                             " types: the file's metadata is corrupt")
+    types = [_NORMAL] * len(tokens) if types is None else _as_list(types)
     vocab = {}
     for i, t in enumerate(tokens):
       vocab.setdefault(t, i)
@@ -753,10 +768,10 @@ class Tokenizer:
       default_add_bos = False
     elif model == "llama":
       scores = _field_value(fields, "tokenizer.ggml.scores")
-      scores = None if scores is None else _as_list(scores)
       if scores is None or len(scores) != len(tokens):
         raise CheckpointError("GGUF SentencePiece tokenizer needs one tokenizer.ggml.scores"
                               " entry per token: the file's metadata is incomplete")
+      scores = _as_list(scores)
       backend = tokenizers.Tokenizer(models.BPE(
           vocab, _spm_merges(tokens, scores, vocab), unk_token=unk, fuse_unk=True,
           byte_fallback=True))

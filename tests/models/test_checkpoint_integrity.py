@@ -355,6 +355,18 @@ def test_huge_vocabulary_is_refused_before_it_is_read(tmp_path):
   assert elapsed < 2.0 and peak < 200 << 20, (elapsed, peak)
 
 
+@pytest.mark.parametrize("key", ["tokenizer.ggml.token_type", "tokenizer.ggml.scores"])
+def test_a_numeric_tokenizer_array_of_the_wrong_length_is_refused_unread(key):
+  """A token-type or score array far longer than the vocabulary (a view into the file): refused
+  on its length, before it becomes a list (50M items were a 400 MB list first)."""
+  long = np.zeros(50_000_000, np.float32 if key.endswith("scores") else np.int32)
+  fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a", "b"],
+            "tokenizer.ggml.scores": np.zeros(3, np.float32), key: long}
+  _, elapsed, peak = _peak_and_time(lambda: pytest.raises(
+      CheckpointError, Tokenizer.from_gguf, fields))
+  assert peak < 20 << 20 and elapsed < 2.0, (peak, elapsed)
+
+
 def test_vocabulary_limit_applies_to_plain_metadata():
   with pytest.raises(CheckpointError, match=f"vocabulary limit of {MAX_VOCAB}"):
     Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2",
