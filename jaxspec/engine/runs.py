@@ -96,10 +96,6 @@ class SpecRun:
         lm=req.lm, drafter=req.drafter, policy=req.policy,
         max_new_tokens=req.prep.capacity, stop_ids=req.stop_ids, max_len=req.prep.max_len,
         max_steps=req.prep.capacity + 1))
-    # The cost models measured for "auto" are kept per these shapes and layouts.
-    self.cost_key = (req.lm, req.drafter, self.batch, req.prep.tokens.shape[1],
-                     req.prep.max_len, req.policy.buckets, repr(req.sampling),
-                     sharding_of(req.target))
     self.req = req
     self.carry = self.carry_key()  # where the pooled acceptance is carried, None: not carried
     self.compile_seconds = self._compile(req)
@@ -221,11 +217,11 @@ class SpecRun:
     """The engine's cost model for these shapes, else the one a process saved on disk for them
     (`costs.load_cost`), else `run_loop` (the `measure_costs` signature) timed from `state`
     once and saved; `self.costs` is then its array and `cost_source` says which."""
-    self.cost, self.cost_source = self.engine.cost_models.get(self.cost_key), "cached"
+    # One key in memory and on disk: the shapes, settings and layouts a step's time depends on.
+    key = cost_key(self.disk_key_parts())
+    self.cost, self.cost_source = self.engine.cost_models.get(key), "cached"
     disk = self.engine.cost_cache_dir() if self.cost is None else None
-    key = None
     if disk is not None:
-      key = cost_key(self.disk_key_parts())
       self.cost, self.cost_source = load_cost(disk, key, self.policy.buckets), "disk"
     if self.cost is None:
       state = self.timing_state(jax.block_until_ready(state))
@@ -247,7 +243,7 @@ class SpecRun:
         return
       if disk is not None:
         save_cost(disk, key, self.cost)
-    self.engine.cost_models[self.cost_key] = self.cost
+    self.engine.cost_models[key] = self.cost
     self.costs = costs_array(self.policy, self.cost)
 
   def disk_key_parts(self) -> dict[str, Any]:
@@ -350,7 +346,6 @@ class HostRun(SpecRun):
                   b)
     self.sp_t = jax.device_put(sp, self.tsh.state(sp, b))
     self.sp_d = jax.device_put(sp, self.dsh.state(sp, b))
-    self.cost_key += ("host", self.dsh)
     compile = self.engine.compile
     tok, lens = jnp.asarray(prep.tokens), jnp.asarray(prep.lengths)
     t0 = time.perf_counter()

@@ -312,6 +312,12 @@ def test_auto_measures_costs_once(tiny_target, reference):
                                stop_ids=())
   assert again.stats["cost_seconds"] == 0.0 and again.stats["cost_source"] == "cached"
   assert again.stats["cost_model"] == cm
+  # Another program (log-probabilities kept): its steps are timed, not the first one's reused
+  # (the in-memory key left the policy's other settings out; the one on disk has them).
+  lp = speculative_generate(tiny_target, _oracle(tiny_target, reference), PROMPTS,
+                            max_new_tokens=N_NEW, num_draft_tokens="auto", auto=auto,
+                            stop_ids=(), logprobs=True)
+  assert lp.stats["cost_source"] == "measured"
 
 
 def test_auto_without_drafts_is_plain_decoding(tiny_target, reference):
