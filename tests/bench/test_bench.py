@@ -70,8 +70,8 @@ def test_report_schema(report):
     assert spec["predicted_speedup"] > 0 and spec["tau"] >= 1
     assert sum(spec["k_histogram"].values()) == spec["target_passes"]
     # Acceptance is known where drafts were verified (k_max 2 positions), None where none were.
-    # (On this tiny model "auto", timing its costs at -O0, may choose plain steps throughout; it
-    # did for the copying prompt when checked, so the None branch is the one this run takes.)
+    # (In 6 tokens of this random model no token repeats, so the n-gram drafts nothing and the
+    # None branch is the one this run takes: test_report_acceptance_where_drafts_were_verified.)
     drafted = spec["target_passes"] > spec["plain_steps"]
     assert (len(spec["acceptance_per_position"]) == 2) if drafted else (
         spec["acceptance_per_position"] is None)
@@ -82,6 +82,29 @@ def test_report_schema(report):
   runs = [x for x in r["runs"] if x["method"] == "ngram"]
   assert sorted((x["category"], len(x["lengths"])) for x in runs) == [
       ("copy", 1), ("mixed", 1), ("mixed", 1)]
+
+
+def test_report_acceptance_where_drafts_were_verified(tiny_dir, prompts_file, tmp_path):
+  """k fixed at 2 and 24 new tokens: the n-gram drafts wherever the context's last token came
+  earlier, and the report's acceptance per position is then two rates. (The report above drafts
+  nothing: in 6 tokens of this random model no token repeats, so only its None branch ran.)
+  Without a cost model no speedup is predicted."""
+  assert _bench(tiny_dir, prompts_file, tmp_path, "--methods", "ngram",
+                "--num-draft-tokens", "2", "--max-new-tokens", "24") == 0
+  r = json.loads((tmp_path / "bench.json").read_text())
+  for cat in ("copy", "mixed", "all"):
+    spec = r["results"]["1"]["ngram"][cat]
+    drafted = spec["target_passes"] - spec["plain_steps"]
+    assert spec["k_histogram"] == {k: v for k, v in (("0", spec["plain_steps"]), ("2", drafted))
+                                   if v}, spec["k_histogram"]
+    acc, cond = spec["acceptance_per_position"], spec["conditional_acceptance_per_position"]
+    if drafted or cat == "all":
+      assert drafted and len(acc) == 2 and all(0 <= a <= 1 for a in acc) and acc[1] <= acc[0]
+      assert len(cond) == 2, cond
+    else:
+      assert acc is None
+    assert spec["predicted_speedup"] is None and spec["achieved_over_predicted"] is None
+    assert spec["matches_plain"] == 1.0
 
 
 def test_batches_repeat_prompts_to_fill():
