@@ -68,7 +68,8 @@ class Sampling:
 
   Attributes:
     temperature: 0 for greedy decoding, > 0 to sample (one so small that logits / temperature
-      overflows float32 acts as its limit, the argmax: see `process_logits`).
+      overflows float32 acts as its limit, the argmax: see `process_logits`; one below the
+      smallest normal float32, which XLA would flush to 0, is raised to it).
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1 keeps all.
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 keeps all.
@@ -151,6 +152,8 @@ class Sampling:
     ValueError when a per-row field's length is not `batch_size`."""
     def full(name, dt):
       v = getattr(self, name)
+      if name == "temperature" and not _is_traced(v):
+        v = _normal_temperature(v)
       if _is_traced(v):
         if v.ndim == 1 and v.shape[0] != batch_size:
           raise ValueError(f"Sampling.{name} has {v.shape[0]} values for a batch of"
@@ -200,6 +203,20 @@ def _check_traced(name: str, v, max_ndim: int, integer: bool = False) -> None:
   if v.dtype == jnp.bool_ or not ok:
     raise ValueError(f"{name} must hold {'integers' if integer else 'numbers'}, got a traced"
                      f" array of dtype {v.dtype}")
+
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32, ~1.18e-38
+
+
+def _normal_temperature(v):
+  """A positive temperature below the smallest normal float32 raised to it: XLA on CPU (and
+  GPUs) flushes subnormals to 0, which would make the row greedy (the first of tied tokens)
+  instead of the limit every such small temperature stands for (uniform over ties: see
+  `process_logits`). Zeros and larger values are kept."""
+  def one(t):
+    t = t.item() if hasattr(t, "item") else t
+    return _FLOAT32_TINY if 0 < t < _FLOAT32_TINY else t
+  return tuple(map(one, v)) if isinstance(v, tuple) else one(v)
 
 
 def _check_value(name: str, v, per_row: bool = False) -> None:

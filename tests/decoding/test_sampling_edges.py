@@ -15,7 +15,7 @@ from jaxspec.models import init_params, tiny_config
 from jaxspec.models.model import Model
 from jaxspec.sampling import probs, process_logits, row_keys, sample, token_logprobs
 
-TINY_TEMPERATURES = (3e-38, 2e-38)
+TINY_TEMPERATURES = (3e-38, 1e-40)  # a normal and a subnormal float32
 PROMPTS = [[5, 6, 7, 5, 6, 7], [9, 10], [3, 4, 5, 3, 4], [7], [11, 12, 13, 14]]
 
 
