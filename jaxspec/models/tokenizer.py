@@ -206,7 +206,7 @@ def _text_size(x: Any, indent: int = 0) -> int:
       stack.append(itertools.chain.from_iterable(y.items()))
     elif isinstance(y, (list, tuple, set, frozenset, abc.MappingView)):
       stack.append(iter(y))
-    elif isinstance(y, jinja2_namespace()):
+    elif isinstance(y, _jinja2_namespace()):
       stack.append(itertools.chain.from_iterable(object.__getattribute__(
           y, "_Namespace__attrs").items()))
     else:  # another object (Undefined, a macro, a loop): its own short text
@@ -215,7 +215,7 @@ def _text_size(x: Any, indent: int = 0) -> int:
 
 
 @functools.cache
-def jinja2_namespace() -> type:
+def _jinja2_namespace() -> type:
   from jinja2.utils import Namespace
   return Namespace
 
@@ -407,12 +407,11 @@ def _bounded_environment_class():
 def _chat_environment():
   """The sandboxed jinja2 environment `transformers` renders chat templates with."""
   import jinja2
-  from jinja2 import nodes, pass_eval_context
+  from jinja2 import nodes, pass_environment, pass_eval_context
   from jinja2.ext import Extension
-  from jinja2 import pass_environment
-  from markupsafe import soft_str
   from jinja2.filters import (do_batch, do_center, do_format, do_indent, do_join, do_pprint,
                               do_replace, do_wordwrap, make_attrgetter, sync_do_slice)
+  from markupsafe import soft_str
 
   class GenerationTag(Extension):
     # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in
