@@ -153,7 +153,7 @@ class Sampling:
     def full(name, dt):
       v = getattr(self, name)
       if name == "temperature" and not _is_traced(v):
-        v = _normal_temperature(v)
+        v = normal_temperature(v)
       if _is_traced(v):
         if v.ndim == 1 and v.shape[0] != batch_size:
           raise ValueError(f"Sampling.{name} has {v.shape[0]} values for a batch of"
@@ -208,7 +208,7 @@ def _check_traced(name: str, v, max_ndim: int, integer: bool = False) -> None:
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32, ~1.18e-38
 
 
-def _normal_temperature(v):
+def normal_temperature(v):
   """A positive temperature below the smallest normal float32 raised to it: XLA on CPU (and
   GPUs) flushes subnormals to 0, which would make the row greedy (the first of tied tokens)
   instead of the limit every such small temperature stands for (uniform over ties: see

@@ -217,9 +217,11 @@ class SpecRun:
     """The engine's cost model for these shapes, else the one a process saved on disk for them
     (`costs.load_cost`), else `run_loop` (the `measure_costs` signature) timed from `state`
     once and saved; `self.costs` is then its array and `cost_source` says which."""
-    # One key in memory and on disk: the shapes, settings and layouts a step's time depends on.
+    # The disk's key (the shapes, settings and layouts a step's time depends on), in memory
+    # with the model and drafter objects too (an own model's is described by its type only).
     key = cost_key(self.disk_key_parts())
-    self.cost, self.cost_source = self.engine.cost_models.get(key), "cached"
+    mem_key = (key, self.req.lm, self.req.drafter)
+    self.cost, self.cost_source = self.engine.cost_models.get(mem_key), "cached"
     disk = self.engine.cost_cache_dir() if self.cost is None else None
     if disk is not None:
       self.cost, self.cost_source = load_cost(disk, key, self.policy.buckets), "disk"
@@ -243,7 +245,7 @@ class SpecRun:
         return
       if disk is not None:
         save_cost(disk, key, self.cost)
-    self.engine.cost_models[key] = self.cost
+    self.engine.cost_models[mem_key] = self.cost
     self.costs = costs_array(self.policy, self.cost)
 
   def disk_key_parts(self) -> dict[str, Any]:

@@ -300,7 +300,8 @@ class SlotDecoder:
           self.params, self.state, jnp.asarray(rows), jnp.asarray(chunk), jnp.asarray(n),
           jnp.asarray(pad([job.reset for job in jobs], True, bool)), keys,
           jnp.asarray(pad([job.max_new_tokens for job in jobs], 1, np.int32)),
-          jnp.asarray(pad([job.temperature for job in jobs], 0.0, np.float32)),
+          jnp.asarray(pad([sampling_lib.normal_temperature(job.temperature)
+                           for job in jobs], 0.0, np.float32)),
           jnp.asarray(pad([job.top_p for job in jobs], 1.0, np.float32)),
           jnp.asarray(np.stack([self._stops(job) for job in jobs]
                                + [self._stops(jobs[0])] * (r - len(jobs)))),

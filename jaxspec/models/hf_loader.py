@@ -608,8 +608,7 @@ def _load_hf(path: str | os.PathLike, dtype: str | None, place=None, scan: bool 
   eos = _ids(text_config(config)[0].get("eos_token_id"))
   if generation.is_file():
     gen = read_json(generation)
-    eos += [i for i in _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
-            if i not in eos]
+    eos += [i for i in _ids(gen.get("eos_token_id")) if i not in eos]
   tokenizer = None
   if (path / "tokenizer.json").is_file():
     from jaxspec.models.tokenizer import Tokenizer

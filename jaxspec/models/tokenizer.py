@@ -180,12 +180,13 @@ def _length(x: Any) -> int | None:
 _END = object()
 
 
-def _text_size(x: Any, indent: int = 0) -> int:
+def _text_size(x: Any, indent: int = 0, sep: int = 2) -> int:
   """An estimate, at least len(str(x)) and len(repr(x)) up to escapes (a factor of at most 6),
   of the text that printing `x` makes: containers are walked, so that a list of many references
   to one long string is measured before it is printed. `indent` adds what json's or pprint's
-  indentation adds per item. The walk stops once past MAX_TEMPLATE_CHARS (the value returned is
-  then past it too), and structures nested deeper than 256 levels count as past it."""
+  indentation adds per item, `sep` the separator's characters per item. The walk stops once
+  past MAX_TEMPLATE_CHARS (the value returned is then past it too), and structures nested
+  deeper than 256 levels count as past it."""
   limit, total, stack = MAX_TEMPLATE_CHARS, 0, [iter((x,))]
   while stack and total <= limit:
     y = next(stack[-1], _END)
@@ -193,7 +194,7 @@ def _text_size(x: Any, indent: int = 0) -> int:
       stack.pop()
       continue
     depth = len(stack)
-    total += 2 + (indent * depth + 1 if indent else 0)  # a separator, a newline and its indent
+    total += sep + (indent * depth + 1 if indent else 0)  # a separator, a newline, its indent
     if isinstance(y, (str, bytes)):
       total += len(y)
     elif isinstance(y, (bool, float)) or y is None:
@@ -224,29 +225,40 @@ def _jinja2_namespace() -> type:
 _PRINTF = re.compile(r"%(?:\(([^)]*)\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.)", re.S)
 
 
-def _check_formatting(fmt: str, fields: Iterable[tuple[Any, str]], args: Sequence[Any],
-                      kwargs: Mapping[str, Any], what: str) -> None:
-  """Refuses a formatting whose result could pass MAX_TEMPLATE_CHARS, before it is built:
-  `fields` gives each replacement field's key (an int position, a str name, or None for the
-  next position) and its width and precision text. The bound: the format string, plus per
-  field its widths and the printed size of the value it reads (so one long value read by many
-  fields counts each time); a width taken from the values counts as the largest integer among
-  them."""
+def _check_formatting(fmt: str, fields: Iterable[tuple[Any, str, list, bool]],
+                      args: Sequence[Any], kwargs: Mapping[str, Any], what: str) -> None:
+  """Refuses a formatting whose result could pass MAX_TEMPLATE_CHARS, before it is built.
+  `fields` gives each replacement field as (key of its value, its spec text, keys of the
+  values that give its width or precision, whether those are read before the value); a key is
+  an int position, a str name, or None for the next position. The bound: the format string,
+  plus per field the printed size of its value (so one long value read by many fields counts
+  each time) and its widths, literal or read from the values."""
   budget, sizes, auto = _budget(), {}, 0
   total = len(fmt)
-  ints = [abs(v) for v in (*args, *kwargs.values()) if isinstance(v, int)
-          and not isinstance(v, bool)]
-  for key, spec in fields:
-    if key is None:
-      key, auto = auto, auto + 1
+
+  def value(key):
+    return (args[key] if isinstance(key, int) and 0 <= key < len(args)
+            else kwargs.get(key) if isinstance(key, str) else None)
+
+  for key, spec, width_keys, widths_first in fields:
+    order = [*width_keys, key] if widths_first else [key, *width_keys]
+    resolved = []
+    for k in order:
+      if k is None:
+        k, auto = auto, auto + 1
+      resolved.append(k)
+    if widths_first:
+      *widths, key = resolved
+    else:
+      key, *widths = resolved
     if key not in sizes:
-      value = (args[key] if isinstance(key, int) and 0 <= key < len(args)
-               else kwargs.get(key) if isinstance(key, str) else None)
-      sizes[key] = 0 if value is None else _text_size(value)
-    digits = re.findall(r"\d+", spec)
-    total += sizes[key] + sum(int(d) if len(d) < 12 else 10 ** 12 for d in digits)
-    if "*" in spec or "{" in spec:  # a width given by a value
-      total += max(ints, default=0)
+      v = value(key)
+      sizes[key] = 0 if v is None else _text_size(v)
+    total += sizes[key] + sum(int(d) if len(d) < 12 else 10 ** 12
+                              for d in re.findall(r"\d+", spec))
+    for w in map(value, widths):
+      if isinstance(w, int) and not isinstance(w, bool):
+        total += abs(w)
     if total > MAX_TEMPLATE_CHARS:
       budget.size(total, what)
 
@@ -262,12 +274,13 @@ def _replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
   return len(s) + n * max(len(new) - len(old), 0)
 
 
-def _printf_fields(fmt: str) -> Iterator[tuple[Any, str]]:
+def _printf_fields(fmt: str) -> Iterator[tuple[Any, str, list, bool]]:
+  """The conversions of a printf format (`_check_formatting`'s fields): a `*` width or precision
+  reads the next value before the converted one."""
   for m in _PRINTF.finditer(fmt):
     if m.group(4) != "%":
-      yield m.group(1), (m.group(2) or "") + "." + (m.group(3) or "")
-      if "*" in ((m.group(2) or "") + (m.group(3) or "")):  # a width read from the values
-        yield None, ""
+      width, precision = m.group(2) or "", m.group(3) or ""
+      yield m.group(1), f"{width}.{precision}", [None] * (width + precision).count("*"), True
 
 
 def _check_printf(fmt: str, values: Any) -> None:
@@ -277,17 +290,26 @@ def _check_printf(fmt: str, values: Any) -> None:
     _check_formatting(fmt, _printf_fields(fmt), (values,), values, "a % format")
   else:
     args = values if isinstance(values, tuple) else (values,)
-    _check_formatting(fmt, ((None, spec) for _, spec in _printf_fields(fmt)), args, {},
-                      "a % format")
+    _check_formatting(fmt, ((None, spec, w, first) for _, spec, w, first in _printf_fields(fmt)),
+                      args, {}, "a % format")
 
 
-def _format_fields(fmt: str) -> Iterator[tuple[Any, str]]:
+def _format_key(name: str) -> Any:
+  head = re.split(r"[.\[]", name, maxsplit=1)[0]
+  return None if head == "" else int(head) if head.isdigit() else head
+
+
+def _format_fields(fmt: str) -> Iterator[tuple[Any, str, list, bool]]:
+  """The replacement fields of a str.format string (`_check_formatting`'s fields): a field in
+  the spec ("{:{w}}") gives a width, read after the value."""
   import string
-  for _, name, spec, _ in string.Formatter().parse(fmt):
+  parse = string.Formatter().parse
+  for _, name, spec, _ in parse(fmt):
     if name is None:
       continue
-    head = re.split(r"[.\[]", name, maxsplit=1)[0]
-    yield (None if head == "" else int(head) if head.isdigit() else head), spec or ""
+    spec = spec or ""
+    nested = [_format_key(n) for _, n, _, _ in parse(spec) if n is not None] if "{" in spec else []
+    yield _format_key(name), spec, nested, False
 
 
 @functools.cache
@@ -432,8 +454,9 @@ def _chat_environment():
   def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     width = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
     budget = _budget()
-    budget.size(_text_size(x, indent=max(width, 0) + 1 if indent is not None else 0) + (
-        sum(map(len, separators)) * _text_size(x) if separators else 0), "a tojson")
+    sep = max([2, *(len(x) for x in separators if isinstance(x, str))]) if separators else 2
+    budget.size(_text_size(x, indent=max(width, 0) + 1 if indent is not None else 0, sep=sep),
+                "a tojson")
     text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
     budget.size(len(text), "a tojson")  # escapes may make it longer than estimated
@@ -524,9 +547,28 @@ def _chat_environment():
                      slice=slice_, wordwrap=wordwrap)
   env.globals["range"] = bounded_range
   env.globals["lipsum"] = lipsum
+  # The filters that make a string of their input measure a container's printed size first (a
+  # list holding one long string many times would be printed before any other check).
+  for name in ("capitalize", "center", "e", "escape", "forceescape", "format", "indent", "lower",
+               "replace", "safe", "string", "striptags", "title", "trim", "truncate", "upper",
+               "urlencode", "urlize", "wordcount", "wordwrap", "pprint"):
+    if name in env.filters:
+      env.filters[name] = _measured_input(env.filters[name], name)
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
   return env
+
+
+def _measured_input(f, name: str):
+  """Filter `f` checking first that its input, unless a string, prints within the limits."""
+  at = 0 if getattr(f, "jinja_pass_arg", None) is None else 1  # after a context or environment
+
+  @functools.wraps(f)  # keeps jinja2's pass_* marker
+  def measured(*args, **kwargs):
+    if len(args) > at and not isinstance(args[at], str):
+      _budget().size(_text_size(args[at]), f"the {name} filter's input")
+    return f(*args, **kwargs)
+  return measured
 
 
 _CHAT_TEMPLATE_ERRORS: dict[type, type] = {}
@@ -647,6 +689,11 @@ class Tokenizer:
       raise ValueError("this tokenizer has no chat template: pass a plain prompt string to"
                        " `encode`, or load a checkpoint whose metadata has one")
     import jinja2
+    try:
+      messages = [dict(m) for m in messages]
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} mappings,"
+                       f" got {_short(messages)} ({e})") from None
     budget = _Budget(self.template_source)
     token = _BUDGET.set(budget)
     try:
@@ -657,7 +704,7 @@ class Tokenizer:
                        tools=None, documents=None)
       variables.update(kwargs)
       chunks, n = [], 0
-      for chunk in self._compiled.generate(messages=[dict(m) for m in messages],
+      for chunk in self._compiled.generate(messages=messages,
                                            add_generation_prompt=add_generation_prompt,
                                            **variables):
         n += len(chunk)

@@ -434,6 +434,10 @@ HOSTILE_TEMPLATES = {
     "set block built and dropped": ("{% set x %}{% for i in range(100000) %}{{ 'a' * 10000000 }}"
                                     "{% endfor %}{% endset %}", "characters printed per rendering"),
     "lipsum": ("{{ lipsum(100000000) }}", "loop iterations"),
+    "trim of a list of one string many times": (
+        "{% set l = [('x' * 1000000)] * 100 %}{{ l|trim|length }}", "the trim filter's input"),
+    "format filter on a list": ("{% set l = [('x' * 1000000)] * 100 %}{{ l|format|length }}",
+                                "the format filter's input"),
 }
 
 
@@ -472,12 +476,30 @@ def test_template_limits_leave_formatting_alone():
               "{{ [[1], [2]]|sum(start=[]) }}|{{ [1, 2, 3]|batch(2, fill_with=0)|list }}|"
               "{{ [1, 2, 3]|slice(2)|list }}|{{ 'ab cd ef'|wordwrap(2) }}|{{ ', '.join(['a', 'b']) }}|"
               "{{ 'abc'.translate({97: 'xy'}) }}|{{ (258).to_bytes(2, 'big') }}|{{ 3 * 4 }}|"
-              "{{ {'k': [1, 'v']} }}|{{ 7 % 3 }}|{{ '%x' % 255 }}|{{ 'a' ~ [1] ~ none }}")
+              "{{ {'k': [1, 'v']} }}|{{ 7 % 3 }}|{{ '%x' % 255 }}|{{ 'a' ~ [1] ~ none }}|"
+              # a large value beside a small width read from the values
+              "{{ '{:{}}'.format(20000000, 2) }}|{{ '%*d' % (3, 20000000) }}|"
+              "{{ [' a ']|trim }}|{{ messages|tojson(separators=(',', ':')) }}")
   messages = [{"role": "user", "content": "hi"}]
   text = _tok(template).apply_chat_template(messages, add_generation_prompt=False)
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
   env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
   assert text == env.from_string(template).render(messages=messages)
+
+
+def test_a_long_message_through_tojson_with_separators_renders():
+  """A 6M-character message through tojson(separators=(',', ':')) (Kimi K2's template dumps its
+  tools so): the estimate counts the separators per item, not per character (it was refused
+  as 18M)."""
+  messages = [{"role": "user", "content": "x" * 6_000_000}]
+  text = _tok("{{ messages|tojson(separators=(',', ':')) }}").apply_chat_template(messages)
+  assert text == json.dumps(messages, separators=(",", ":")) and len(text) > 6_000_000
+
+
+def test_messages_that_are_not_mappings_are_named_as_such():
+  """Not the template's fault: a message list of non-mappings is a ValueError saying so."""
+  with pytest.raises(ValueError, match=r"messages must be a list of \{'role'"):
+    _tok("{{ messages }}").apply_chat_template([1, 2])
 
 
 def test_template_limits_leave_real_templates_alone():
