@@ -24,6 +24,8 @@ demo: $(VENV)/.installed
 # decode loops need (there the older emitters compile 2-3x slower). Tests marked `slow` (the
 # longer or redundant forms of a behaviour a default test checks: docs/tests.md lists them) stay
 # out; `make test-slow` runs them in the same two passes, and CI runs it after `make test`.
+# Compiled programs are kept between runs in .cache/test-programs (tests/conftest.py; a later
+# run skips most of XLA's compiling: JAXSPEC_TEST_PROGRAMS=none turns it off, `rm -r` clears it).
 TEST_XLA := $${XLA_FLAGS:---xla_force_host_platform_device_count=8}
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests

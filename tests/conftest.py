@@ -4,14 +4,52 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The CLI's persistent compilation cache stays off in tests that call it (a test that wants it
-# passes --compile-cache): a warm cache from an earlier run would change what they time.
+# The CLI's own compilation cache (~/.cache/jaxspec/xla) stays out of tests that call it (a
+# test that wants one passes --compile-cache): in this process they use the tests' kept
+# programs below, in a subprocess none.
 os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "none")
 # Likewise the cost models of "auto" kept on disk (a test that wants them names a directory).
 os.environ.setdefault("JAXSPEC_COST_CACHE", "none")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The compiled programs of earlier runs, kept on disk by JAX's persistent compilation cache
+# (every program, whatever its compile time; 1 GiB at most, least recently used dropped) and
+# shared by the pytest-xdist workers: a run after the first skips most of XLA's compiling (its
+# tracing and lowering remain), about half a tiny-model test's time. A program is looked up by
+# its HLO, compile options, XLA flags and the JAX and XLA versions, so a changed function or
+# flag compiles afresh. JAXSPEC_TEST_PROGRAMS names the directory (default .cache/test-programs
+# in the repository, git-ignored); 'none' keeps none. Measured: docs/tests.md, "Compiled programs
+# kept between runs".
+TEST_PROGRAMS_ENV = "JAXSPEC_TEST_PROGRAMS"
+
+
+def programs_dir() -> str | None:
+  """The directory of the kept programs (None: none kept)."""
+  spec = os.environ.get(TEST_PROGRAMS_ENV, "").strip()
+  if spec.lower() in ("none", "off"):
+    return None
+  if not spec:
+    spec = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+                        "test-programs")
+  return spec
+
+
+def use_test_programs() -> None:
+  """Points JAX's persistent compilation cache at the tests' directory (or turns it off)."""
+  from jax._src import compilation_cache  # reset_cache: JAX's own tests use it so
+  path = programs_dir()
+  if path is not None:
+    os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  jax.config.update("jax_compilation_cache_max_size", 1 << 30)
+  compilation_cache.reset_cache()  # the next compile opens the directory now configured
+
+
+use_test_programs()
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +108,15 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "smollm2" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kept_programs():
+  """Each module starts with the tests' kept programs on: a CLI call in this process with
+  --compile-cache none (`jaxspec bench`'s default) turns JAX's cache off for the process."""
+  if jax.config.jax_compilation_cache_dir != programs_dir():
+    use_test_programs()
+  yield
 
 
 @pytest.fixture(scope="module", autouse=True)

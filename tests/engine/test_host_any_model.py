@@ -183,8 +183,10 @@ def test_texts_through_a_given_tokenizer(own):
     want = jaxspec.generate(own, [ids], max_new_tokens=N_NEW)
     np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=str(chat))
     assert got.prompt_lengths.tolist() == [len(ids)]
-    # decode told to skip special tokens (a stop token among them)
+    # decode told to skip special tokens (a stop token among them): the row holds one, so
+    # the text differs from the raw decoding
     assert got.texts == [hf.decode(got.row(0), skip_special_tokens=True)]
+    assert got.texts[0] != hf.decode(got.row(0)), got.row(0)
 
 
 def test_per_prompt_settings_with_n_samples_on_the_speculative_path(tiny_target):
