@@ -550,8 +550,8 @@ def _chat_environment():
   # The filters that make a string of their input measure a container's printed size first (a
   # list holding one long string many times would be printed before any other check).
   for name in ("capitalize", "center", "e", "escape", "forceescape", "format", "indent", "lower",
-               "replace", "safe", "string", "striptags", "title", "trim", "truncate", "upper",
-               "urlencode", "urlize", "wordcount", "wordwrap", "pprint"):
+               "replace", "safe", "striptags", "title", "trim", "truncate", "upper",
+               "urlencode", "urlize", "wordcount", "wordwrap"):  # string, pprint: above
     if name in env.filters:
       env.filters[name] = _measured_input(env.filters[name], name)
   env.globals["raise_exception"] = raise_exception

@@ -483,7 +483,8 @@ def test_template_limits_leave_formatting_alone():
   messages = [{"role": "user", "content": "hi"}]
   text = _tok(template).apply_chat_template(messages, add_generation_prompt=False)
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+  env.filters["tojson"] = lambda x, indent=None, separators=None: json.dumps(
+      x, ensure_ascii=False, indent=indent, separators=separators)
   assert text == env.from_string(template).render(messages=messages)
 
 
