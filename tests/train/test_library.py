@@ -126,6 +126,26 @@ def test_eagle_lm_head_starts_from_the_target(tiny_target, tmp_path):
                                 **EAGLE3)
 
 
+def _packed_and_apart(convs, answer_starts, t: int = 20):
+  """The conversations packed into one row of t tokens (segment_ids, positions restarting) and
+  as rows apart; each one's loss mask from its answer start to its end."""
+  packed = {k: np.zeros((1, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32),
+                                                ("segment_ids", np.int32), ("positions", np.int32))}
+  apart = {k: np.zeros((len(convs), t), d) for k, d in (("tokens", np.int32),
+                                                        ("loss_mask", np.float32))}
+  at = 0
+  for i, (c, a) in enumerate(zip(convs, answer_starts)):
+    n = len(c)
+    packed["tokens"][0, at:at + n] = c
+    packed["loss_mask"][0, at + a:at + n] = 1
+    packed["segment_ids"][0, at:at + n] = i + 1
+    packed["positions"][0, at:at + n] = np.arange(n)
+    apart["tokens"][i, :n] = c
+    apart["loss_mask"][i, a:n] = 1
+    at += n
+  return packed, apart
+
+
 @pytest.mark.parametrize("kind, options", [  # the heads share the packing: one runs by default
     ("eagle", EAGLE3), pytest.param("medusa", dict(num_heads=3), marks=pytest.mark.slow),
     pytest.param("mlp", dict(n_predict=3), marks=pytest.mark.slow)])
@@ -136,20 +156,7 @@ def test_packed_row_trains_as_its_conversations_apart(tiny_target, kind, options
   v = tiny_target.cfg.vocab_size
   rng = np.random.default_rng(5)
   convs = [rng.integers(3, v, size=n).astype(np.int32) for n in (7, 9)]
-  t = 20
-  packed = {k: np.zeros((1, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32),
-                                                ("segment_ids", np.int32), ("positions", np.int32))}
-  apart = {k: np.zeros((2, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32))}
-  at = 0
-  for i, c in enumerate(convs):
-    n = len(c)
-    packed["tokens"][0, at:at + n] = c
-    packed["loss_mask"][0, at + 2:at + n] = 1  # answers from the third token on
-    packed["segment_ids"][0, at:at + n] = i + 1
-    packed["positions"][0, at:at + n] = np.arange(n)
-    apart["tokens"][i, :n] = c
-    apart["loss_mask"][i, 2:n] = 1
-    at += n
+  packed, apart = _packed_and_apart(convs, [2, 2])  # answers from the third token on
   spec = heads.HEADS[kind]
   model = spec.create(tiny_target.cfg, rngs=nnx.Rngs(1), **options)
   layers = spec.required_layers(tiny_target.cfg, options)
@@ -172,20 +179,7 @@ def test_offline_chain_tau_of_a_packed_row_is_that_of_its_conversations(tiny_tar
   prompts = [[5, 6, 7], [9]]  # the second answer begins one token in: labels cross the boundary
   out = generate(tiny_target, prompts, max_new_tokens=7, stop_ids=())
   convs = [np.asarray(p + out.row(b), np.int32) for b, p in enumerate(prompts)]
-  t = 20
-  packed = {k: np.zeros((1, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32),
-                                                ("segment_ids", np.int32), ("positions", np.int32))}
-  apart = {k: np.zeros((2, t), d) for k, d in (("tokens", np.int32), ("loss_mask", np.float32))}
-  at = 0
-  for i, c in enumerate(convs):
-    n, p = len(c), len(prompts[i])
-    packed["tokens"][0, at:at + n] = c
-    packed["loss_mask"][0, at + p:at + n] = 1  # the generated answer
-    packed["segment_ids"][0, at:at + n] = i + 1
-    packed["positions"][0, at:at + n] = np.arange(n)
-    apart["tokens"][i, :n] = c
-    apart["loss_mask"][i, p:n] = 1
-    at += n
+  packed, apart = _packed_and_apart(convs, [len(p) for p in prompts])  # the generated answers
   for batch in (packed, apart):
     final, _ = target_hidden(frozen, jnp.asarray(batch["tokens"]), cfg,
                              segment_ids=None if "segment_ids" not in batch
