@@ -113,14 +113,6 @@ def _over_pressure(usage: tuple[int, int] | None) -> bool:
 # one compiled program (`io.bucket_rows`, `io.bucket_new_tokens`).
 
 
-def _devices(tree):
-  """The devices of a pytree's first array (None without one)."""
-  for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.Array):
-      return leaf.sharding.device_set
-  return None
-
-
 def generate_program(params, prompt, lengths, sp, key, budget, buffers=None, *, lm, max_len,
                      capacity, stop_ids, logprobs=False, top_logprobs=0):
   """`plain.generate_program` with per-row budgets [B] below a static `capacity`; the last
@@ -316,7 +308,7 @@ class Engine:
     bufs = self.buffers.pop((cfg, batch_size, max_len, str(cfg.act_dtype)), None)
     self.buffers.clear()
     if (bufs is not None and not any(b.is_deleted() for b in bufs)
-        and _devices(params) in (None, bufs[0].sharding.device_set)):
+        and io.devices_of(params) in (set(), bufs[0].sharding.device_set)):
       return bufs
     cache = init_cache(cfg, batch_size, max_len)
     return cache.k, cache.v

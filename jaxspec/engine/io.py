@@ -389,8 +389,8 @@ def check_drafter(target, drafter: Drafter) -> None:
   check_drafter_for(as_host_target(target).lm.vocab_size, drafter)
   dparams = drafter.params
   if dparams is not None and sharding_of(target) is None:  # a sharded target gets them copied
-    tdev = _devices(target.params)
-    ddev = _devices(dparams)
+    tdev = devices_of(target.params)
+    ddev = devices_of(dparams)
     if tdev and ddev and tdev != ddev:
       raise ValueError(
           f"the drafter's weights are on {sorted(map(str, ddev))} but the target's are on"
@@ -398,7 +398,8 @@ def check_drafter(target, drafter: Drafter) -> None:
           " fused loop, or give them separate meshes with a Placement")
 
 
-def _devices(tree) -> set:
+def devices_of(tree) -> set:
+  """The devices a pytree's arrays are on (empty without any)."""
   out = set()
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.Array):

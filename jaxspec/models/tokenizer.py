@@ -263,6 +263,12 @@ def _check_formatting(fmt: str, fields: Iterable[tuple[Any, str, list, bool]],
       budget.size(total, what)
 
 
+def _joined_size(items: Sequence[Any], sep: Any) -> int:
+  """At least the length of `sep` joining `items` (each printed: `_text_size` for non-strings)."""
+  return (sum(len(x) if isinstance(x, str) else _text_size(x) for x in items)
+          + len(sep if isinstance(sep, (str, bytes)) else str(sep)) * len(items))
+
+
 def _replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
   """len(s.replace(old, new, count)), counted without building it."""
   s, old, new = (x if isinstance(x, (str, bytes)) else str(x) for x in (s, old, new))
@@ -407,7 +413,7 @@ def _bounded_environment_class():
         elif method == "join" and args:
           items = list(_charged(args[0]))  # read once here: it may be a generator
           args = (items, *args[1:])
-          budget.size(sum(_length(x) or 0 for x in items) + len(owner) * len(items), "str.join")
+          budget.size(_joined_size(items, owner), "str.join")
         elif method == "expandtabs":
           budget.size(len(owner) * (args[0] if args and isinstance(args[0], int)
                                     else 8), "str.expandtabs")
@@ -526,8 +532,7 @@ def _chat_environment():
   @pass_eval_context
   def join(eval_ctx, value, d="", attribute=None):
     items = list(_charged(value))
-    _budget().size(sum(len(x) if isinstance(x, str) else _text_size(x) for x in items)
-                   + len(str(d)) * len(items), "a join")
+    _budget().size(_joined_size(items, d), "a join")
     return do_join(eval_ctx, items, d, attribute)
 
   def center(value, width=80):

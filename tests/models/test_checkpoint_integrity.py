@@ -376,11 +376,15 @@ def test_vocabulary_limit_applies_to_plain_metadata():
 # -- item 7: chat templates -----------------------------------------------------------------------
 
 
-def _tok(template) -> Tokenizer:
+def _backend():
+  """A two-token word-level `tokenizers.Tokenizer`."""
   import tokenizers
   from tokenizers import models
-  backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
-  return Tokenizer(backend, chat_template=template, template_source="test template")
+  return tokenizers.Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+
+
+def _tok(template) -> Tokenizer:
+  return Tokenizer(_backend(), chat_template=template, template_source="test template")
 
 
 HOSTILE_TEMPLATES = {
@@ -526,10 +530,7 @@ def test_time_limit(monkeypatch):
 @pytest.mark.parametrize("template", [7, {"a": 1}, [{"name": "default", "template": 5}], [5]])
 def test_non_string_templates_are_checkpoint_errors(tmp_path, template):
   """From tokenizer_config.json, at load time: a CheckpointError naming the file."""
-  import tokenizers
-  from tokenizers import models
-  backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
-  backend.save(str(tmp_path / "tokenizer.json"))
+  _backend().save(str(tmp_path / "tokenizer.json"))
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
   with pytest.raises(CheckpointError, match=r"tokenizer_config.json.*chat_template.* not"):
     Tokenizer.from_hf_dir(tmp_path)
@@ -638,11 +639,8 @@ def test_checkpoint_json_files_that_are_not_objects_are_checkpoint_errors(tmp_pa
   """tokenizer_config.json and a head's config.json that are a list, nest too deeply or are not
   UTF-8 (were AttributeError / RecursionError / UnicodeDecodeError): a CheckpointError naming
   the file (`jaxspec.models.errors.read_json`, which every checkpoint JSON file is read by)."""
-  import tokenizers
-  from tokenizers import models
   from jaxspec.heads import load_head
-  backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
-  backend.save(str(tmp_path / "tokenizer.json"))
+  _backend().save(str(tmp_path / "tokenizer.json"))
   (tmp_path / "tokenizer_config.json").write_bytes(content)
   with pytest.raises(CheckpointError, match=r"tokenizer_config\.json (holds a JSON list|is not"
                                             r" valid JSON)"):
