@@ -19,16 +19,18 @@ demo: $(VENV)/.installed
 
 # Two passes, each over two pytest-xdist workers (one per core; a test module's programs stay on
 # one worker): the tiny random models with LLVM at -O0 and XLA CPU's older fusion emitters (their
-# programs compile about twice as fast that way and run about as fast), then the tests on the
-# bundled SmolLM2 (marked real_model by tests/conftest.py) with XLA's default settings, which its
-# decode loops need (there the older emitters compile 2-3x slower). Tests marked `slow` (the
-# longer or redundant forms of a behaviour a default test checks: docs/tests.md lists them) stay
-# out; `make test-slow` runs them in the same two passes, and CI runs it after `make test`.
+# programs compile about twice as fast that way and run about as fast), then the tests marked
+# `optimized` with XLA's default settings: those on the bundled SmolLM2 (tests/conftest.py marks
+# them), whose decode loops need it (there the older emitters compile 2-3x slower), and the tiny
+# models' tests that run programs over thousands of keys or rows (marked by hand). Tests marked
+# `slow` (the longer or redundant forms of a behaviour a default test checks: docs/tests.md lists
+# them) stay out; `make test-slow` runs them in the same two passes, and CI runs it after
+# `make test`.
 # Compiled programs are kept between runs in .cache/test-programs (tests/conftest.py; a later
 # run skips most of XLA's compiling: JAXSPEC_TEST_PROGRAMS=none turns it off, `rm -r` clears it).
 TEST_XLA := $${XLA_FLAGS:---xla_force_host_platform_device_count=8}
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 # The model-family parity tests compare with transformers' own implementations: the compare
 # extra (CPU torch from the local wheel, transformers) is installed here when missing.
 COMPARE_EXTRA := $(PY) -c "import torch, transformers" 2>/dev/null || \
@@ -36,13 +38,13 @@ COMPARE_EXTRA := $(PY) -c "import torch, transformers" 2>/dev/null || \
 PASS1_XLA := XLA_FLAGS="$(TEST_XLA) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 test: $(VENV)/.installed
 	$(COMPARE_EXTRA)
-	$(PASS1_XLA) $(PYTEST) -m "not slow and not real_model"
-	XLA_FLAGS="$(TEST_XLA)" $(PYTEST) -m "not slow and real_model"
+	$(PASS1_XLA) $(PYTEST) -m "not slow and not optimized"
+	XLA_FLAGS="$(TEST_XLA)" $(PYTEST) -m "not slow and optimized"
 
 test-slow: $(VENV)/.installed
 	$(COMPARE_EXTRA)
-	$(PASS1_XLA) $(PYTEST) -m "slow and not real_model"
-	XLA_FLAGS="$(TEST_XLA)" $(PYTEST) -m "slow and real_model"
+	$(PASS1_XLA) $(PYTEST) -m "slow and not optimized"
+	XLA_FLAGS="$(TEST_XLA)" $(PYTEST) -m "slow and optimized"
 
 # The three notebooks executed in their SMALL setting (CI runs this after the tests).
 notebooks: $(VENV)/.installed

@@ -153,6 +153,7 @@ def test_dynamic_tree_is_a_valid_tree(tiny_target):
 
 # A Medusa (static) tree's sampled distribution: test_penalties.py's later-position chi-square
 # (`[tree]`, 20,000 rows), which runs one under "auto"; this one the dynamic tree.
+@pytest.mark.optimized
 def test_tree_sampling_distribution():
   """Chi-square of the first three tokens under sampling, with an EAGLE-2 dynamic tree of
   several children per node."""

@@ -150,6 +150,7 @@ def test_greedy_equals_plain_under_jit_and_vmap(tiny_target, plain):
 
 
 
+@pytest.mark.optimized
 def test_sampled_distribution_at_later_positions(small_vocab):
   """The 4th and 5th new tokens over 4000 mapped calls with k = 2 (so they come from a second
   or third pass, after commits, with drafts read at mask positions): chi-square against the

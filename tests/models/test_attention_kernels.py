@@ -126,6 +126,7 @@ def _programs(cfg):
           "speculative": (spec, (model.params, ids, lens))}
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("program", ["decode", "speculative"])
 def test_exported_programs_carry_the_platform_kernel(program):
   """Lowered from this CPU for a TPU the program holds Mosaic kernels, for CUDA Triton ones,

@@ -116,6 +116,7 @@ def forms(request):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("name", PARAMS)
 def test_init_params_and_their_forms_are_unchanged(name, forms):
   got = {k: forms[k] for k in (name, f"{name}/int8", f"{name}/unrolled", f"{name}/unrolled_int8")}

@@ -236,6 +236,7 @@ def _conversations(path):
   return out
 
 
+@pytest.mark.optimized
 def test_resume_continues_without_duplicates(chat_target, whole, tmp_path, monkeypatch):
   """A run stopped after 3 batches and rerun to the budget writes exactly the conversations of
   an uninterrupted run (same order, no repeats); a leftover temporary file of a write killed
@@ -722,6 +723,7 @@ def test_train_turns_writes_multi_turn_conversations_and_self_instructions(chat_
           "2", "--responses", "given", "--out", str(tmp_path / "x")])
 
 
+@pytest.mark.optimized
 def test_interrupt_keeps_finished_batches(chat_target, whole, tmp_path, monkeypatch):
   """Ctrl-C (or the command's SIGTERM) during batch 3 stores batches 0-2 before it propagates;
   a rerun, with another shard size, ends with the conversations of an uninterrupted run."""
@@ -819,6 +821,7 @@ def test_committed_corpus_serves_the_bundled_model(smollm2):
     corpus.check_target(smollm2)
 
 
+@pytest.mark.optimized
 def test_time_limit_starts_no_batch_past_it(chat_target, whole, tmp_path, monkeypatch):
   """write_corpus(time_limit=) starts no batch once the limit has passed, keeps what it wrote,
   and a rerun continues to the corpus of an uninterrupted run; bad limits are refused."""
