@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 # run skips most of XLA's compiling: JAXSPEC_TEST_PROGRAMS=none turns it off, `rm -r` clears it).
 TEST_XLA := $${XLA_FLAGS:---xla_force_host_platform_device_count=8}
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 # The model-family parity tests compare with transformers' own implementations: the compare
 # extra (CPU torch from the local wheel, transformers) is installed here when missing.
 COMPARE_EXTRA := $(PY) -c "import torch, transformers" 2>/dev/null || \

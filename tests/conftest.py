@@ -1,6 +1,5 @@
 """Shared fixtures. Tests run on CPU with 8 simulated devices (set before jax is imported)."""
 
-import math
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -105,67 +104,14 @@ def pytest_collection_modifyitems(config, items):
   `optimized` tests in a second pass with XLA's default settings, the rest with LLVM at -O0 and
   XLA CPU's older fusion emitters, which compile the tiny models' programs two to three times
   as fast (a cold run of the 137 longest tests: 640 s against 1,799 s) and run most of them
-  about as fast. The 135M
-  model's decode loops run much slower at -O0 (and compile slower with the older emitters), as
-  do the tiny models' programs over thousands of keys or rows, which the tests marked
-  `optimized` by hand run (docs/tests.md, "Tests that run more than they compile"). Both passes
-  spread test modules over two pytest-xdist workers."""
-  real = set()
+  about as fast. The 135M model's decode loops run much slower at -O0 (and compile slower with
+  the older emitters), as do the tiny models' programs over thousands of keys or rows, which
+  the tests marked `optimized` by hand run (docs/tests.md, "Tests that run more than they
+  compile"). Both passes spread test modules over two pytest-xdist workers."""
   for item in items:
     if "smollm2" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.real_model)
       item.add_marker(pytest.mark.optimized)
-      real.add(_module_of(item.nodeid))
-  # Longest modules first (a stable sort: each module's tests keep their order), so that no
-  # worker is left running a long module alone at the end: by the seconds each module took in
-  # the last run of the same selection (kept by pytest's cache, .pytest_cache), else the modules
-  # on the bundled model first. `make test` passes --no-loadscope-reorder so that --dist
-  # loadfile hands the modules out in this order (xdist's own orders them by their number of
-  # tests).
-  seconds = _module_seconds(config)
-  items.sort(key=lambda item: -seconds.get(_module_of(item.nodeid),
-                                           math.inf if _module_of(item.nodeid) in real else 0.0))
-
-
-MODULE_SECONDS_KEY = "jaxspec/module-seconds"
-
-
-def _module_of(nodeid: str) -> str:
-  return nodeid.split("::", 1)[0]
-
-
-def _module_seconds(config) -> dict:
-  """{module path: seconds} of the last run with this run's -m selection ({} if none)."""
-  cache = getattr(config, "cache", None)
-  if cache is None:
-    return {}
-  kept = cache.get(MODULE_SECONDS_KEY, {})
-  got = kept.get(config.option.markexpr or "", {}) if isinstance(kept, dict) else {}
-  return got if isinstance(got, dict) else {}
-
-
-_took: dict = {}
-
-
-def pytest_runtest_logreport(report):
-  """Sums each module's setup, call and teardown seconds (in the controller, which sees every
-  worker's reports)."""
-  module = _module_of(report.nodeid)
-  _took[module] = _took.get(module, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
-
-
-def pytest_sessionfinish(session):
-  """Keeps the modules' seconds for the next run's order (not from a worker, nor a run that
-  stopped early or ran a few tests by name)."""
-  config = session.config
-  cache = getattr(config, "cache", None)
-  if (cache is None or hasattr(config, "workerinput") or session.shouldstop
-      or session.shouldfail or not _took or config.args != ["tests"]):
-    return
-  kept = cache.get(MODULE_SECONDS_KEY, {})
-  kept = kept if isinstance(kept, dict) else {}
-  kept[config.option.markexpr or ""] = {m: round(s, 2) for m, s in _took.items()}
-  cache.set(MODULE_SECONDS_KEY, kept)
 
 
 @pytest.fixture(scope="module", autouse=True)
